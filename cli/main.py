@@ -1,0 +1,46 @@
+"""glmconv command line: convert, export, audit-names, parity, fixture."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from glmconv import __version__
+from glmconv.errors import GlmconvError
+
+
+class _Group(click.Group):
+    """Turns every user-caused error into one line on stderr and a non-zero exit, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except GlmconvError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="glmconv")
+def cli() -> None:
+    """Move GLM-5.3-Flash between HF and Megatron-core checkpoints, and prove they compute the same."""
+
+
+def _register() -> None:
+    from cli.audit_cmd import audit_names
+    from cli.fixture_cmd import fixture
+
+    cli.add_command(audit_names)
+    cli.add_command(fixture)
+
+
+_register()
+
+
+def main() -> None:
+    cli(prog_name="glmconv")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Rules x config -> the full plan: every HF tensor, every Megatron tensor, shapes, dtypes, bytes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterator
+
+from glmconv.config import DSA, MOE, GlmConfig
+from glmconv.rules import names
+from glmconv.rules.table import BF16, F32, FP8_BLOCK, GLOBAL, LAYER, MTP, RULES, VISION, Rule
+
+FP8 = "F8_E4M3"
+DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, FP8: 1, "F8_E5M2": 1, "F64": 8, "I64": 8, "I32": 4, "I8": 1,
+               "U8": 1, "BOOL": 1, "I16": 2}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named tensor with its global shape and safetensors dtype code."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+    def as_json(self) -> dict[str, object]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One expanded rule: these HF tensors become these Megatron tensors through `rule.transform`."""
+
+    rule: Rule
+    hf: tuple[TensorSpec, ...]
+    mcore: tuple[TensorSpec, ...]
+    scales: tuple[TensorSpec | None, ...]  # FP8 `_scale_inv` per HF tensor, when the plan is FP8
+    layer: int | None  # HF layer index (MTP layers count after the decoder), None for global/vision
+    part: str  # "global", "layer", "mtp" or "vision"
+
+    @property
+    def hf_bytes(self) -> int:
+        return sum(t.nbytes for t in self.hf) + sum(s.nbytes for s in self.scales if s)
+
+    @property
+    def mcore_bytes(self) -> int:
+        return sum(t.nbytes for t in self.mcore)
+
+
+@dataclass
+class Plan:
+    """The complete, bijective tensor plan for one config and one set of options."""
+
+    config: GlmConfig
+    fp8: bool
+    mtp: bool
+    vision: bool
+    text_prefix: str
+    mappings: list[Mapping] = field(default_factory=list)
+
+    def hf_tensors(self) -> Iterator[TensorSpec]:
+        for m in self.mappings:
+            for t, s in zip(m.hf, m.scales):
+                yield t
+                if s is not None:
+                    yield s
+
+    def mcore_tensors(self) -> Iterator[TensorSpec]:
+        for m in self.mappings:
+            yield from m.mcore
+
+    @cached_property
+    def hf_index(self) -> dict[str, TensorSpec]:
+        return _unique_index(self.hf_tensors(), "HF")
+
+    @cached_property
+    def mcore_index(self) -> dict[str, TensorSpec]:
+        return _unique_index(self.mcore_tensors(), "Megatron")
+
+    @cached_property
+    def mapping_of_hf(self) -> dict[str, Mapping]:
+        return {t.name: m for m in self.mappings for t in (*m.hf, *(s for s in m.scales if s))}
+
+    @cached_property
+    def mapping_of_mcore(self) -> dict[str, Mapping]:
+        return {t.name: m for m in self.mappings for t in m.mcore}
+
+
+def _unique_index(specs: Iterator[TensorSpec], side: str) -> dict[str, TensorSpec]:
+    index: dict[str, TensorSpec] = {}
+    for s in specs:
+        if s.name in index:
+            raise AssertionError(f"mapping rules produce the {side} tensor {s.name} twice")
+        index[s.name] = s
+    return index
+
+
+def dims(config: GlmConfig) -> dict[str, int]:
+    """Named dimensions the rule shapes refer to."""
+    t = config.text
+    heads = t["num_attention_heads"]
+    hc = t["hc_mult"]
+    d = {
+        "hidden": t["hidden_size"], "vocab": t["vocab_size"], "inter": t["intermediate_size"],
+        "moe_inter": t["moe_intermediate_size"], "shared_inter": t["moe_intermediate_size"] * t["n_shared_experts"],
+        "experts": t["n_routed_experts"], "kda_heads": t["linear_num_heads"], "kda_head": t["linear_head_dim"],
+        "kda_dim": t["linear_num_heads"] * t["linear_head_dim"], "conv_k": t["linear_conv_kernel_dim"],
+        "q_lora": t["q_lora_rank"], "kv_lora": t["kv_lora_rank"],
+        "mla_q": heads * (t["qk_nope_head_dim"] + t["qk_rope_head_dim"]),
+        "mla_kv_a": t["kv_lora_rank"] + t["qk_rope_head_dim"],
+        "mla_kv_b": heads * (t["qk_nope_head_dim"] + t["v_head_dim"]), "mla_o": heads * t["v_head_dim"],
+        "idx_q": t["index_n_heads"] * t["index_head_dim"], "idx_dim": t["index_head_dim"],
+        "idx_heads": t["index_n_heads"], "kpool": t["index_kpool"], "hc_mix": (2 + hc) * hc,
+        "hc_in": hc * t["hidden_size"], "eh_in": 2 * t["hidden_size"],
+    }
+    v = config.vision
+    if v is not None:
+        d.update(v_hidden=v.hidden, v_inter=v.intermediate, v_qkv=3 * v.hidden, v_head=v.hidden // v.heads,
+                 v_in=v.in_channels, v_tpatch=v.temporal_patch, v_patch=v.patch, v_out=v.out_hidden,
+                 v_merge=v.merge, v_proj_inter=v.proj_intermediate)
+    return d
+
+
+def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Block-scale shape of a 2-D FP8 weight: ceil(rows/128) x ceil(cols/128)."""
+    rows, cols = shape
+    return (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+
+
+def build_plan(config: GlmConfig, *, fp8: bool = False, mtp: bool = True, vision: bool = True,
+               text_prefix: str = names.HF_TEXT_PREFIX) -> Plan:
+    """Expand every rule against `config`; MTP and vision are included when the config has them."""
+    plan = Plan(config=config, fp8=fp8, mtp=mtp and config.num_mtp_layers > 0,
+                vision=vision and config.vision is not None, text_prefix=text_prefix)
+    d = dims(config)
+    for scope, ctx in _scopes(plan):
+        for rule in RULES:
+            if _applies(rule, scope, ctx, config):
+                plan.mappings.append(_expand(rule, ctx, d, plan))
+    plan.hf_index, plan.mcore_index  # noqa: B018 - validates the bijection now, not at first use
+    return plan
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    values: dict[str, object]
+    layer: int | None = None
+    attn: str | None = None
+    mlp: str | None = None
+    hc: bool = False
+    block: int | None = None
+
+
+def _scopes(plan: Plan) -> Iterator[tuple[str, _Ctx]]:
+    cfg, tp = plan.config, plan.text_prefix
+    yield GLOBAL, _Ctx({"text": tp})
+    has_hc = bool(cfg.text.get("mhc", True))
+    for i in range(cfg.num_layers):
+        yield LAYER, _Ctx({"layer": (names.hf_layer(tp, i), names.mcore_layer(i))}, i, cfg.attn_types[i],
+                          cfg.mlp_types[i], has_hc)
+    if plan.mtp:
+        for k in range(cfg.num_mtp_layers):
+            hf_l = cfg.mtp_layer_index + k
+            yield LAYER, _Ctx({"layer": (names.hf_layer(tp, hf_l), names.mcore_mtp_layer(k))}, hf_l, DSA, MOE)
+            yield MTP, _Ctx({"layer": (names.hf_layer(tp, hf_l), None), "mtp": names.mcore_mtp(k)}, hf_l)
+    if plan.vision:
+        yield VISION, _Ctx({"visual": names.HF_VISUAL_PREFIX})
+        for b in range(cfg.vision.depth):  # type: ignore[union-attr]
+            yield VISION, _Ctx({"visual": names.HF_VISUAL_PREFIX, "b": b}, block=b)
+
+
+def _applies(rule: Rule, scope: str, ctx: _Ctx, config: GlmConfig) -> bool:
+    if rule.scope != scope:
+        return False
+    if rule.attn and rule.attn != ctx.attn or rule.mlp and rule.mlp != ctx.mlp:
+        return False
+    if rule.hc and not ctx.hc or rule.per_block != (ctx.block is not None):
+        return False
+    return not (rule.needs_shared_experts and config.text["n_shared_experts"] == 0)
+
+
+def _side(ctx: _Ctx, side: int) -> dict[str, object]:
+    return {k: (v[side] if isinstance(v, tuple) else v) for k, v in ctx.values.items()}
+
+
+def _expand(rule: Rule, ctx: _Ctx, d: dict[str, int], plan: Plan) -> Mapping:
+    hf_ctx, mc_ctx = _side(ctx, 0), _side(ctx, 1)
+    shapes = [tuple(x if isinstance(x, int) else d[x] for x in s) for s in rule.shapes]
+    reps = _repeats(rule, plan.config)
+    hf_names = [names.expand(t, **hf_ctx, **{rule_key: i}) if rule_key else names.expand(t, **hf_ctx)
+                for t in rule.hf for rule_key, i in reps]
+    hf_shapes = [s for s in shapes for _ in reps]
+    return _mapping(rule, ctx, hf_names, hf_shapes, [names.expand(t, **mc_ctx) for t in rule.mcore], plan)
+
+
+def _repeats(rule: Rule, config: GlmConfig) -> list[tuple[str | None, int]]:
+    if rule.per_expert:
+        return [("e", e) for e in range(config.text["n_routed_experts"])]
+    return [(None, 0)]
+
+
+def _mapping(rule: Rule, ctx: _Ctx, hf_names: list[str], hf_shapes: list[tuple[int, ...]],
+             mc_names: list[str], plan: Plan) -> Mapping:
+    fp8 = plan.fp8 and rule.fp8
+    hf_dtype = F32 if rule.keep_f32 else FP8 if fp8 else BF16
+    hf = tuple(TensorSpec(n, s, hf_dtype) for n, s in zip(hf_names, hf_shapes))
+    scales = tuple(TensorSpec(names.scale_name(n), fp8_scale_shape(s), F32) if fp8 else None
+                   for n, s in zip(hf_names, hf_shapes))
+    mc_shapes = rule.transform.mcore_shapes(hf_shapes, len(mc_names))
+    mc = tuple(TensorSpec(n, s, F32 if rule.keep_f32 else BF16) for n, s in zip(mc_names, mc_shapes))
+    return Mapping(rule=rule, hf=hf, mcore=mc, scales=scales, layer=ctx.layer, part=rule.scope)

@@ -1,0 +1,62 @@
+"""Name prefixes and template expansion: with `table.py`, the only place tensor names are built."""
+
+from __future__ import annotations
+
+HF_TEXT_PREFIX = "model.language_model."
+HF_FLAT_PREFIX = "model."
+HF_VISUAL_PREFIX = "model.visual."
+HF_PREFIXES = (HF_TEXT_PREFIX, HF_FLAT_PREFIX)
+MTP_INNER_LAYER = "mtp_model_layer."  # megatron-core 0.19 MultiTokenPredictionLayer.mtp_model_layer
+SCALE_SUFFIX = "_scale_inv"
+
+
+def hf_layer(text_prefix: str, layer: int) -> str:
+    return f"{text_prefix}layers.{layer}."
+
+
+def mcore_layer(layer: int) -> str:
+    return f"decoder.layers.{layer}."
+
+
+def mcore_mtp(index: int) -> str:
+    return f"mtp.layers.{index}."
+
+
+def mcore_mtp_layer(index: int) -> str:
+    return mcore_mtp(index) + MTP_INNER_LAYER
+
+
+def expand(template: str, **values: object) -> str:
+    """Fill a rule template (`{layer}`, `{e}`, ...)."""
+    return template.format(**values)
+
+
+def scale_name(weight: str) -> str:
+    """The FP8 block-scale tensor that pairs with `weight`."""
+    return weight + SCALE_SUFFIX
+
+
+def scale_owner(name: str) -> str | None:
+    """The weight a `_scale_inv` tensor belongs to, or None."""
+    return name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+
+
+def hf_layer_index(name: str, text_prefix: str) -> int | None:
+    """Layer number of an HF tensor name under `text_prefix`, or None for non-layer tensors."""
+    head = text_prefix + "layers."
+    if not name.startswith(head):
+        return None
+    digits = name[len(head):].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def detect_text_prefix(names: list[str] | set[str]) -> str | None:
+    """Which HF text prefix a checkpoint uses: the release's, the flat third-party one, or None."""
+    counts = {p: 0 for p in HF_PREFIXES}
+    for n in names:
+        if n.startswith(HF_TEXT_PREFIX):
+            counts[HF_TEXT_PREFIX] += 1
+        elif n.startswith(HF_FLAT_PREFIX) and not n.startswith(HF_VISUAL_PREFIX):
+            counts[HF_FLAT_PREFIX] += 1
+    best = max(counts, key=lambda p: counts[p])
+    return best if counts[best] else None

@@ -1,0 +1,114 @@
+"""Reversible tensor transforms between the HF and Megatron layouts, one class per transform.
+
+Each transform maps the HF tensors of one rule (in rule order) to its Megatron tensors (`forward`) and
+back (`backward`), and infers the Megatron shapes from the HF shapes without touching data.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported lazily: planning and auditing names never need it
+    import torch
+
+Shape = tuple[int, ...]
+
+
+class Transform(ABC):
+    """One reversible HF <-> Megatron operation."""
+
+    @abstractmethod
+    def mcore_shapes(self, hf_shapes: list[Shape], n_mcore: int) -> list[Shape]:
+        """Megatron shapes for these HF shapes."""
+
+    @abstractmethod
+    def forward(self, hf: list[torch.Tensor], n_mcore: int) -> list[torch.Tensor]:
+        """HF tensors -> Megatron tensors."""
+
+    @abstractmethod
+    def backward(self, mcore: list[torch.Tensor], hf_shapes: list[Shape]) -> list[torch.Tensor]:
+        """Megatron tensors -> HF tensors of `hf_shapes`."""
+
+
+@dataclass(frozen=True)
+class Rename(Transform):
+    """1:1, same bytes under another name."""
+
+    def mcore_shapes(self, hf_shapes: list[Shape], n_mcore: int) -> list[Shape]:
+        return list(hf_shapes)
+
+    def forward(self, hf: list[torch.Tensor], n_mcore: int) -> list[torch.Tensor]:
+        return list(hf)
+
+    def backward(self, mcore: list[torch.Tensor], hf_shapes: list[Shape]) -> list[torch.Tensor]:
+        return list(mcore)
+
+
+@dataclass(frozen=True)
+class Concat(Transform):
+    """n HF tensors concatenated along `dim` into one (gate ++ up, q ++ k ++ v conv)."""
+
+    dim: int = 0
+
+    def mcore_shapes(self, hf_shapes: list[Shape], n_mcore: int) -> list[Shape]:
+        out = list(hf_shapes[0])
+        out[self.dim] = sum(s[self.dim] for s in hf_shapes)
+        return [tuple(out)]
+
+    def forward(self, hf: list[torch.Tensor], n_mcore: int) -> list[torch.Tensor]:
+        import torch
+
+        return [torch.cat(hf, dim=self.dim)]
+
+    def backward(self, mcore: list[torch.Tensor], hf_shapes: list[Shape]) -> list[torch.Tensor]:
+        import torch
+
+        return list(torch.split(mcore[0], [s[self.dim] for s in hf_shapes], dim=self.dim))
+
+
+@dataclass(frozen=True)
+class SplitVector(Transform):
+    """One HF vector [n] split into n Megatron tensors [1] (hc scale -> alpha_pre/post/res)."""
+
+    def mcore_shapes(self, hf_shapes: list[Shape], n_mcore: int) -> list[Shape]:
+        (shape,) = hf_shapes
+        if shape != (n_mcore,):
+            raise ValueError(f"SplitVector expects a [{n_mcore}] vector, got {list(shape)}")
+        return [(1,)] * n_mcore
+
+    def forward(self, hf: list[torch.Tensor], n_mcore: int) -> list[torch.Tensor]:
+        return [t.clone() for t in hf[0].split(1)]
+
+    def backward(self, mcore: list[torch.Tensor], hf_shapes: list[Shape]) -> list[torch.Tensor]:
+        import torch
+
+        return [torch.cat(mcore)]
+
+
+@dataclass(frozen=True)
+class StackExperts(Transform):
+    """Per-expert HF weights stacked on a new leading expert axis; gated fc1 is all gates, then all ups.
+
+    HF order is template-major: `[gate_0 .. gate_{E-1}, up_0 .. up_{E-1}]` (or `[down_0 ..]`).
+    """
+
+    parts: int = 1
+
+    def mcore_shapes(self, hf_shapes: list[Shape], n_mcore: int) -> list[Shape]:
+        experts = len(hf_shapes) // self.parts
+        rows, cols = hf_shapes[0]
+        return [(experts, rows * self.parts, cols)]
+
+    def forward(self, hf: list[torch.Tensor], n_mcore: int) -> list[torch.Tensor]:
+        import torch
+
+        experts = len(hf) // self.parts
+        chunks = [torch.stack(hf[p * experts:(p + 1) * experts]) for p in range(self.parts)]
+        return [torch.cat(chunks, dim=1) if self.parts > 1 else chunks[0]]
+
+    def backward(self, mcore: list[torch.Tensor], hf_shapes: list[Shape]) -> list[torch.Tensor]:
+        stacked = mcore[0]
+        parts = stacked.chunk(self.parts, dim=1)
+        return [expert for part in parts for expert in part.unbind(0)]

@@ -1,0 +1,184 @@
+"""The mapping table: every GLM-5.3-Flash tensor, its Megatron name, transform, shape and dtype policy.
+
+This module and `glmconv.rules.names` are the only places tensor names are spelled. Templates use
+`{text}` (HF text prefix), `{layer}` (a layer's prefix on either side), `{mtp}` (a Megatron MTP layer),
+`{visual}` (HF vision prefix), `{e}` (expert) and `{b}` (vision block). Shapes are tuples of dimension
+names resolved by `glmconv.plan` from the config (see `dims()` there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glmconv.config import DENSE, DSA, KDA, MOE
+from glmconv.rules.ops import Concat, Rename, SplitVector, StackExperts, Transform
+
+GLOBAL, LAYER, MTP, VISION = "global", "layer", "mtp", "vision"
+F32, BF16 = "F32", "BF16"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One declarative mapping between HF tensor(s) and Megatron tensor(s)."""
+
+    hf: tuple[str, ...]
+    mcore: tuple[str, ...]
+    shapes: tuple[tuple[str | int, ...], ...]
+    transform: Transform = Rename()
+    scope: str = LAYER
+    attn: str | None = None  # only layers of this attention type
+    mlp: str | None = None  # only layers of this MLP type
+    hc: bool = False  # only decoder layers with hyper-connections (not the MTP layer)
+    keep_f32: bool = False  # stored F32 in the release and kept F32 in Megatron
+    fp8: bool = False  # in the release's FP8 set (e4m3 + `_scale_inv`)
+    per_expert: bool = False  # HF templates expand over `{e}` in 0..n_routed_experts-1
+    needs_shared_experts: bool = False
+    per_block: bool = False  # vision templates expand over `{b}` in 0..depth-1
+
+    def __post_init__(self) -> None:
+        if len(self.shapes) != len(self.hf):
+            raise ValueError(f"rule {self.hf}: one shape per HF template")
+
+
+def _r(hf: str | tuple[str, ...], mcore: str | tuple[str, ...], *shapes: tuple[str | int, ...],
+       **kw: object) -> Rule:
+    hf_t = (hf,) if isinstance(hf, str) else hf
+    mc_t = (mcore,) if isinstance(mcore, str) else mcore
+    return Rule(hf=hf_t, mcore=mc_t, shapes=shapes, **kw)  # type: ignore[arg-type]
+
+
+def _hc(site_hf: str, site_mc: str) -> list[Rule]:
+    """The three hyper-connection tensors of one site (attn or ffn)."""
+    return [
+        _r(f"{{layer}}hc_{site_hf}_fn", f"{{layer}}{site_mc}_hyper_connection.mapping_proj.weight",
+           ("hc_mix", "hc_in"), hc=True, keep_f32=True),
+        _r(f"{{layer}}hc_{site_hf}_base", f"{{layer}}{site_mc}_hyper_connection.bias", ("hc_mix",),
+           hc=True, keep_f32=True),
+        _r(f"{{layer}}hc_{site_hf}_scale",
+           tuple(f"{{layer}}{site_mc}_hyper_connection.alpha_{a}" for a in ("pre", "post", "res")),
+           (3,), transform=SplitVector(), hc=True, keep_f32=True),
+    ]
+
+
+def _kda() -> list[Rule]:
+    rules = [_r(f"{{layer}}self_attn.{p}_proj.weight", f"{{layer}}self_attention.kda.{p}_proj.weight", shape,
+                attn=KDA)
+             for p, shape in (("q", ("kda_dim", "hidden")), ("k", ("kda_dim", "hidden")),
+                              ("v", ("kda_dim", "hidden")), ("b", ("kda_heads", "hidden")),
+                              ("f_a", ("kda_head", "hidden")), ("f_b", ("kda_dim", "kda_head")),
+                              ("g_a", ("kda_head", "hidden")), ("g_b", ("kda_dim", "kda_head")),
+                              ("o", ("hidden", "kda_dim")))]
+    rules += [
+        _r(tuple(f"{{layer}}self_attn.{p}_conv1d.weight" for p in "qkv"), "{layer}self_attention.kda.conv1d.weight",
+           *[("kda_dim", 1, "conv_k")] * 3, transform=Concat(0), attn=KDA),
+        _r("{layer}self_attn.A_log", "{layer}self_attention.kda.A_log", ("kda_heads",), attn=KDA, keep_f32=True),
+        _r("{layer}self_attn.dt_bias", "{layer}self_attention.kda.dt_bias", ("kda_dim",), attn=KDA, keep_f32=True),
+        _r("{layer}self_attn.o_norm.weight", "{layer}self_attention.kda.o_norm.weight", ("kda_head",), attn=KDA),
+    ]
+    return rules
+
+
+def _dsa() -> list[Rule]:
+    a, m = "{layer}self_attn.", "{layer}self_attention."
+    return [
+        _r(a + "q_a_proj.weight", m + "linear_q_down_proj.weight", ("q_lora", "hidden"), attn=DSA, fp8=True),
+        _r(a + "q_a_layernorm.weight", m + "linear_q_up_proj.layer_norm_weight", ("q_lora",), attn=DSA),
+        _r(a + "q_b_proj.weight", m + "linear_q_up_proj.weight", ("mla_q", "q_lora"), attn=DSA, fp8=True),
+        _r(a + "kv_a_proj_with_mqa.weight", m + "linear_kv_down_proj.weight", ("mla_kv_a", "hidden"), attn=DSA,
+           fp8=True),
+        _r(a + "kv_a_layernorm.weight", m + "linear_kv_up_proj.layer_norm_weight", ("kv_lora",), attn=DSA),
+        _r(a + "kv_b_proj.weight", m + "linear_kv_up_proj.weight", ("mla_kv_b", "kv_lora"), attn=DSA),
+        _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True),
+        _r(a + "indexer.wq_b.weight", m + "wq_b.weight", ("idx_q", "q_lora"), attn=DSA),
+        _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA),
+        _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA),
+        _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA),
+        _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA),
+        _r(a + "indexer.index_kpool_compress_gate", m + "index_kpool_compress_gate", ("idx_dim", "hidden"),
+           attn=DSA),
+        _r(a + "indexer.index_kpool_compress_ape", m + "index_kpool_compress_ape", ("kpool", "idx_dim"),
+           attn=DSA, keep_f32=True),
+    ]
+
+
+def _mlp() -> list[Rule]:
+    h, m = "{layer}mlp.", "{layer}mlp."
+    gate_up = ("gate_proj.weight", "up_proj.weight")
+    return [
+        _r("{layer}post_attention_layernorm.weight", m + "linear_fc1.layer_norm_weight", ("hidden",), mlp=DENSE),
+        _r(tuple(h + p for p in gate_up), m + "linear_fc1.weight", ("inter", "hidden"), ("inter", "hidden"),
+           transform=Concat(0), mlp=DENSE, fp8=True),
+        _r(h + "down_proj.weight", m + "linear_fc2.weight", ("hidden", "inter"), mlp=DENSE, fp8=True),
+        _r("{layer}post_attention_layernorm.weight", "{layer}pre_mlp_layernorm.weight", ("hidden",), mlp=MOE),
+        _r(h + "gate.weight", m + "router.weight", ("experts", "hidden"), mlp=MOE),
+        _r(h + "gate.e_score_correction_bias", m + "router.expert_bias", ("experts",), mlp=MOE, keep_f32=True),
+        _r(tuple(h + "shared_experts." + p for p in gate_up), m + "shared_experts.linear_fc1.weight",
+           ("shared_inter", "hidden"), ("shared_inter", "hidden"), transform=Concat(0), mlp=MOE, fp8=True,
+           needs_shared_experts=True),
+        _r(h + "shared_experts.down_proj.weight", m + "shared_experts.linear_fc2.weight", ("hidden", "shared_inter"),
+           mlp=MOE, fp8=True, needs_shared_experts=True),
+        _r(tuple(h + "experts.{e}." + p for p in gate_up), m + "experts.experts.linear_fc1.weight",
+           ("moe_inter", "hidden"), ("moe_inter", "hidden"), transform=StackExperts(parts=2), mlp=MOE, fp8=True,
+           per_expert=True),
+        _r(h + "experts.{e}.down_proj.weight", m + "experts.experts.linear_fc2.weight", ("hidden", "moe_inter"),
+           transform=StackExperts(parts=1), mlp=MOE, fp8=True, per_expert=True),
+    ]
+
+
+def _layer() -> list[Rule]:
+    return [
+        _r("{layer}input_layernorm.weight", "{layer}input_layernorm.weight", ("hidden",)),
+        *_hc("attn", "self_attention"), *_hc("ffn", "mlp"), *_kda(), *_dsa(), *_mlp(),
+    ]
+
+
+def _global() -> list[Rule]:
+    return [
+        _r("{text}embed_tokens.weight", "embedding.word_embeddings.weight", ("vocab", "hidden"), scope=GLOBAL),
+        _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL),
+        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL),
+    ]
+
+
+def _mtp() -> list[Rule]:
+    """The MTP layer's own tensors; its decoder layer (DSA + MoE, no hc) uses the layer rules."""
+    return [
+        _r("{layer}enorm.weight", "{mtp}enorm.weight", ("hidden",), scope=MTP),
+        _r("{layer}hnorm.weight", "{mtp}hnorm.weight", ("hidden",), scope=MTP),
+        _r("{layer}eh_proj.weight", "{mtp}eh_proj.weight", ("hidden", "eh_in"), scope=MTP),
+        _r("{layer}shared_head.norm.weight", "{mtp}final_layernorm.weight", ("hidden",), scope=MTP),
+    ]
+
+
+def _vision() -> list[Rule]:
+    """Vision tower: pass-through, stored in Megatron under `vision_model.` so export restores it."""
+    tensors: list[tuple[str, tuple[str | int, ...]]] = [
+        ("patch_embed.proj.weight", ("v_hidden", "v_in", "v_tpatch", "v_patch", "v_patch")),
+        ("patch_embed.proj.bias", ("v_hidden",)),
+        ("post_layernorm.weight", ("v_hidden",)),
+        ("downsample.weight", ("v_out", "v_hidden", "v_merge", "v_merge")),
+        ("downsample.bias", ("v_out",)),
+        ("merger.proj.weight", ("v_out", "v_out")),
+        ("merger.post_projection_norm.weight", ("v_out",)),
+        ("merger.post_projection_norm.bias", ("v_out",)),
+        ("merger.gate_proj.weight", ("v_proj_inter", "v_out")),
+        ("merger.up_proj.weight", ("v_proj_inter", "v_out")),
+        ("merger.down_proj.weight", ("v_out", "v_proj_inter")),
+    ]
+    block: list[tuple[str, tuple[str | int, ...]]] = [
+        ("norm1.weight", ("v_hidden",)), ("norm2.weight", ("v_hidden",)),
+        ("attn.qkv.weight", ("v_qkv", "v_hidden")), ("attn.qkv.bias", ("v_qkv",)),
+        ("attn.proj.weight", ("v_hidden", "v_hidden")), ("attn.proj.bias", ("v_hidden",)),
+        ("attn.q_norm.weight", ("v_head",)), ("attn.k_norm.weight", ("v_head",)),
+        ("mlp.gate_proj.weight", ("v_inter", "v_hidden")), ("mlp.gate_proj.bias", ("v_inter",)),
+        ("mlp.up_proj.weight", ("v_inter", "v_hidden")), ("mlp.up_proj.bias", ("v_inter",)),
+        ("mlp.down_proj.weight", ("v_hidden", "v_inter")), ("mlp.down_proj.bias", ("v_hidden",)),
+    ]
+    rules = [_r("{visual}" + n, "vision_model." + n, s, scope=VISION) for n, s in tensors]
+    rules += [_r("{visual}blocks.{b}." + n, "vision_model.blocks.{b}." + n, s, scope=VISION, per_block=True)
+              for n, s in block]
+    return rules
+
+
+RULES: tuple[Rule, ...] = (*_global(), *_layer(), *_mtp(), *_vision())
+FP8_BLOCK = 128
