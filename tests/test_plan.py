@@ -1,0 +1,124 @@
+"""Rules x config: the plan is complete, bijective and shaped like the real release."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from glmconv.config import parse_config
+from glmconv.plan import FP8, build_plan
+from glmconv.rules import RULES
+from glmconv.rules.names import HF_FLAT_PREFIX
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "reference" / "glm-5.3-flash.config.json"
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return parse_config(json.loads(REAL.read_text()))
+
+
+def test_bf16_text_plan_has_the_37534_tensors_save_pretrained_writes(cfg):
+    assert len(build_plan(cfg, mtp=False, vision=False).hf_index) == 37_534
+
+
+def test_fp8_release_plan_with_mtp_and_vision_has_76108_keys(cfg):
+    assert len(build_plan(cfg, fp8=True).hf_index) == 76_108
+
+
+def test_fp8_set_is_experts_shared_dense_and_four_dsa_projections(cfg):
+    plan = build_plan(cfg, fp8=True, mtp=False, vision=False)
+    fp8 = [n for n, t in plan.hf_index.items() if t.dtype == FP8]
+    kinds = Counter(n.split(".self_attn.")[-1] if ".self_attn." in n else n.split(".mlp.")[-1].split(".", 1)[0]
+                    for n in fp8)
+    assert kinds["q_a_proj.weight"] == kinds["q_b_proj.weight"] == kinds["o_proj.weight"] == 11
+    assert kinds["kv_a_proj_with_mqa.weight"] == 11 and "kv_b_proj.weight" not in kinds
+    assert kinds["experts"] == 42 * 288 * 3 and kinds["shared_experts"] == 42 * 3
+    assert sum(1 for n in fp8 if ".mlp.gate_proj" in n or ".mlp.up_proj" in n or ".mlp.down_proj" in n) == 9
+
+
+def test_every_fp8_weight_has_a_block_scale_of_ceil_shape(cfg):
+    plan = build_plan(cfg, fp8=True, mtp=False, vision=False)
+    scale = plan.hf_index["model.language_model.layers.3.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
+    assert (scale.shape, scale.dtype) == ((4, 32), "F32")
+
+
+def test_f32_tensors_are_hc_alog_dtbias_router_bias_and_kpool_ape(cfg):
+    plan = build_plan(cfg, mtp=False, vision=False)
+    f32 = {n.split(".")[-1] if "hc_" in n else n.rsplit(".", 1)[-1] for n, t in plan.hf_index.items()
+           if t.dtype == "F32"}
+    assert f32 == {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                   "A_log", "dt_bias", "e_score_correction_bias", "index_kpool_compress_ape"}
+
+
+def test_every_hf_and_mcore_tensor_belongs_to_exactly_one_mapping(cfg):
+    plan = build_plan(cfg, fp8=True)
+    assert len(plan.mapping_of_hf) == len(plan.hf_index)
+    assert len(plan.mapping_of_mcore) == len(plan.mcore_index)
+
+
+def test_routed_experts_are_stacked_gate_then_up_with_expert_axis_first(cfg):
+    mc = build_plan(cfg).mcore_index
+    assert mc["decoder.layers.3.mlp.experts.experts.linear_fc1.weight"].shape == (288, 4096, 4096)
+    assert mc["decoder.layers.44.mlp.experts.experts.linear_fc2.weight"].shape == (288, 4096, 2048)
+
+
+def test_hc_scale_splits_into_three_f32_alphas(cfg):
+    m = build_plan(cfg).mapping_of_hf["model.language_model.layers.0.hc_ffn_scale"]
+    assert [t.name for t in m.mcore] == [f"decoder.layers.0.mlp_hyper_connection.alpha_{a}"
+                                         for a in ("pre", "post", "res")]
+    assert {(t.shape, t.dtype) for t in m.mcore} == {((1,), "F32")}
+
+
+def test_kda_conv1d_concatenates_q_k_v(cfg):
+    m = build_plan(cfg).mapping_of_mcore["decoder.layers.0.self_attention.kda.conv1d.weight"]
+    assert [t.name.rsplit(".", 2)[-2] for t in m.hf] == ["q_conv1d", "k_conv1d", "v_conv1d"]
+    assert m.mcore[0].shape == (3 * 8192, 1, 4)
+
+
+def test_mtp_layer_45_maps_to_megatron_mtp_layer_0_without_hc(cfg):
+    plan = build_plan(cfg)
+    mtp_hf = [n for n in plan.hf_index if ".layers.45." in n]
+    assert len(mtp_hf) == 889 and not any("hc_" in n for n in mtp_hf)
+    assert plan.mapping_of_hf["model.language_model.layers.45.shared_head.norm.weight"].mcore[0].name == \
+        "mtp.layers.0.final_layernorm.weight"
+    assert "mtp.layers.0.mtp_model_layer.self_attention.linear_q_down_proj.weight" in plan.mcore_index
+
+
+def test_mtp_inner_layer_name_matches_installed_megatron_core():
+    mtp = pytest.importorskip("megatron.core.transformer.multi_token_prediction")
+    import inspect
+
+    assert "self.mtp_model_layer" in inspect.getsource(mtp.MultiTokenPredictionLayer)
+
+
+def test_vision_tower_is_347_pass_through_tensors(cfg):
+    plan = build_plan(cfg)
+    vision = [m for m in plan.mappings if m.part == "vision"]
+    assert sum(len(m.hf) for m in vision) == 347
+    assert all(m.hf[0].name.replace("model.visual.", "vision_model.") == m.mcore[0].name for m in vision)
+
+
+def test_flat_prefix_plan_names_text_tensors_under_model_dot(cfg):
+    plan = build_plan(cfg, text_prefix=HF_FLAT_PREFIX, vision=False)
+    assert "model.layers.0.input_layernorm.weight" in plan.hf_index
+    assert "lm_head.weight" in plan.hf_index
+
+
+def test_cut8_plan_has_dsa_tensors_only_at_layers_3_and_7(cfg):
+    plan = build_plan(cfg.cut(8), mtp=False, vision=False)
+    layers = {m.layer for m in plan.mappings if m.rule.attn == "dsa"}
+    assert layers == {3, 7}
+
+
+def test_rules_without_shared_experts_drop_shared_tensors(cfg):
+    raw = json.loads(REAL.read_text())
+    raw["text_config"]["n_shared_experts"] = 0
+    plan = build_plan(parse_config(raw), vision=False)
+    assert not any("shared_experts" in n for n in plan.hf_index)
+
+
+def test_every_rule_is_used_by_the_real_plan(cfg):
+    used = {id(m.rule) for m in build_plan(cfg, fp8=True).mappings}
+    assert [r.hf for r in RULES if id(r) not in used] == []
