@@ -1,0 +1,36 @@
+"""`glmconv fixture make`: write a small random GLM-5.3-Flash checkpoint in the release's layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from glmconv.fixtures.presets import PRESETS
+
+
+@click.group()
+def fixture() -> None:
+    """Small random checkpoints for tests and demos."""
+
+
+@fixture.command("make")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--preset", type=click.Choice(PRESETS), default="tiny", show_default=True,
+              help="tiny: 4 layers; cut8: the real 8-layer schedule, both at toy sizes.")
+@click.option("--fp8", is_flag=True, help="Store the release's FP8 set as e4m3 with 128x128 block scales.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, byte-identical files.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of one line.")
+def make(out: Path, preset: str, fp8: bool, seed: int, force: bool, as_json: bool) -> None:
+    """Write a random PRESET checkpoint to OUT (shards, index, config.json, generation_config.json)."""
+    from glmconv.fixtures.generate import write_fixture
+
+    info = write_fixture(out, preset, fp8=fp8, seed=seed, force=force)
+    if as_json:
+        click.echo(json.dumps(info.as_json()))
+        return
+    kind = "fp8" if fp8 else "bf16"
+    click.echo(f"{info.path}: {preset} {kind} seed {seed}, {info.tensors} tensors, {info.bytes:,} bytes "
+               f"in {info.shards} shards")

@@ -1,0 +1,69 @@
+"""FP8 e4m3 with 128x128 block scales, the way the GLM-5.3-Flash release stores its FP8 weights.
+
+A weight W [r, c] is stored as `fp8` [r, c] (float8_e4m3fn) plus `scale_inv` [ceil(r/128), ceil(c/128)] (F32);
+block (i, j) covers rows i*128.. and columns j*128.., cropped at the edges, and W ~= fp8 * scale_inv there.
+
+Precision of `dequantize_fp8_blocks`: the fp8 -> fp32 conversion is exact, and the product with the F32 scale is
+one IEEE fp32 multiply (correctly rounded, relative error <= 2^-24, the same bits on every device that multiplies
+in fp32). It is not exact in general (4 significant bits x 24 give up to 28), but the cast to bf16 (2^-8) is the
+only rounding that matters, and HF/sglang/DeepSeek `weight_dequant` do exactly this fp32 multiply then cast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glmconv.errors import CheckpointError
+
+E4M3_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+class Fp8FormatError(CheckpointError):
+    """An FP8 weight or its block scales have the wrong dtype or shape."""
+
+
+def scale_shape(shape: tuple[int, ...], block: int = 128) -> tuple[int, int]:
+    """ceil(rows/block) x ceil(cols/block): the `_scale_inv` shape of a 2-D weight."""
+    _check_block(block)
+    if len(shape) != 2:
+        raise Fp8FormatError(f"FP8 block scaling needs a 2-D weight, got shape {list(shape)}")
+    rows, cols = shape
+    return (-(-rows // block), -(-cols // block))
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 weight, F32 scale_inv) with scale_inv = block amax / 448 (1 for all-zero blocks)."""
+    if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise Fp8FormatError(f"quantize_fp8_blocks needs a float weight, got {w.dtype}")
+    rows, cols = w.shape if w.dim() == 2 else (0, 0)
+    sr, sc = scale_shape(tuple(w.shape), block)
+    padded = torch.zeros(sr * block, sc * block, dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(sr, block, sc, block)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scaled = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q = scaled.view(sr * block, sc * block)[:rows, :cols].to(FP8_DTYPE)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8.float() * scale_inv broadcast over each block (cropped at the edges), then cast to `out_dtype`."""
+    if fp8.dtype != FP8_DTYPE:
+        raise Fp8FormatError(f"expected a float8_e4m3fn weight, got {fp8.dtype}")
+    if scale_inv.dtype != torch.float32:
+        raise Fp8FormatError(f"expected F32 block scales, got {scale_inv.dtype}")
+    want = scale_shape(tuple(fp8.shape), block)
+    if tuple(scale_inv.shape) != want:
+        raise Fp8FormatError(f"block scales of a {list(fp8.shape)} FP8 weight must be {list(want)}, "
+                             f"got {list(scale_inv.shape)}")
+    rows, cols = fp8.shape
+    full = scale_inv.repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols]
+    return (fp8.float() * full).to(out_dtype)
+
+
+def _check_block(block: int) -> None:
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise Fp8FormatError(f"block size must be a positive integer, got {block!r}")
