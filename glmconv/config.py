@@ -63,6 +63,7 @@ class GlmConfig:
     vision: VisionDims | None
     raw: dict[str, Any] = field(repr=False, compare=False)
     nested: bool = True
+    indexer_full: tuple[bool, ...] = ()  # per layer: runs its own indexer (has indexer tensors)
 
     @property
     def num_layers(self) -> int:
@@ -143,7 +144,18 @@ def parse_config(raw: dict[str, Any]) -> GlmConfig:
     attn = _attention_schedule(text, n)
     mlp = _mlp_schedule(text, n)
     vision = _vision_dims(raw.get("vision_config")) if nested else None
-    return GlmConfig(text=text, attn_types=attn, mlp_types=mlp, vision=vision, raw=raw, nested=nested)
+    return GlmConfig(text=text, attn_types=attn, mlp_types=mlp, vision=vision, raw=raw, nested=nested,
+                     indexer_full=_indexer_schedule(text, n))
+
+
+def _indexer_schedule(text: dict[str, Any], n: int) -> tuple[bool, ...]:
+    """`indexer_types`: "full" layers own indexer weights, "shared" ones reuse the previous top-k."""
+    types = text.get("indexer_types")
+    if types is None:
+        return (True,) * n
+    if not isinstance(types, list) or len(types) != n or any(t not in ("full", "shared") for t in types):
+        raise ConfigError(f"indexer_types must list {n} entries of 'full' or 'shared'")
+    return tuple(t == "full" for t in types)
 
 
 def _flatten_linear_attn_config(text: dict[str, Any]) -> None:

@@ -154,6 +154,7 @@ class _Ctx:
     mlp: str | None = None
     hc: bool = False
     block: int | None = None
+    indexer: bool = True
 
 
 def _scopes(plan: Plan) -> Iterator[tuple[str, _Ctx]]:
@@ -162,7 +163,7 @@ def _scopes(plan: Plan) -> Iterator[tuple[str, _Ctx]]:
     has_hc = bool(cfg.text.get("mhc", True))
     for i in range(cfg.num_layers):
         yield LAYER, _Ctx({"layer": (names.hf_layer(tp, i), names.mcore_layer(i))}, i, cfg.attn_types[i],
-                          cfg.mlp_types[i], has_hc)
+                          cfg.mlp_types[i], has_hc, indexer=cfg.indexer_full[i])
     if plan.mtp:
         for k in range(cfg.num_mtp_layers):
             hf_l = cfg.mtp_layer_index + k
@@ -179,7 +180,7 @@ def _applies(rule: Rule, scope: str, ctx: _Ctx, config: GlmConfig) -> bool:
         return False
     if rule.attn and rule.attn != ctx.attn or rule.mlp and rule.mlp != ctx.mlp:
         return False
-    if rule.hc and not ctx.hc or rule.per_block != (ctx.block is not None):
+    if rule.hc and not ctx.hc or rule.indexer and not ctx.indexer or rule.per_block != (ctx.block is not None):
         return False
     return not (rule.needs_shared_experts and config.text["n_shared_experts"] == 0)
 

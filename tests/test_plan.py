@@ -122,3 +122,12 @@ def test_rules_without_shared_experts_drop_shared_tensors(cfg):
 def test_every_rule_is_used_by_the_real_plan(cfg):
     used = {id(m.rule) for m in build_plan(cfg, fp8=True).mappings}
     assert [r.hf for r in RULES if id(r) not in used] == []
+
+
+def test_dsa_layer_with_shared_indexer_has_no_indexer_tensors():
+    raw = json.loads(REAL.read_text())
+    raw["text_config"]["indexer_types"][7] = "shared"
+    plan = build_plan(parse_config(raw), vision=False)
+    assert "model.language_model.layers.7.self_attn.indexer.wk.weight" not in plan.hf_index
+    assert "model.language_model.layers.7.self_attn.kv_b_proj.weight" in plan.hf_index
+    assert "model.language_model.layers.3.self_attn.indexer.wk.weight" in plan.hf_index

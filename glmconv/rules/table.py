@@ -28,6 +28,7 @@ class Rule:
     scope: str = LAYER
     attn: str | None = None  # only layers of this attention type
     mlp: str | None = None  # only layers of this MLP type
+    indexer: bool = False  # only DSA layers that run their own indexer (indexer_types "full")
     hc: bool = False  # only decoder layers with hyper-connections (not the MTP layer)
     keep_f32: bool = False  # stored F32 in the release and kept F32 in Megatron
     fp8: bool = False  # in the release's FP8 set (e4m3 + `_scale_inv`)
@@ -89,15 +90,15 @@ def _dsa() -> list[Rule]:
         _r(a + "kv_a_layernorm.weight", m + "linear_kv_up_proj.layer_norm_weight", ("kv_lora",), attn=DSA),
         _r(a + "kv_b_proj.weight", m + "linear_kv_up_proj.weight", ("mla_kv_b", "kv_lora"), attn=DSA),
         _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True),
-        _r(a + "indexer.wq_b.weight", m + "wq_b.weight", ("idx_q", "q_lora"), attn=DSA),
-        _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA),
-        _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA),
-        _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA),
-        _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA),
+        _r(a + "indexer.wq_b.weight", m + "wq_b.weight", ("idx_q", "q_lora"), attn=DSA, indexer=True),
+        _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA, indexer=True),
+        _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA, indexer=True),
+        _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA, indexer=True),
+        _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA, indexer=True),
         _r(a + "indexer.index_kpool_compress_gate", m + "index_kpool_compress_gate", ("idx_dim", "hidden"),
-           attn=DSA),
+           attn=DSA, indexer=True),
         _r(a + "indexer.index_kpool_compress_ape", m + "index_kpool_compress_ape", ("kpool", "idx_dim"),
-           attn=DSA, keep_f32=True),
+           attn=DSA, indexer=True, keep_f32=True),
     ]
 
 
