@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Iterable
+
 HF_TEXT_PREFIX = "model.language_model."
 HF_FLAT_PREFIX = "model."
 HF_VISUAL_PREFIX = "model.visual."
@@ -50,6 +53,24 @@ def hf_layer_index(name: str, text_prefix: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+def mcore_layer_index(name: str) -> int | None:
+    """Decoder layer number of a Megatron tensor name, or None (MTP, global and vision tensors)."""
+    head = mcore_layer(0)[: -len("0.")]
+    if not name.startswith(head):
+        return None
+    digits = name[len(head):].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def any_layer_index(name: str) -> int | None:
+    """Layer number of an HF (either text prefix) or Megatron decoder tensor name, or None."""
+    for prefix in HF_PREFIXES:
+        layer = hf_layer_index(name, prefix)
+        if layer is not None:
+            return layer
+    return mcore_layer_index(name)
+
+
 def detect_text_prefix(names: list[str] | set[str]) -> str | None:
     """Which HF text prefix a checkpoint uses: the release's, the flat third-party one, or None."""
     counts = {p: 0 for p in HF_PREFIXES}
@@ -60,3 +81,40 @@ def detect_text_prefix(names: list[str] | set[str]) -> str | None:
             counts[HF_FLAT_PREFIX] += 1
     best = max(counts, key=lambda p: counts[p])
     return best if counts[best] else None
+
+
+MCORE_MTP_PREFIX = "mtp.layers."
+MCORE_VISION_PREFIX = "vision_model."
+
+
+def swap_text_prefix(name: str, new_prefix: str) -> str | None:
+    """`name` re-spelled under the other HF text prefix, or None if it has no text prefix."""
+    if name.startswith(HF_TEXT_PREFIX):
+        return new_prefix + name[len(HF_TEXT_PREFIX):] if new_prefix != HF_TEXT_PREFIX else None
+    if name.startswith(HF_FLAT_PREFIX) and not name.startswith(HF_VISUAL_PREFIX):
+        return new_prefix + name[len(HF_FLAT_PREFIX):] if new_prefix != HF_FLAT_PREFIX else None
+    return None
+
+
+def mcore_part(name: str) -> str:
+    """Which optional part a Megatron tensor belongs to: "mtp", "vision" or "text"."""
+    if name.startswith(MCORE_MTP_PREFIX):
+        return "mtp"
+    return "vision" if name.startswith(MCORE_VISION_PREFIX) else "text"
+
+
+_HF_LAYER_RE = re.compile("^(?:" + "|".join(re.escape(p + "layers.") for p in HF_PREFIXES) + r")(\d+)\.", re.M)
+
+
+def hf_parts_present(names: Iterable[str], num_layers: int) -> set[str]:
+    """The optional parts ("mtp", "vision") any of `names` belongs to, in one regex pass (76k names)."""
+    joined = "\n".join(names)
+    parts = {"mtp"} if any(int(i) >= num_layers for i in set(_HF_LAYER_RE.findall(joined))) else set()
+    if re.search("^" + re.escape(HF_VISUAL_PREFIX), joined, re.M):
+        parts.add("vision")
+    return parts
+
+
+def mcore_parts_present(names: Iterable[str]) -> set[str]:
+    """The optional parts ("mtp", "vision") any of these Megatron names belongs to."""
+    return {mcore_part(n) for n in names} - {"text"}

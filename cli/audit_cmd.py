@@ -1,0 +1,93 @@
+"""`glmconv audit-names`: the per-tensor mapping audited against the plan, one side or both ways."""
+
+from __future__ import annotations
+
+import json
+import sys
+from itertools import groupby
+
+import click
+
+from glmconv.audit import KINDS, AuditReport, Finding, audit, expected_tensors
+
+ROWS_PER_KIND = 20
+
+
+@click.command("audit-names")
+@click.argument("src", type=click.Path(path_type=str))
+@click.option("--against", "against", type=click.Path(path_type=str), default=None,
+              help="Second checkpoint (HF or torch_dist) or config to check through the mapping, both ways.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--config", "config", type=click.Path(path_type=str), default=None,
+              help="config.json for torch_dist checkpoints (default: the config.json next to them).")
+@click.option("--fp8/--no-fp8", default=None, help="Expect the FP8 release layout (default: detect; emit: off).")
+@click.option("--mtp/--no-mtp", default=None, help="Expect the MTP layer (default: detect; emit: on).")
+@click.option("--vision/--no-vision", default=None, help="Expect the vision tower (default: detect; emit: on).")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Cut the config to N layers; a deeper checkpoint is audited on its first N (no MTP).")
+@click.option("--accept-flat-prefix", is_flag=True, help="Accept text tensors under the flat `model.` prefix.")
+@click.option("--emit", type=click.Choice(["hf", "mcore"]), default=None,
+              help="Print the full expected tensor list (name, shape, dtype) for SRC's config and exit.")
+def audit_names(src: str, against: str | None, as_json: bool, config: str | None, fp8: bool | None,
+                mtp: bool | None, vision: bool | None, layers: int | None, accept_flat_prefix: bool,
+                emit: str | None) -> None:
+    """Audit SRC (config.json, HF dir or torch_dist dir) against the plan, and against DST with --against.
+
+    Exit 0 when every tensor matches, 1 when there are findings, 2 on unreadable input.
+    """
+    if emit is not None:
+        _emit(src, emit, as_json, fp8=bool(fp8), mtp=mtp is not False, vision=vision is not False, layers=layers,
+              config=config)
+        return
+    report = audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
+                   accept_flat_prefix=accept_flat_prefix, config=config)
+    if as_json:
+        click.echo(json.dumps(report.as_json(), indent=1))
+    else:
+        _print_report(report)
+    sys.exit(0 if report.ok else 1)
+
+
+def _emit(src: str, side: str, as_json: bool, **kw: object) -> None:
+    specs = expected_tensors(src, side, **kw)  # type: ignore[arg-type]
+    if as_json:
+        click.echo(json.dumps([s.as_json() for s in specs]))
+        return
+    out = sys.stdout
+    out.write("".join(f"{s.name} {list(s.shape)} {s.dtype}\n".replace(", ", ",") for s in specs))
+    out.flush()
+
+
+def _print_report(report: AuditReport) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if report.findings:
+        console.print(_table(report))
+    style = "bold green" if report.ok else "bold red"
+    console.print(f"[{style}]{report.summary()}[/]", markup=True)
+
+
+def _table(report: AuditReport) -> object:
+    from rich.table import Table
+
+    sides = report.against is not None
+    table = Table(title=f"audit-names {report.src}" + (f" --against {report.against}" if sides else ""))
+    for col in ("kind", *(("side",) if sides else ()), "tensor", "file", "expected", "found"):
+        table.add_column(col, overflow="fold")
+    order = {k: i for i, k in enumerate(KINDS)}
+    ordered = sorted(report.findings, key=lambda f: order.get(f.kind, len(KINDS)))
+    for kind, group in groupby(ordered, key=lambda f: f.kind):
+        rows = list(group)
+        for f in rows[:ROWS_PER_KIND]:
+            table.add_row(*_cells(f, sides))
+        if len(rows) > ROWS_PER_KIND:
+            table.add_row(kind, *([""] if sides else []), f"... and {len(rows) - ROWS_PER_KIND:,} more "
+                          f"({len(rows):,} {kind} in all; --json lists every one)", "", "", "")
+    return table
+
+
+def _cells(f: Finding, sides: bool) -> list[object]:
+    from rich.text import Text  # plain text: tensor names and shapes must not be read as markup
+
+    return [Text(c) for c in (f.kind, *([f.side] if sides else []), f.tensor, f.file, f.expected, f.found)]

@@ -1,0 +1,144 @@
+"""Inspect a Megatron torch_dist checkpoint from its tracker, metadata.json and DCP `.metadata` only."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from glmconv.errors import CheckpointError
+from glmconv.io.safe_unpickle import safe_load
+
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+MCORE_METADATA_NAME = "metadata.json"
+DCP_METADATA_NAME = ".metadata"
+COMMON_PT_NAME = "common.pt"
+COMMON_STATE_KEY = "common_state"
+TORCH_DIST = "torch_dist"
+_DTYPE_CODES = {
+    "bfloat16": "BF16", "float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+}
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    """A tensor as the DCP metadata records it: global shape and safetensors-style dtype code."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class DcpCheckpoint:
+    """A torch_dist checkpoint: where it is, its tensors, its non-tensor entries and its common state."""
+
+    root: Path
+    iter_dir: Path
+    iteration: str
+    tensors: dict[str, DcpTensor]
+    objects: list[str] = field(default_factory=list)
+    common_state: str | None = None  # "common.pt" (older layout), the DCP key (0.19), or None
+
+
+def is_torch_dist(path: Path) -> bool:
+    """A tracker-holding root or an iteration directory with metadata.json."""
+    return path.is_dir() and ((path / TRACKER_NAME).is_file() or (path / MCORE_METADATA_NAME).is_file())
+
+
+def resolve_iter_dir(path: str | Path) -> tuple[Path, str]:
+    """Follow the tracker file to `iter_{:07d}` / `release`; an iteration dir is accepted as is."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: no such directory")
+    tracker = p / TRACKER_NAME
+    if not tracker.is_file():
+        if (p / MCORE_METADATA_NAME).is_file():
+            return p, p.name
+        raise CheckpointError(f"{p}: not a torch_dist checkpoint (no {TRACKER_NAME} or {MCORE_METADATA_NAME})")
+    text = tracker.read_text(errors="replace").strip()
+    if text == "release":
+        sub = "release"
+    elif text.isdigit():
+        sub = f"iter_{int(text):07d}"
+    else:
+        raise CheckpointError(f"{TRACKER_NAME}: expected an iteration number or 'release', got {text[:40]!r}")
+    if not (p / sub).is_dir():
+        raise CheckpointError(f"{TRACKER_NAME}: points to {sub}, which is missing")
+    return p / sub, text
+
+
+def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
+    """Read the tensor list of a torch_dist checkpoint without loading any tensor data."""
+    iter_dir, iteration = resolve_iter_dir(path)
+    _check_backend(iter_dir)
+    meta_path = iter_dir / DCP_METADATA_NAME
+    if not meta_path.is_file():
+        raise CheckpointError(f"{iter_dir.name}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")
+    metadata = safe_load(meta_path)
+    tensors, objects = _entries(metadata, meta_path)
+    _check_storage(metadata, iter_dir)
+    common = COMMON_PT_NAME if (iter_dir / COMMON_PT_NAME).is_file() else next(
+        (o for o in objects if o.split("/", 1)[0] == COMMON_STATE_KEY), None)
+    return DcpCheckpoint(root=Path(path), iter_dir=iter_dir, iteration=iteration, tensors=tensors,
+                         objects=objects, common_state=common)
+
+
+def _check_backend(iter_dir: Path) -> None:
+    path = iter_dir / MCORE_METADATA_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{iter_dir.name}/{MCORE_METADATA_NAME}: missing (not a Megatron dist checkpoint)")
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{MCORE_METADATA_NAME}: not valid JSON ({exc})") from None
+    backend = data.get("sharded_backend") if isinstance(data, dict) else None
+    if backend != TORCH_DIST:
+        raise CheckpointError(f"{MCORE_METADATA_NAME}: sharded_backend is {backend!r}, expected 'torch_dist'")
+
+
+def torch_dtype_code(dtype: Any) -> str:
+    """`torch.bfloat16` -> "BF16" (the plan's codes)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPE_CODES:
+        raise CheckpointError(f"unsupported tensor dtype {dtype}")
+    return _DTYPE_CODES[name]
+
+
+def _entries(metadata: Any, meta_path: Path) -> tuple[dict[str, DcpTensor], list[str]]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{meta_path.name}: not a DCP Metadata object")
+    tensors: dict[str, DcpTensor] = {}
+    objects: list[str] = []
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors[key] = DcpTensor(key, tuple(int(d) for d in md.size), torch_dtype_code(md.properties.dtype))
+        elif isinstance(md, BytesStorageMetadata):
+            objects.append(key)
+        else:
+            raise CheckpointError(f"{meta_path.name}: entry {key} has unknown storage type {type(md).__name__}")
+    return tensors, objects
+
+
+def _check_storage(metadata: Any, iter_dir: Path) -> None:
+    """Every data file the metadata points to exists inside the directory and is long enough."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+            raise CheckpointError(f"{DCP_METADATA_NAME}: data file {rel!r} is outside the checkpoint directory")
+        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(needed.items()):
+        path = (iter_dir / rel).resolve()
+        if not path.is_relative_to(iter_dir.resolve()):
+            raise CheckpointError(f"{rel}: data file resolves to {path}, outside the checkpoint directory")
+        if not path.is_file():
+            raise CheckpointError(f"{rel}: data file listed in {DCP_METADATA_NAME} is missing")
+        if os.path.getsize(path) < end:
+            raise CheckpointError(f"{rel}: truncated: metadata needs {end} bytes, file has {os.path.getsize(path)}")

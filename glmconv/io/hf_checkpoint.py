@@ -1,0 +1,148 @@
+"""Inspect a sharded HF checkpoint from its config, index and shard headers only (no tensor data)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from glmconv.config import GlmConfig, load_config
+from glmconv.errors import CheckpointError
+from glmconv.io.safetensors_header import read_header
+from glmconv.rules.names import detect_text_prefix
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    """A tensor as the shard header describes it, and the shard (relative path) that holds it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A per-tensor inconsistency between the index and the shards (kind: "index" or "duplicate")."""
+
+    kind: str
+    tensor: str
+    file: str
+    expected: str
+    found: str
+
+    @property
+    def message(self) -> str:
+        return f"tensor {self.tensor}: expected {self.expected}, found {self.found}"
+
+
+@dataclass
+class HfCheckpoint:
+    """What is on disk: config, index file, every tensor's shape/dtype/shard, and the text prefix."""
+
+    path: Path
+    config: GlmConfig
+    index_file: str | None
+    tensors: dict[str, HfTensor]
+    text_prefix: str | None
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> bool:
+        """The config declares FP8 quantisation (the `_scale_inv` tensors are the ground truth)."""
+        q = self.config.raw.get("quantization_config")
+        return isinstance(q, dict) and q.get("quant_method") == "fp8"
+
+
+def is_hf_checkpoint(path: Path) -> bool:
+    """A directory that looks like an HF checkpoint (config + index or safetensors)."""
+    return path.is_dir() and ((path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()
+                              or any(path.glob("*.safetensors")))
+
+
+def inspect_hf_checkpoint(path: str | Path, *, strict: bool = True) -> HfCheckpoint:
+    """Read config, index and shard headers; with `strict`, index/shard disagreements raise too."""
+    root = Path(path)
+    _check_dir(root)
+    if not (root / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{root}: no {CONFIG_NAME} (not an HF checkpoint directory)")
+    config = load_config(root / CONFIG_NAME)
+    index_file, weight_map = _weight_map(root)
+    tensors, problems = _read_shards(root, weight_map, index_file)
+    if strict and problems:
+        p = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{p.file}: {p.message}{more}")
+    return HfCheckpoint(path=root, config=config, index_file=index_file, tensors=tensors,
+                        text_prefix=detect_text_prefix(tensors.keys()), problems=problems)
+
+
+def _check_dir(root: Path) -> None:
+    if not root.exists():
+        raise CheckpointError(f"{root}: no such directory")
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a directory")
+    if not any(root.iterdir()):
+        raise CheckpointError(f"{root}: empty directory")
+
+
+def _weight_map(root: Path) -> tuple[str | None, dict[str, str] | None]:
+    """The index's weight_map, or (None, None) for a single `model.safetensors` checkpoint."""
+    index = root / INDEX_NAME
+    if not index.is_file():
+        if (root / SINGLE_NAME).is_file():
+            return None, None
+        raise CheckpointError(f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}")
+    try:
+        data: Any = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{INDEX_NAME}: not valid JSON, truncated or corrupt ({exc})") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CheckpointError(f"{INDEX_NAME}: expected an object with a weight_map of tensor name -> shard file")
+    for shard in sorted(set(wm.values())):
+        shard_path(root, shard)
+    return INDEX_NAME, wm
+
+
+def shard_path(root: Path, name: str) -> Path:
+    """Resolve a shard name from the index, refusing anything that leaves the checkpoint directory."""
+    pure = PurePosixPath(name)
+    if not name or pure.is_absolute() or Path(name).is_absolute() or ".." in pure.parts or "\\" in name:
+        raise CheckpointError(f"{INDEX_NAME}: shard {name!r} is outside the checkpoint directory")
+    resolved = (root / name).resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise CheckpointError(f"{INDEX_NAME}: shard {name!r} resolves to {resolved}, outside the checkpoint directory")
+    if not resolved.is_file():
+        raise CheckpointError(f"{name}: shard listed in {INDEX_NAME} is missing")
+    return resolved
+
+
+def _read_shards(root: Path, weight_map: dict[str, str] | None,
+                 index_file: str | None) -> tuple[dict[str, HfTensor], list[Problem]]:
+    shards = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_NAME]
+    tensors: dict[str, HfTensor] = {}
+    problems: list[Problem] = []
+    for shard in shards:
+        for e in read_header(shard_path(root, shard)).entries.values():
+            if e.name in tensors:
+                problems.append(Problem("duplicate", e.name, shard, "stored once",
+                                        f"stored twice: in {tensors[e.name].file} and {shard}"))
+                continue
+            listed = weight_map.get(e.name) if weight_map is not None else shard
+            if listed != shard:
+                expected = f"in {listed} as {index_file} says" if listed else f"listed in {index_file}"
+                problems.append(Problem("index", e.name, shard, expected, f"in {shard}"
+                                        + ("" if listed else f", not listed in {index_file}")))
+            tensors[e.name] = HfTensor(e.name, e.shape, e.dtype, shard)
+    for name, shard in (weight_map or {}).items():
+        if name not in tensors:
+            problems.append(Problem("index", name, shard, f"in {shard} as {index_file} says",
+                                    "absent from every shard"))
+    return tensors, problems

@@ -1,0 +1,231 @@
+"""torch_dist reading: tracker resolution, metadata.json, and a `.metadata` unpickled only through the allow-list.
+
+Also home of `write_torch_dist`, which writes a small torch_dist checkpoint from the plan for the audit tests.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from glmconv.config import parse_config
+from glmconv.errors import CheckpointError
+from glmconv.io.dcp_metadata import (DCP_METADATA_NAME, inspect_torch_dist, resolve_iter_dir,
+                                     torch_dtype_code)
+from glmconv.io.safe_unpickle import ALLOWED, safe_load
+from glmconv.plan import build_plan
+
+_TORCH = {"BF16": torch.bfloat16, "F32": torch.float32}
+COMMON_KEY = "common_state/shard_0_1"  # megatron-core 0.19's ShardedObject("common_state").unique_key
+
+
+def save_dcp(out: Path, state: dict[str, Any]) -> None:
+    """Single-process `torch.distributed.checkpoint.save` (no process group)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(str(out)), no_dist=True)
+
+
+def mcore_tensors(cfg: dict[str, Any], *, mtp: bool = True, vision: bool = True) -> dict[str, torch.Tensor]:
+    plan = build_plan(parse_config(cfg), mtp=mtp, vision=vision)
+    return {n: torch.rand(s.shape).to(_TORCH[s.dtype]) for n, s in plan.mcore_index.items()}
+
+
+def write_torch_dist(root: Path, cfg: dict[str, Any] | None, tensors: dict[str, torch.Tensor], *,
+                     iteration: str = "release", common: bool = True) -> Path:
+    """A Megatron root: tracker, `release`/`iter_*` dir with metadata.json + DCP files, config.json at the root."""
+    sub = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    it = root / sub
+    it.mkdir(parents=True)
+    state: dict[str, Any] = dict(tensors)
+    if common:
+        blob = io.BytesIO()
+        torch.save({"checkpoint_version": 3.0, "iteration": 0}, blob)
+        state[COMMON_KEY] = io.BytesIO(blob.getvalue())
+    save_dcp(it, state)
+    (it / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    if cfg is not None:
+        (root / "config.json").write_text(json.dumps(cfg))
+    (root / "latest_checkpointed_iteration.txt").write_text(iteration)
+    return root
+
+
+class _Recorder(pickle.Unpickler):
+    def __init__(self, f: Any) -> None:
+        super().__init__(f)
+        self.seen: set[tuple[str, str]] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.seen.add((module, name))
+        return super().find_class(module, name)
+
+
+def _small(root: Path, **kw: Any) -> Path:
+    return write_torch_dist(root, None, {"a.weight": torch.zeros(4, 3, dtype=torch.bfloat16),
+                                         "b": torch.zeros(2), "i": torch.zeros(3, dtype=torch.int64)}, **kw)
+
+
+def test_allow_list_covers_every_global_a_real_dcp_metadata_references(tmp_path):
+    it = _small(tmp_path / "ck") / "release"
+    rec = _Recorder(open(it / DCP_METADATA_NAME, "rb"))
+    rec.load()
+    dtypes = {("torch", n) for n in ("bfloat16", "float32", "int64")}
+    assert rec.seen - dtypes <= ALLOWED
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in rec.seen
+
+
+def test_tensors_objects_and_common_state_are_listed(tmp_path):
+    ck = inspect_torch_dist(_small(tmp_path / "ck"))
+    assert {n: (t.shape, t.dtype) for n, t in ck.tensors.items()} == {
+        "a.weight": ((4, 3), "BF16"), "b": ((2,), "F32"), "i": ((3,), "I64")}
+    assert ck.objects == [COMMON_KEY] and ck.common_state == COMMON_KEY
+    assert ck.iter_dir == tmp_path / "ck" / "release" and ck.iteration == "release"
+
+
+def test_numeric_tracker_points_to_padded_iteration_dir(tmp_path):
+    assert resolve_iter_dir(_small(tmp_path / "ck", iteration="42")) == (tmp_path / "ck" / "iter_0000042", "42")
+
+
+def test_iteration_dir_is_accepted_directly(tmp_path):
+    ck = inspect_torch_dist(_small(tmp_path / "ck") / "release")
+    assert set(ck.tensors) == {"a.weight", "b", "i"}
+
+
+def test_legacy_common_pt_is_noted(tmp_path):
+    root = _small(tmp_path / "ck", common=False)
+    assert inspect_torch_dist(root).common_state is None
+    (root / "release" / "common.pt").write_bytes(b"")
+    assert inspect_torch_dist(root).common_state == "common.pt"
+
+
+def test_bad_tracker_contents(tmp_path):
+    root = _small(tmp_path / "ck")
+    (root / "latest_checkpointed_iteration.txt").write_text("banana")
+    with pytest.raises(CheckpointError, match="expected an iteration number or 'release', got 'banana'"):
+        inspect_torch_dist(root)
+
+
+def test_tracker_pointing_to_missing_dir(tmp_path):
+    root = _small(tmp_path / "ck")
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(CheckpointError, match="points to iter_0000007, which is missing"):
+        inspect_torch_dist(root)
+
+
+def test_not_a_torch_dist_dir(tmp_path):
+    with pytest.raises(CheckpointError, match="not a torch_dist checkpoint"):
+        inspect_torch_dist(tmp_path)
+
+
+def test_wrong_sharded_backend(tmp_path):
+    root = _small(tmp_path / "ck")
+    (root / "release" / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    with pytest.raises(CheckpointError, match="sharded_backend is 'zarr', expected 'torch_dist'"):
+        inspect_torch_dist(root)
+
+
+def test_missing_dcp_metadata(tmp_path):
+    root = _small(tmp_path / "ck")
+    (root / "release" / DCP_METADATA_NAME).unlink()
+    with pytest.raises(CheckpointError, match="release/.metadata: missing"):
+        inspect_torch_dist(root)
+
+
+def test_truncated_dcp_metadata(tmp_path):
+    meta = _small(tmp_path / "ck") / "release" / DCP_METADATA_NAME
+    meta.write_bytes(meta.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match=r"\.metadata: corrupt or truncated pickle"):
+        inspect_torch_dist(tmp_path / "ck")
+
+
+def test_missing_and_truncated_distcp_files(tmp_path):
+    root = _small(tmp_path / "ck")
+    data = root / "release" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: truncated: metadata needs \d+ bytes, file has 100"):
+        inspect_torch_dist(root)
+    data.unlink()
+    with pytest.raises(CheckpointError, match="__0_0.distcp: data file listed in .metadata is missing"):
+        inspect_torch_dist(root)
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_metadata_is_refused_without_running(tmp_path):
+    root = _small(tmp_path / "ck")
+    marker = tmp_path / "pwned"
+    (root / "release" / DCP_METADATA_NAME).write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata: refusing to unpickle (posix|os)\.system"):
+        inspect_torch_dist(root)
+    assert not marker.exists()
+
+
+def test_non_allow_listed_class_inside_real_metadata_is_refused(tmp_path):
+    p = tmp_path / "m.pkl"
+    p.write_bytes(pickle.dumps({"x": io.BytesIO(b"")}))
+    with pytest.raises(CheckpointError, match="m.pkl: refusing to unpickle _io.BytesIO"):
+        safe_load(p)
+
+
+def test_torch_attribute_that_is_not_a_dtype_is_refused(tmp_path):
+    p = tmp_path / "m.pkl"
+    p.write_bytes(pickle.dumps(torch.load))
+    with pytest.raises(CheckpointError, match="refusing to unpickle torch.serialization.load|refusing to unpickle "
+                                              "torch.load"):
+        safe_load(p)
+
+
+def test_dtype_codes_match_the_plan():
+    assert [torch_dtype_code(d) for d in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int32)] == [
+        "BF16", "F32", "F8_E4M3", "I32"]
+
+
+def test_megatron_saved_plans_inside_metadata_are_allowed(tmp_path):
+    """megatron-core's saver keeps `all_local_plans` (SavePlan/WriteItem/...) on the Metadata it pickles."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+
+    it = _small(tmp_path / "ck") / "release"
+    md = safe_load(it / DCP_METADATA_NAME)
+    size = torch.Size([4, 3])
+    tensor_item = WriteItem(MetadataIndex("a.weight", torch.Size([0, 0]), 0), WriteItemType.SHARD,
+                            tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([0, 0]), size),
+                                                        TensorProperties(dtype=torch.bfloat16), size))
+    bytes_item = WriteItem(MetadataIndex(COMMON_KEY), WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(10))
+    md.all_local_plans = [SavePlan([tensor_item, bytes_item])]
+    (it / DCP_METADATA_NAME).write_bytes(pickle.dumps(md))
+    loaded = safe_load(it / DCP_METADATA_NAME)
+    assert loaded.all_local_plans[0].items == [tensor_item, bytes_item]
+    assert set(inspect_torch_dist(tmp_path / "ck").tensors) == {"a.weight", "b", "i"}
+
+
+def test_checkpoint_written_by_glmconv_dcp_writer_reads_through_the_allow_list(tmp_path):
+    from glmconv.io.dcp_writer import DcpWriter, sharded_object_key
+
+    tensors = {"a.weight": torch.zeros(4, 3, dtype=torch.bfloat16), "b": torch.zeros(2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        w = DcpWriter(tmp_path / "ck", sync_files=False)
+        w.write(tensors)
+        w.write_objects({sharded_object_key("x._extra_state"): None})
+        w.finish({"checkpoint_version": 3.0, "iteration": 0})
+    ck = inspect_torch_dist(tmp_path / "ck")
+    assert {n: (t.shape, t.dtype) for n, t in ck.tensors.items()} == {"a.weight": ((4, 3), "BF16"), "b": ((2,), "F32")}
+    assert sorted(ck.objects) == [COMMON_KEY, "x._extra_state/shard_0_1"] and ck.common_state == COMMON_KEY
