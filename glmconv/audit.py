@@ -240,7 +240,7 @@ def _check_one(name: str, spec: TensorSpec, got: Found, side: str) -> list[Findi
     if shape != spec.shape:
         kind = "scale-shape" if names.scale_owner(name) is not None else "shape"
         return [Finding(kind, name, file, str(list(spec.shape)), str(list(shape)), side)]
-    if dtype != spec.dtype:
+    if not spec.accepts(dtype):
         return [Finding("dtype", name, file, spec.dtype, dtype, side)]
     return []
 

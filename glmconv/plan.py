@@ -23,6 +23,10 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    alt_dtype: str | None = None  # also accepted on disk (see `_mapping`)
+
+    def accepts(self, dtype: str) -> bool:
+        return dtype == self.dtype or dtype == self.alt_dtype
 
     @property
     def nbytes(self) -> int:
@@ -209,7 +213,10 @@ def _mapping(rule: Rule, ctx: _Ctx, hf_names: list[str], hf_shapes: list[tuple[i
              mc_names: list[str], plan: Plan) -> Mapping:
     fp8 = plan.fp8 and rule.fp8
     hf_dtype = F32 if rule.keep_f32 else FP8 if fp8 else BF16
-    hf = tuple(TensorSpec(n, s, hf_dtype) for n, s in zip(hf_names, hf_shapes))
+    # The design notes give these tensors as F32, but the release's total_size (328,326,771,576 bytes) is
+    # only reached with hc_*_fn and the kpool ape in BF16: accept either on disk, keep F32 in Megatron.
+    alt = BF16 if rule.keep_f32 else None
+    hf = tuple(TensorSpec(n, s, hf_dtype, alt) for n, s in zip(hf_names, hf_shapes))
     scales = tuple(TensorSpec(names.scale_name(n), fp8_scale_shape(s), F32) if fp8 else None
                    for n, s in zip(hf_names, hf_shapes))
     mc_shapes = rule.transform.mcore_shapes(hf_shapes, len(mc_names))

@@ -149,11 +149,11 @@ def test_wrong_shape(tmp_path):
 
 def test_wrong_dtype(tmp_path):
     t = plan_tensors(tiny_config())
-    t[L1 + "mlp.gate.e_score_correction_bias"] = t[L1 + "mlp.gate.e_score_correction_bias"].bfloat16()
+    t[L1 + "mlp.gate.e_score_correction_bias"] = t[L1 + "mlp.gate.e_score_correction_bias"].half()
     code, report = _defect(tmp_path, t)
     f = report["findings"][0]
     assert code == 1 and _only(report) == ("dtype", L1 + "mlp.gate.e_score_correction_bias")
-    assert (f["expected"], f["found"]) == ("F32", "BF16")
+    assert (f["expected"], f["found"]) == ("F32", "F16")
 
 
 def test_fp8_weight_without_its_scale(tmp_path):

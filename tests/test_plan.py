@@ -131,3 +131,18 @@ def test_dsa_layer_with_shared_indexer_has_no_indexer_tensors():
     assert "model.language_model.layers.7.self_attn.indexer.wk.weight" not in plan.hf_index
     assert "model.language_model.layers.7.self_attn.kv_b_proj.weight" in plan.hf_index
     assert "model.language_model.layers.3.self_attn.indexer.wk.weight" in plan.hf_index
+
+
+def test_f32_kept_tensors_also_accept_bf16_on_disk_but_bf16_tensors_do_not_accept_f32(cfg):
+    plan = build_plan(cfg, vision=False)
+    fn = plan.hf_index["model.language_model.layers.0.hc_attn_fn"]
+    assert fn.accepts("F32") and fn.accepts("BF16") and not fn.accepts("F16")
+    assert not plan.hf_index["model.language_model.layers.0.self_attn.q_proj.weight"].accepts("F32")
+    assert plan.mcore_index["decoder.layers.0.self_attention_hyper_connection.mapping_proj.weight"].dtype == "F32"
+
+
+def test_release_total_size_is_reached_with_bf16_hc_fn_and_kpool_ape(cfg):
+    plan = build_plan(cfg, fp8=True)
+    bf16_too = ("hc_attn_fn", "hc_ffn_fn", "index_kpool_compress_ape")
+    total = sum(t.nbytes // 2 if t.name.endswith(bf16_too) else t.nbytes for t in plan.hf_tensors())
+    assert total == 328_326_771_576
