@@ -29,9 +29,11 @@ def cli() -> None:
 
 def _register() -> None:
     from cli.audit_cmd import audit_names
+    from cli.convert_cmd import convert
     from cli.fixture_cmd import fixture
 
     cli.add_command(audit_names)
+    cli.add_command(convert)
     cli.add_command(fixture)
 
 

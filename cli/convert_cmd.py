@@ -1,0 +1,48 @@
+"""`glmconv convert`: HF -> Megatron torch_dist."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from cli.sizes import parse_size
+
+
+@click.command("convert")
+@click.argument("hf_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory per worker); write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
+@click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Worker processes on this machine (under torchrun, one per rank instead).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR (only once the new one is verified).")
+@click.option("--mtp/--no-mtp", default=True, show_default=True, help="Carry the MTP layer (mtp.layers.0.*).")
+@click.option("--vision/--no-vision", default=True, show_default=True, help="Carry the vision tower (vision_model.*).")
+@click.option("--group-size", default="1GB", show_default=True, help="Bytes per data file (bounds memory per worker).")
+def convert(hf_dir: Path, out_dir: Path, dry_run: bool, as_json: bool, workers: int, force: bool, mtp: bool,
+            vision: bool, group_size: str) -> None:
+    """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
+    from glmconv.convert import RunOptions, convert as run, dry_run_summary, prepare
+
+    job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision)
+    opts = RunOptions(workers=workers, group_bytes=parse_size(group_size), progress=not as_json)
+    summary = dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    _print(summary, dry_run)
+
+
+def _print(s: dict, dry_run: bool) -> None:
+    verb = "would convert" if dry_run else "converted"
+    click.echo(f"{verb} {s['hf_tensors']:,} HF tensors ({s['bytes_in'] / 1e9:.3f} GB) -> "
+               f"{s['mcore_tensors']:,} Megatron tensors ({s['bytes_out'] / 1e9:.3f} GB)"
+               f"{' into ' + s['published'] if 'published' in s else ''}")
+    for part, n in s["left_out"].items():
+        click.echo(f"left out by request: {part} ({n:,} HF tensors)")
+    if dry_run:
+        for w in s["workers"]:
+            click.echo(f"  worker {w['rank']}: {w['mappings']:,} mappings, {w['bytes_in'] / 1e9:.3f} GB in, "
+                       f"peak memory <= {w['peak_bytes_estimate'] / 1e9:.3f} GB")

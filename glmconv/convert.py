@@ -1,0 +1,409 @@
+"""HF (BF16 or the FP8 release) -> Megatron torch_dist: the plan run forward, streaming, strict, atomic."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from glmconv import audit as audit_mod
+from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.plan import Mapping, Plan, build_plan
+from glmconv.rules.ops import StackExperts
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmconv.io.dcp_writer import Chunk
+
+CONFIG_NAME = "config.json"
+MANIFEST_NAME = "glmconv.json"
+STAGING_SUFFIX = ".glmconv-staging"
+DEFAULT_GROUP_BYTES = 1 << 30  # tensors written per data file: the peak memory of one worker
+DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are produced in chunks of at most this many bytes
+
+
+@dataclass
+class ConvertJob:
+    """Everything decided before a byte of tensor data is read."""
+
+    src: Path
+    out: Path
+    plan: Plan
+    files: dict[str, Path]
+    left_out: dict[str, int] = field(default_factory=dict)  # part -> HF tensors deliberately not converted
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(m.hf_bytes for m in self.plan.mappings)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(m.mcore_bytes for m in self.plan.mappings)
+
+
+def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool = True) -> ConvertJob:
+    """Audit the source against its own plan (refuse on any finding) and fix the conversion plan."""
+    src_p, out_p = Path(src), Path(out)
+    opts = audit_mod.Options(accept_flat_prefix=True)
+    side = audit_mod.load_side(src_p, opts)
+    if side.kind != audit_mod.HF:
+        raise CheckpointError(f"{src_p}: not an HF checkpoint directory (config.json + safetensors)")
+    full = audit_mod.plan_side(side, opts)
+    findings = [*side.findings, *audit_mod.compare_side(side, opts)]
+    if findings:
+        f = findings[0]
+        more = f" (and {len(findings) - 1} more; run `glmconv audit-names {src_p}`)" if len(findings) > 1 else ""
+        raise CheckpointError(f"{f.tensor} ({f.file}): {f.kind}: expected {f.expected}, found {f.found}{more}")
+    plan = build_plan(full.config, fp8=full.fp8, mtp=full.mtp and mtp, vision=full.vision and vision,
+                      text_prefix=full.text_prefix)
+    left_out = {part: sum(len(m.hf) + sum(1 for s in m.scales if s) for m in full.mappings if m.part == part)
+                for part, keep in (("mtp", plan.mtp), ("vision", plan.vision)) if getattr(full, part) and not keep}
+    ck = inspect_hf_checkpoint(src_p)
+    files = {n: shard_path(src_p, t.file) for n, t in ck.tensors.items()}
+    return ConvertJob(src=src_p, out=out_p, plan=plan, files=files, left_out=left_out)
+
+
+def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:
+    """Split the plan across `n` workers, balanced by bytes (largest first onto the lightest worker)."""
+    buckets: list[list[Mapping]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for m in sorted(mappings, key=lambda m: -m.hf_bytes):
+        i = loads.index(min(loads))
+        buckets[i].append(m)
+        loads[i] += m.hf_bytes
+    return buckets
+
+
+def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int) -> int:
+    """Upper bound of tensor memory one worker holds: a write group plus the inputs of one mapping step."""
+    step = max((_step_bytes(m, chunk_bytes) for m in mappings), default=0)
+    return group_bytes + 2 * step
+
+
+def _step_bytes(m: Mapping, chunk_bytes: int) -> int:
+    if isinstance(m.rule.transform, StackExperts):
+        return min(m.mcore_bytes, max(chunk_bytes, m.mcore_bytes // m.mcore[0].shape[0]))
+    return m.mcore_bytes + m.hf_bytes
+
+
+def mapping_chunks(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Chunk]:
+    """The Megatron tensors of one mapping; stacked experts come as dim-0 chunks, never whole."""
+    from glmconv.io.dcp_writer import TORCH_DTYPES, Chunk
+
+    out_dtypes = [TORCH_DTYPES[t.dtype] for t in m.mcore]
+    if isinstance(m.rule.transform, StackExperts):
+        yield from _expert_chunks(m, source, chunk_bytes, out_dtypes[0])
+        return
+    hf = [source.weight(t.name, out_dtypes[0]) for t in m.hf]
+    for spec, tensor in zip(m.mcore, m.rule.transform.forward(hf, len(m.mcore))):
+        yield Chunk(spec.name, tensor.contiguous())
+
+
+def _expert_chunks(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype) -> Iterator[Chunk]:
+    from glmconv.io.dcp_writer import Chunk
+
+    spec = m.mcore[0]
+    experts = spec.shape[0]
+    per = max(1, min(experts, chunk_bytes // max(1, spec.nbytes // experts)))
+    parts = m.rule.transform.parts  # type: ignore[attr-defined]
+    for start in range(0, experts, per):
+        rows = range(start, min(experts, start + per))
+        hf = [source.weight(m.hf[p * experts + e].name, dtype) for p in range(parts) for e in rows]
+        (chunk,) = m.rule.transform.forward(hf, 1)
+        yield Chunk(spec.name, chunk.contiguous(), row=start, shape=spec.shape)
+
+
+@dataclass
+class ShareResult:
+    consumed: list[str]
+    written: int
+    bytes_in: int
+
+
+def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any, *, group_bytes: int,
+              chunk_bytes: int) -> ShareResult:
+    """Convert one worker's mappings into its own data files."""
+    from glmconv.io.hf_reader import HfTensorSource
+
+    consumed: list[str] = []
+    state = {"written": 0, "bytes": 0}
+
+    def chunks() -> Iterator[Chunk]:
+        with HfTensorSource(job.files) as source:
+            for m in share:
+                yield from mapping_chunks(m, source, chunk_bytes)
+                consumed.extend(t.name for t in m.hf)
+                consumed.extend(s.name for s in m.scales if s)
+                state["written"] += len(m.mcore)
+                state["bytes"] += m.hf_bytes
+                progress.advance(m.hf_bytes, len(m.hf))
+
+    writer.write_stream(chunks(), group_bytes)
+    return ShareResult(consumed=consumed, written=state["written"], bytes_in=state["bytes"])
+
+
+def check_consumed(job: ConvertJob, consumed: list[str]) -> None:
+    """Every planned source tensor read exactly once; anything else is a bug worth stopping for."""
+    seen: set[str] = set()
+    for name in consumed:
+        if name in seen:
+            raise CheckpointError(f"{name}: consumed twice")
+        seen.add(name)
+    missing = sorted(set(job.plan.hf_index) - seen)
+    if missing:
+        raise CheckpointError(f"{missing[0]}: never consumed ({len(missing)} source tensors were not converted)")
+
+
+# ---- staging and publishing --------------------------------------------------------------------------
+
+def staging_dir(out: Path) -> Path:
+    return out.with_name(out.name + STAGING_SUFFIX)
+
+
+def check_output(out: Path, force: bool) -> None:
+    """Refuse an existing OUT_DIR unless --force; never half-clear it here (publish replaces it whole)."""
+    if out.exists() and not out.is_dir():
+        raise GlmconvError(f"{out}: exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise GlmconvError(f"{out}: already exists and is not empty; pass --force to replace it")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise GlmconvError(f"{parent}: output parent directory does not exist")
+    if not os.access(parent, os.W_OK):
+        raise GlmconvError(f"{parent}: not writable")
+
+
+def fresh_staging(out: Path) -> Path:
+    stage = staging_dir(out)
+    if stage.exists():
+        shutil.rmtree(stage)  # left by an interrupted run: never published, safe to drop
+    stage.mkdir(parents=True)
+    return stage
+
+
+def write_sidecars(job: ConvertJob, stage: Path) -> None:
+    """The config (so audit and export know the model) and a manifest of what was done."""
+    (stage / CONFIG_NAME).write_text(json.dumps(job.plan.config.to_json(), indent=2) + "\n")
+    manifest = {"source": str(job.src.resolve()), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
+                "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
+                "hf_tensors": len(job.plan.hf_index), "mcore_tensors": len(job.plan.mcore_index),
+                "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out}
+    (stage / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def verify_staged(job: ConvertJob, stage: Path) -> None:
+    """Re-read what was written (DCP metadata) and audit it against the source, both ways."""
+    report = audit_mod.audit(job.src, stage, mtp=job.plan.mtp, vision=job.plan.vision, accept_flat_prefix=True)
+    if not report.ok:
+        f = report.findings[0]
+        raise CheckpointError(f"verification of {stage} failed: {f.tensor}: {f.kind}: expected {f.expected}, "
+                              f"found {f.found}")
+
+
+def publish(stage: Path, out: Path) -> None:
+    """Swap the verified staging directory into place; an old OUT_DIR (with --force) goes only now."""
+    trash = out.with_name(out.name + ".glmconv-old")
+    if trash.exists():
+        shutil.rmtree(trash)
+    if out.exists():
+        os.replace(out, trash)
+    os.replace(stage, out)
+    if trash.exists():
+        shutil.rmtree(trash)
+
+
+# ---- running: one process, --workers N, or torchrun ranks ---------------------------------------------
+
+@dataclass(frozen=True)
+class RunOptions:
+    workers: int = 1
+    group_bytes: int = DEFAULT_GROUP_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    progress: bool = True
+
+
+def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
+    """What convert would do: tensors, bytes in and out, per-worker share and peak memory."""
+    parts = shares(job.plan.mappings, opts.workers)
+    return {"src": str(job.src), "out": str(job.out), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
+            "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
+            "hf_tensors": len(job.plan.hf_index), "mcore_tensors": len(job.plan.mcore_index),
+            "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out,
+            "workers": [{"rank": r, "mappings": len(p), "bytes_in": sum(m.hf_bytes for m in p),
+                         "peak_bytes_estimate": peak_bytes(p, opts.group_bytes, opts.chunk_bytes)}
+                        for r, p in enumerate(parts)]}
+
+
+def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) when launched by torchrun with more than one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ["RANK"]), world) if world > 1 and "RANK" in os.environ else None
+
+
+def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
+    """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
+    check_output(job.out, force)
+    env = torchrun_env()
+    if env is not None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        try:
+            return run_rank(job, opts, env[0], env[1], dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+    if opts.workers > 1:
+        return _spawn(job, opts)
+    return run_rank(job, opts, 0, 1, None)
+
+
+def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
+    """One rank's part; rank 0 stages, checks everything every rank did, verifies and publishes."""
+    from glmconv.io.common_state import build_common_state
+    from glmconv.io.dcp_writer import DcpWriter
+
+    stage = staging_dir(job.out)
+    error = _collective_error(group, _try_none(lambda: fresh_staging(job.out)) if rank == 0 else None)
+    if error:
+        raise GlmconvError(error)
+    writer = DcpWriter(stage, specs=job.plan.mcore_index, group=group)
+    share = shares(job.plan.mappings, world)[rank]
+    total = sum(m.hf_bytes for m in share)
+    label = f"convert [{rank}/{world}]" if world > 1 else "convert"
+    result: ShareResult | None = None
+    with _progress(label, total, sum(len(m.hf) for m in share), opts.progress and rank == 0) as progress:
+        outcome = _try(lambda: run_share(job, share, writer, progress, group_bytes=opts.group_bytes,
+                                         chunk_bytes=opts.chunk_bytes))
+    if not isinstance(outcome, str):
+        result, outcome = outcome, None
+    consumed = _gather(group, (outcome, result.consumed if result else []), world)
+    error = None
+    if rank == 0:
+        error = next((e for e, _ in consumed if e), None) or _try_none(
+            lambda: check_consumed(job, [n for _, names in consumed for n in names]))
+    error = _collective_error(group, error)
+    if error:
+        _cleanup(stage, rank)
+        raise GlmconvError(error)
+    _try_raise(lambda: writer.finish(build_common_state(job.plan.config) if rank == 0 else None), stage, rank)
+    if rank == 0:
+        _try_raise(lambda: _finalize(job, stage), stage, rank)
+    _collective_error(group, None)
+    return {**dry_run_summary(job, RunOptions(workers=world)), "published": str(job.out)}
+
+
+def _finalize(job: ConvertJob, stage: Path) -> None:
+    write_sidecars(job, stage)
+    verify_staged(job, stage)
+    publish(stage, job.out)
+
+
+def _progress(label: str, total: int, items: int, enabled: bool) -> Any:
+    from glmconv.progress import Progress
+
+    return Progress(label, total, items, enabled=enabled)
+
+
+def _try(fn: Any) -> Any:
+    """Run `fn`; a user-facing error becomes its message (so every rank still reaches the collectives)."""
+    try:
+        return fn()
+    except GlmconvError as exc:
+        return str(exc)
+
+
+def _try_none(fn: Any) -> str | None:
+    out = _try(fn)
+    return out if isinstance(out, str) else None
+
+
+def _try_raise(fn: Any, stage: Path, rank: int) -> None:
+    try:
+        fn()
+    except GlmconvError:
+        _cleanup(stage, rank)
+        raise
+
+
+def _cleanup(stage: Path, rank: int) -> None:
+    if rank == 0 and stage.exists():
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _gather(group: Any, value: Any, world: int) -> list[Any]:
+    if group is None:
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _collective_error(group: Any, error: str | None) -> str | None:
+    """Rank 0's verdict, seen by every rank."""
+    if group is None:
+        return error
+    import torch.distributed as dist
+
+    box = [error]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _spawn(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
+    """--workers N on one machine: N gloo processes, each converting its share."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="glmconv-pg-") as tmp:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(job, opts, r, opts.workers, Path(tmp) / "store", results))
+                 for r in range(opts.workers)]
+        for p in procs:
+            p.start()
+        outcomes = _collect(results, procs)
+    errors = [o for o in outcomes if isinstance(o, str)]
+    if errors:
+        raise GlmconvError(errors[0])
+    if any(p.exitcode for p in procs) or not outcomes:
+        raise GlmconvError(f"a convert worker died (exit codes {[p.exitcode for p in procs]}); nothing published")
+    return next(o for o in outcomes if isinstance(o, dict))
+
+
+def _collect(results: Any, procs: list[Any]) -> list[Any]:
+    """One outcome per worker; a worker that died without one is noticed instead of waited on."""
+    import queue
+
+    outcomes: list[Any] = []
+    while len(outcomes) < len(procs):
+        try:
+            outcomes.append(results.get(timeout=1.0))
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join()
+    return outcomes
+
+
+def _worker(job: ConvertJob, opts: RunOptions, rank: int, world: int, store: Path, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        results.put(run_rank(job, opts, rank, world, dist.group.WORLD))
+    except GlmconvError as exc:
+        results.put(str(exc))
+    finally:
+        dist.destroy_process_group()

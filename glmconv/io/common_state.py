@@ -1,0 +1,154 @@
+"""The non-tensor ("common") state of a Megatron torch_dist checkpoint: build it, and read it safely.
+
+megatron-core 0.19.2 keeps it inside the DCP checkpoint as the bytes entry `common_state/shard_0_1`
+(`torch.save([state])`); older checkpoints keep it in `common.pt` (`torch.save(state)`). See
+docs/torch_dist.md for the evidence. Reading never unpickles anything outside an explicit allow-list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pathlib
+import pickle
+import re
+import signal
+import types
+from pathlib import Path
+from typing import Any
+
+from glmconv.config import MOE, GlmConfig
+from glmconv.errors import CheckpointError
+
+# `ShardedObject("common_state", None, (1,), (0,)).unique_key` in megatron-core 0.19.2.
+COMMON_STATE_KEY = "common_state/shard_0_1"
+LEGACY_COMMON_FILE = "common.pt"
+CHECKPOINT_VERSION = 3.0
+VOCAB_DIVISOR = 128
+
+# Classes a Megatron trainer's common state may hold and that are safe to build for real.
+SAFE_CLASSES: tuple[type, ...] = (argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals)
+# megatron-core classes (its own weights_only allow-list, megatron/core/safe_globals.py) that trainer
+# args may hold. They load as inert `OpaqueValue`s, so reading never needs or imports megatron.
+OPAQUE_GLOBALS: tuple[str, ...] = (
+    "megatron.core.enums.ModelType",
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+)
+
+
+class OpaqueValue:
+    """Inert stand-in for an allow-listed megatron object: keeps its constructor args and state, runs nothing."""
+
+    qualname = "?"
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname} {self.args or self.state!r}>"
+
+
+def _opaque_allow_list() -> list[tuple[type, str]]:
+    return [(type(name.rsplit(".", 1)[1], (OpaqueValue,), {"qualname": name}), name) for name in OPAQUE_GLOBALS]
+
+
+_OPAQUE = _opaque_allow_list()
+
+
+def build_args(config: GlmConfig, *, padded_vocab_size: int | None = None, **overrides: Any) -> argparse.Namespace:
+    """The model args a Megatron trainer reads back from `state_dict['args']` (checks, --use-checkpoint-args)."""
+    t = config.text
+    shared = t["moe_intermediate_size"] * t["n_shared_experts"]
+    args: dict[str, Any] = dict(
+        num_layers=config.num_layers, hidden_size=t["hidden_size"], ffn_hidden_size=t["intermediate_size"],
+        num_attention_heads=t["num_attention_heads"], normalization="RMSNorm", norm_epsilon=t["rms_norm_eps"],
+        swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
+        position_embedding_type="none", add_position_embedding=False,
+        max_position_embeddings=t.get("max_position_embeddings"),
+        vocab_size=t["vocab_size"], padded_vocab_size=padded_vocab_size or t["vocab_size"],
+        make_vocab_size_divisible_by=VOCAB_DIVISOR, tokenizer_type="HuggingFaceTokenizer",
+        multi_latent_attention=True, q_lora_rank=t["q_lora_rank"], kv_lora_rank=t["kv_lora_rank"],
+        qk_head_dim=t["qk_nope_head_dim"], qk_pos_emb_head_dim=t["qk_rope_head_dim"], v_head_dim=t["v_head_dim"],
+        num_experts=t["n_routed_experts"], moe_ffn_hidden_size=t["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=shared or None, moe_router_topk=t["num_experts_per_tok"],
+        moe_layer_freq=[int(m == MOE) for m in config.mlp_types], moe_router_enable_expert_bias=True,
+        moe_router_score_function=t.get("scoring_func", "sigmoid"),
+        moe_router_topk_scaling_factor=t.get("routed_scaling_factor"),
+        mtp_num_layers=config.num_mtp_layers or None,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        bf16=True, ckpt_format="torch_dist", no_save_optim=True, no_save_rng=True,
+    )
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+def build_common_state(config: GlmConfig, *, iteration: int = 0, padded_vocab_size: int | None = None,
+                       content_metadata: dict[str, Any] | None = None, **arg_overrides: Any) -> dict[str, Any]:
+    """`args`, `checkpoint_version` 3.0 and `iteration`; `content_metadata` only when the caller has one.
+
+    Without `content_metadata` a trainer uses its own sharding metadata (e.g. singleton_local_shards).
+    """
+    state: dict[str, Any] = {
+        "args": build_args(config, padded_vocab_size=padded_vocab_size, **arg_overrides),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+    }
+    if content_metadata is not None:
+        state["content_metadata"] = dict(content_metadata)
+    return state
+
+
+def load_common_state(data: bytes, *, source: str) -> dict[str, Any]:
+    """Unpickle a common state (`[state]` from DCP, or a bare dict from common.pt) with weights_only."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals([*SAFE_CLASSES, *_OPAQUE]):
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        if found:
+            raise CheckpointError(f"{source}: common state holds the disallowed global {found.group(1)}; "
+                                  "refusing to unpickle it") from None
+        raise CheckpointError(f"{source}: common state is not a readable torch archive ({_why(exc)})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{source}: common state is not a readable torch archive ({_line(exc)})") from None
+    if isinstance(obj, list) and len(obj) == 1:
+        obj = obj[0]
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{source}: common state is a {type(obj).__name__}, expected a dict")
+    return obj
+
+
+def read_common_state(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The common state of a torch_dist checkpoint directory: legacy `common.pt` first, as megatron does."""
+    d = Path(ckpt_dir)
+    legacy = d / LEGACY_COMMON_FILE
+    if legacy.is_file():
+        return load_common_state(legacy.read_bytes(), source=str(legacy))
+    from glmconv.io.dcp_writer import read_bytes_entry
+
+    return load_common_state(read_bytes_entry(d, COMMON_STATE_KEY), source=f"{d}:{COMMON_STATE_KEY}")
+
+
+def _why(exc: Exception) -> str:
+    """The WeightsUnpickler's own reason, without torch's multi-paragraph advice."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+)", str(exc))
+    return found.group(1).strip() if found else _line(exc)
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

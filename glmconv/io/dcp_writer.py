@@ -1,0 +1,473 @@
+"""Write a Megatron-core torch_dist checkpoint of GLOBAL tensors with torch.distributed.checkpoint (DCP).
+
+Design (docs/torch_dist.md has the evidence): DCP cannot append to a checkpoint, so every group of
+tensors is one `dcp.save(no_dist=True)` call with our own planner, which writes exactly one data file
+`__{rank}_{i}.distcp`; the group's metadata is kept (a few hundred bytes per tensor) and the tensors are
+released. At `finish()` the ranks' metadata are gathered on the coordinator, merged with DCP's own
+classes, checked (every tensor tiled exactly once, as planned) and written as `.metadata` by DCP's
+`FileSystemWriter.finish`; then `metadata.json`, and the tracker file last. Peak memory is one group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import pickle
+import re
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter, Metadata, SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from glmconv.errors import CheckpointError
+from glmconv.io.common_state import COMMON_STATE_KEY
+
+if TYPE_CHECKING:
+    from glmconv.plan import TensorSpec
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+CONFIG_FILE = "metadata.json"
+DCP_METADATA_FILE = ".metadata"
+BACKEND_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
+_Entry = TensorStorageMetadata | BytesStorageMetadata
+_Part = tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo], str | None]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [row, row + len(tensor)) along dim 0 of the global tensor `name` of `shape` (None: whole)."""
+
+    name: str
+    tensor: torch.Tensor
+    row: int = 0
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape) if self.shape is None else tuple(self.shape)
+
+    @property
+    def offsets(self) -> torch.Size:
+        return torch.Size([self.row] + [0] * (self.tensor.dim() - 1)) if self.tensor.dim() else torch.Size([])
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def stacked_chunks(name: str, shape: tuple[int, ...], rows: Iterable[torch.Tensor], per: int = 1) -> Iterator[Chunk]:
+    """Stack per-row tensors (one expert each) into dim-0 chunks of `per` rows; the whole is never built."""
+    batch: list[torch.Tensor] = []
+    start = 0
+    for t in rows:
+        batch.append(t)
+        if len(batch) == per:
+            yield Chunk(name, torch.stack(batch), row=start, shape=shape)
+            start, batch = start + per, []
+    if batch:
+        yield Chunk(name, torch.stack(batch), row=start, shape=shape)
+
+
+def sharded_object_key(key: str, offset: tuple[int, ...] = (0,), shape: tuple[int, ...] = (1,)) -> str:
+    """DCP key of a megatron ShardedObject (`ShardedObject.unique_key`), e.g. `X._extra_state/shard_0_1`."""
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+
+
+def empty_extra_state() -> torch.Tensor:
+    """What a BF16 Transformer-Engine module saves as `_extra_state` ("no FP8"); every layer type accepts it."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+class _GroupPlanner(SavePlanner):
+    """Plans one group: whole tensors, dim-0 chunks of global tensors, and pre-serialized objects."""
+
+    def __init__(self, chunks: list[Chunk], objects: dict[str, io.BytesIO]) -> None:
+        self._tensors = {(c.name, tuple(c.offsets)): c.tensor.detach().contiguous() for c in chunks}
+        self._chunks, self._objects = chunks, objects
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        items = [_tensor_item(c) for c in self._chunks]
+        items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self._objects]
+        return SavePlan(items)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return create_default_global_save_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return self._objects[write_item.index.fqn]
+        return self._tensors[(write_item.index.fqn, tuple(write_item.index.offset))]
+
+
+def _tensor_item(c: Chunk) -> WriteItem:
+    offsets, whole = c.offsets, c.shape is None or tuple(c.shape) == tuple(c.tensor.shape)
+    return WriteItem(
+        index=MetadataIndex(c.name, offsets),
+        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=c.tensor.shape),
+                                    properties=TensorProperties.create_from_tensor(c.tensor),
+                                    size=torch.Size(c.global_shape)),
+    )
+
+
+class _GroupStorage(FileSystemWriter):
+    """FileSystemWriter that writes one data file under `prefix` and hands back metadata instead of `.metadata`."""
+
+    def __init__(self, path: str, prefix: str, sync_files: bool) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1)
+        self._prefix = prefix
+        self.metadata: Metadata | None = None
+        self.results: list[WriteResult] = []
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(self._prefix)) for p in plans]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.metadata, self.results = metadata, [r for rs in results for r in rs]
+
+
+class DcpWriter:
+    """Writes `<root>/release` group by group; `finish()` publishes it (collective when `group` is given)."""
+
+    def __init__(self, root: str | Path, *, specs: Mapping[str, TensorSpec] | None = None,
+                 group: dist.ProcessGroup | None = None, sync_files: bool = True) -> None:
+        self.root, self.ckpt_dir = Path(root), Path(root) / RELEASE
+        self._specs, self._group, self._sync = specs, group, sync_files
+        self.rank = dist.get_rank() if group is not None else 0
+        self.coordinator = dist.get_global_rank(group, 0) if group is not None else 0
+        self._md: dict[str, _Entry] = {}
+        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+        self._groups = 0
+        self._failed: str | None = None  # a rank that failed still calls finish(), which then publishes nothing
+        self._done = False
+        self._raise(self._broadcast(self._prepare_dirs() if self.is_coordinator else None))
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    @property
+    def groups_written(self) -> int:
+        return self._groups
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """One group of whole tensors, one data file."""
+        self.write_chunks([Chunk(name, t) for name, t in tensors.items()])
+
+    def write_chunks(self, chunks: Iterable[Chunk]) -> None:
+        """One group of chunks (whole tensors or dim-0 row ranges), one data file."""
+        chunks = list(chunks)
+        with self._recording():
+            for c in chunks:
+                self._check_chunk(c)
+            if len({(c.name, c.row) for c in chunks}) != len(chunks):
+                raise CheckpointError("a group holds the same chunk twice")
+            self._save_group(chunks, {})
+
+    def write_stream(self, chunks: Iterable[Chunk], group_bytes: int) -> int:
+        """Write chunks as they come, one group per `group_bytes`: memory stays at one group plus one chunk."""
+        pending: list[Chunk] = []
+        size, groups = 0, 0
+        for c in chunks:
+            pending.append(c)
+            size += c.nbytes
+            if size >= group_bytes:
+                self.write_chunks(pending)
+                pending, size, groups = [], 0, groups + 1
+        if pending:
+            self.write_chunks(pending)
+            groups += 1
+        return groups
+
+    def write_objects(self, objects: Mapping[str, Any]) -> None:
+        """Megatron ShardedObjects (e.g. `_extra_state`) by unique key, stored as megatron does: torch.save([obj])."""
+        with self._recording():
+            for key in objects:
+                if not _OBJECT_KEY.match(key):
+                    raise CheckpointError(f"{key!r} is not a ShardedObject key (<key>/shard_<offset>_<shape>)")
+            self._save_group([], {key: _serialize(obj) for key, obj in objects.items()})
+
+    def finish(self, common_state: Mapping[str, Any] | None = None) -> Path:
+        """Coordinator adds the common state, merges every rank's metadata, checks it, publishes; all ranks call."""
+        if self._done:
+            raise CheckpointError(f"{self.ckpt_dir}: finish() was already called")
+        if self.is_coordinator and self._failed is None:
+            try:
+                if common_state is None:
+                    raise CheckpointError("the coordinator must pass the common state to finish()")
+                self.write_objects({COMMON_STATE_KEY: dict(common_state)})
+            except CheckpointError:
+                pass  # recorded in self._failed
+        error, self._done = self._failed, True
+        parts = self._gather((self._md, self._storage, error))
+        if self.is_coordinator:
+            error = self._publish(parts)
+        self._raise(self._broadcast(error))
+        return self.ckpt_dir
+
+    def _prepare_dirs(self) -> str | None:
+        if (self.root / TRACKER_FILE).exists():
+            return f"{self.root} already holds a published checkpoint ({TRACKER_FILE}); choose an empty directory"
+        try:
+            if self.ckpt_dir.exists() and any(self.ckpt_dir.iterdir()):
+                return f"{self.ckpt_dir} is not empty (an interrupted run?); remove it first"
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"{self.ckpt_dir}: cannot create the checkpoint directory ({exc.strerror or exc})"
+        return None
+
+    def _check_chunk(self, c: Chunk) -> None:
+        shape, t = c.global_shape, c.tensor
+        if t.dim() != len(shape) or tuple(t.shape[1:]) != shape[1:] or c.row < 0 or t.numel() == 0:
+            raise CheckpointError(f"{c.name}: chunk {list(t.shape)} at row {c.row} does not fit {list(shape)}")
+        if t.dim() and c.row + t.shape[0] > shape[0] or not t.dim() and c.row:
+            raise CheckpointError(f"{c.name}: chunk rows {c.row}..{c.row + t.shape[0]} exceed {shape[0]}")
+        if self._specs is None:
+            return
+        spec = self._specs.get(c.name)
+        if spec is None:
+            raise CheckpointError(f"{c.name}: not a tensor of the plan")
+        if tuple(spec.shape) != shape or TORCH_DTYPES[spec.dtype] != t.dtype:
+            raise CheckpointError(
+                f"{c.name}: {list(shape)} {t.dtype} but the plan says {list(spec.shape)} {spec.dtype}")
+
+    def _save_group(self, chunks: list[Chunk], objects: dict[str, io.BytesIO]) -> None:
+        if not chunks and not objects:
+            return
+        final = f"__{self.rank}_{self._groups}.distcp"
+        storage = _GroupStorage(str(self.ckpt_dir), f".part{final}.", self._sync)
+        if self._done:
+            raise CheckpointError(f"{self.ckpt_dir}: already finished; nothing more can be written")
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save({}, storage_writer=storage, planner=_GroupPlanner(chunks, objects), no_dist=True)
+            infos = {r.index: r.storage_data for r in storage.results}
+            for tmp in {i.relative_path for i in infos.values()}:
+                os.replace(self.ckpt_dir / tmp, self.ckpt_dir / final)
+        except CheckpointException as exc:  # a BaseException: DCP wraps the real error of each rank
+            first = next(iter(exc.failures.values()), (exc, None))[0]
+            raise CheckpointError(f"{self.ckpt_dir / final}: write failed ({first})") from None
+        except OSError as exc:
+            raise CheckpointError(f"{self.ckpt_dir / final}: write failed ({exc.strerror or exc})") from None
+        assert storage.metadata is not None
+        renamed = {k: dataclasses.replace(v, relative_path=final) for k, v in infos.items()}
+        self._groups += 1
+        error = _merge(self._md, self._storage, storage.metadata.state_dict_metadata, renamed)
+        self._raise(error)
+
+    def _publish(self, parts: list[_Part]) -> str | None:
+        md: dict[str, _Entry] = {}
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        errors = [err for _, _, err in parts if err]
+        errors += [e for part_md, part_st, _ in parts if (e := _merge(md, storage, part_md, part_st))]
+        errors += [e for name, entry in md.items() if (e := _check_tiling(name, entry))]
+        errors += _check_specs(md, self._specs)
+        if errors:
+            return errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more problems)"
+        metadata = Metadata(state_dict_metadata=dict(sorted(md.items())))
+        # index hints were per group; drop them (megatron's own saves carry none either)
+        results = [WriteResult(index=MetadataIndex(k.fqn, k.offset), size_in_bytes=v.length, storage_data=v)
+                   for k, v in storage.items()]
+        try:
+            FileSystemWriter(str(self.ckpt_dir), sync_files=self._sync).finish(metadata, [results])
+            _write_text(self.ckpt_dir / CONFIG_FILE, json.dumps(BACKEND_CONFIG), self._sync)
+            _write_text(self.root / TRACKER_FILE, RELEASE, self._sync)  # last: the success signal
+        except OSError as exc:
+            return f"{self.ckpt_dir}: cannot publish the checkpoint ({exc.strerror or exc})"
+        return None
+
+    def _gather(self, part: _Part) -> list[_Part]:
+        if self._group is None:
+            return [part]
+        out: list[Any] | None = [None] * dist.get_world_size(self._group) if self.is_coordinator else None
+        dist.gather_object(part, out, dst=self.coordinator, group=self._group)
+        return out or []
+
+    def _broadcast(self, value: str | None) -> str | None:
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self.coordinator, group=self._group)
+        return box[0]
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError as exc:
+            self._failed = self._failed or str(exc)
+            raise
+
+    @staticmethod
+    def _raise(error: str | None) -> None:
+        if error:
+            raise CheckpointError(error)
+
+
+def _serialize(obj: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save([obj], buf)
+    buf.seek(0)
+    return buf
+
+
+def _merge(md: dict[str, _Entry], storage: dict[MetadataIndex, _StorageInfo], part_md: Mapping[str, _Entry],
+           part_storage: Mapping[MetadataIndex, _StorageInfo]) -> str | None:
+    """Fold one group's (or rank's) metadata into `md`: chunks of the same tensor accumulate."""
+    for name, entry in part_md.items():
+        have = md.get(name)
+        if have is None:
+            md[name] = (dataclasses.replace(entry, chunks=list(entry.chunks))
+                        if isinstance(entry, TensorStorageMetadata) else entry)
+        elif not isinstance(have, TensorStorageMetadata) or not isinstance(entry, TensorStorageMetadata):
+            return f"{name}: written twice"
+        elif have.size != entry.size or have.properties.dtype != entry.properties.dtype:
+            return f"{name}: chunks disagree on shape or dtype ({list(have.size)} vs {list(entry.size)})"
+        else:
+            have.chunks.extend(entry.chunks)
+    twice = [k for k in part_storage if k in storage]
+    if twice:
+        return f"{twice[0].fqn}: chunk at {list(twice[0].offset or [])} written twice"
+    storage.update(part_storage)
+    return None
+
+
+def _check_tiling(name: str, entry: _Entry) -> str | None:
+    """A tensor's chunks must cover its rows exactly once (chunks only ever split dim 0)."""
+    if not isinstance(entry, TensorStorageMetadata):
+        return None
+    size = tuple(entry.size)
+    entry.chunks.sort(key=lambda c: tuple(c.offsets))
+    if not size:
+        return None if len(entry.chunks) == 1 else f"{name}: scalar written {len(entry.chunks)} times"
+    row = 0
+    for c in entry.chunks:
+        off, sz = tuple(c.offsets), tuple(c.sizes)
+        if off[0] != row or any(off[1:]) or sz[1:] != size[1:]:
+            return f"{name}: chunks overlap or leave a gap at row {row} of {size[0]}"
+        row += sz[0]
+    return None if row == size[0] else f"{name}: rows {row}..{size[0]} were never written"
+
+
+def _check_specs(md: Mapping[str, _Entry], specs: Mapping[str, TensorSpec] | None) -> list[str]:
+    if specs is None:
+        return []
+    names = {k for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+    missing, unexpected = sorted(set(specs) - names), sorted(names - set(specs))
+    errors = [f"{len(missing)} planned tensors were never written, e.g. {missing[0]}"] if missing else []
+    errors += [f"{len(unexpected)} tensors are not in the plan, e.g. {unexpected[0]}"] if unexpected else []
+    for name in sorted(names & set(specs)):
+        entry, spec = md[name], specs[name]
+        assert isinstance(entry, TensorStorageMetadata)
+        if tuple(entry.size) != tuple(spec.shape) or entry.properties.dtype != TORCH_DTYPES[spec.dtype]:
+            errors.append(f"{name}: written {list(entry.size)} {entry.properties.dtype}, planned "
+                          f"{list(spec.shape)} {spec.dtype}")
+    return errors
+
+
+def _write_text(path: Path, text: str, sync: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- reading back, without trusting the checkpoint: `.metadata` is a pickle ----
+
+_METADATA_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    # megatron's own saves also pickle `all_local_plans` (a save-time cache) into `.metadata`
+    "torch.distributed.checkpoint.planner": frozenset({
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "collections": frozenset({"OrderedDict"}),
+    "pathlib": frozenset({"PosixPath"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP `.metadata` with an allow-list of DCP's own dataclasses, torch.Size and dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"disallowed global {module}.{name}")
+
+
+def read_metadata(ckpt_dir: str | Path) -> Metadata:
+    """The DCP `.metadata` of a checkpoint directory, unpickled safely."""
+    path = Path(ckpt_dir) / DCP_METADATA_FILE
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; not a torch_dist checkpoint") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable DCP metadata file ({exc})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+def read_bytes_entry(ckpt_dir: str | Path, key: str) -> bytes:
+    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state)."""
+    d = Path(ckpt_dir)
+    md = read_metadata(d)
+    info = (md.storage_data or {}).get(MetadataIndex(key))
+    if not isinstance(md.state_dict_metadata.get(key), BytesStorageMetadata) or not isinstance(info, _StorageInfo):
+        raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_FILE}")
+    if Path(info.relative_path).name != info.relative_path or info.transform_descriptors:
+        raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
+    try:
+        with open(d / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+    except OSError as exc:
+        raise CheckpointError(f"{d / info.relative_path}: {exc.strerror or exc}") from None
+    if len(data) != info.length:
+        raise CheckpointError(f"{d / info.relative_path}: truncated ({len(data)} of {info.length} bytes for {key})")
+    return data
