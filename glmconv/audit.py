@@ -64,6 +64,7 @@ class Side:
     quantized: bool = False  # an HF config with an FP8 quantization_config
     text_prefix: str | None = None  # the HF text prefix most tensors use
     ignored: int = 0  # tensors of layers beyond --layers, left out of the audit
+    objects: set[str] | None = None  # torch_dist: ShardedObject keys (e.g. `_extra_state`) on disk
 
     def expected(self) -> dict[str, TensorSpec]:
         assert self.plan is not None
@@ -162,7 +163,7 @@ def _load_mcore(p: Path, opts: Options, side: str) -> Side:
     ck = inspect_torch_dist(p)
     config = load_config(_mcore_config_path(p, ck.iter_dir, opts))
     tensors = {n: (t.shape, t.dtype, ck.iter_dir.name) for n, t in ck.tensors.items()}
-    s = Side(p, MCORE, config, tensors)
+    s = Side(p, MCORE, config, tensors, objects=set(ck.objects))
     if ck.common_state is None:
         s.findings.append(Finding("missing", "common_state", ck.iter_dir.name,
                                   "common.pt or a common_state entry (args, checkpoint_version)", "absent", side))
@@ -232,7 +233,19 @@ def compare_side(s: Side, opts: Options, side: str = "src") -> list[Finding]:
     if s.kind == HF:
         findings.extend(_prefix_finding(s, opts, side))
         findings.extend(_quantization_finding(s, side))
+    if s.kind == MCORE and s.objects is not None:
+        findings.extend(_missing_objects(s, side))
     return findings
+
+
+def _missing_objects(s: Side, side: str) -> list[Finding]:
+    """A Megatron trainer asks for every linear's `_extra_state`; without them a strict load fails."""
+    assert s.plan is not None and s.objects is not None
+    wanted = s.plan.mcore_objects()
+    if s.ignored:  # --layers on a deeper checkpoint: only the audited layers' objects
+        return []
+    return [Finding("missing", key, s.path.name, "an _extra_state object (empty is fine)", "absent", side)
+            for key in wanted if key not in s.objects]
 
 
 def _check_one(name: str, spec: TensorSpec, got: Found, side: str) -> list[Finding]:

@@ -291,11 +291,20 @@ def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: An
     if error:
         _cleanup(stage, rank)
         raise GlmconvError(error)
+    if rank == 0:
+        _try_raise(lambda: write_extra_states(job, writer), stage, rank)
     _try_raise(lambda: writer.finish(build_common_state(job.plan.config) if rank == 0 else None), stage, rank)
     if rank == 0:
         _try_raise(lambda: _finalize(job, stage), stage, rank)
     _collective_error(group, None)
     return {**dry_run_summary(job, RunOptions(workers=world)), "published": str(job.out)}
+
+
+def write_extra_states(job: ConvertJob, writer: Any) -> None:
+    """Empty `_extra_state` for every Megatron linear: a BF16 module's "no FP8 state", loadable by all specs."""
+    from glmconv.io.dcp_writer import empty_extra_state
+
+    writer.write_objects({key: empty_extra_state() for key in job.plan.mcore_objects()})
 
 
 def _finalize(job: ConvertJob, stage: Path) -> None:

@@ -78,6 +78,15 @@ class Plan:
         for m in self.mappings:
             yield from m.mcore
 
+    def mcore_objects(self) -> list[str]:
+        """`_extra_state` ShardedObject keys a Megatron model of this plan asks for at load."""
+        keys: list[str] = []
+        for m in self.mappings:
+            if m.rule.extra_state:
+                experts = m.mcore[0].shape[0] if m.rule.per_expert else None
+                keys.extend(names.extra_state_keys(m.mcore[0].name, experts))
+        return keys
+
     @cached_property
     def hf_index(self) -> dict[str, TensorSpec]:
         return _unique_index(self.hf_tensors(), "HF")

@@ -207,7 +207,7 @@ def test_clean_torch_dist_checkpoint(tmp_path):
 
 
 def test_torch_dist_without_config_needs_config_option(tmp_path):
-    root = write_torch_dist(tmp_path / "mc", None, mcore_tensors(tiny_config()))
+    root = write_torch_dist(tmp_path / "mc", None, mcore_tensors(tiny_config()), objects_of=tiny_config())
     with pytest.raises(CheckpointError, match="no config.json next to it; pass --config"):
         audit(root)
     assert audit(root, config=_config_file(tmp_path)).ok
@@ -312,3 +312,10 @@ def test_missing_fp8_weight_and_its_scale_are_one_finding(tmp_path):
     r = audit(write_hf(tmp_path / "ck", tiny_config(True), tensors))
     assert [(f.kind, f.tensor, f.expected) for f in r.findings] == [
         ("missing", FP8_W, "F8_E4M3[16, 32] + _scale_inv F32[1, 1]")]
+
+
+def test_torch_dist_without_extra_state_objects_names_each_missing_key(tmp_path):
+    root = write_torch_dist(tmp_path / "mc", tiny_config(), mcore_tensors(tiny_config()), objects_of={})
+    r = audit(root)
+    missing = [f.tensor for f in r.findings if f.kind == "missing"]
+    assert missing and all("._extra_state/shard_" in k for k in missing)

@@ -261,7 +261,7 @@ def test_against_reports_missing_and_misshapen_megatron_tensors(tmp_path):
 
 
 def test_torch_dist_config_option(tmp_path):
-    mc = write_torch_dist(tmp_path / "mc", None, mcore_tensors(tiny_config()))
+    mc = write_torch_dist(tmp_path / "mc", None, mcore_tensors(tiny_config()), objects_of=tiny_config())
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps(tiny_config()))
     code, out = run(mc)

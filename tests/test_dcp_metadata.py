@@ -42,12 +42,21 @@ def mcore_tensors(cfg: dict[str, Any], *, mtp: bool = True, vision: bool = True)
 
 
 def write_torch_dist(root: Path, cfg: dict[str, Any] | None, tensors: dict[str, torch.Tensor], *,
-                     iteration: str = "release", common: bool = True) -> Path:
+                     iteration: str = "release", common: bool = True,
+                     objects_of: dict[str, Any] | None = None) -> Path:
     """A Megatron root: tracker, `release`/`iter_*` dir with metadata.json + DCP files, config.json at the root."""
     sub = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
     it = root / sub
     it.mkdir(parents=True)
     state: dict[str, Any] = dict(tensors)
+    objects_of = cfg if objects_of is None else objects_of
+    if objects_of:  # every linear's `_extra_state`, as convert writes them
+        from glmconv.config import parse_config
+        from glmconv.plan import build_plan
+
+        empty = io.BytesIO()
+        torch.save([torch.empty(0, dtype=torch.uint8)], empty)
+        state.update({k: io.BytesIO(empty.getvalue()) for k in build_plan(parse_config(objects_of)).mcore_objects()})
     if common:
         blob = io.BytesIO()
         torch.save({"checkpoint_version": 3.0, "iteration": 0}, blob)

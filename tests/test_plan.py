@@ -146,3 +146,12 @@ def test_release_total_size_is_reached_with_bf16_hc_fn_and_kpool_ape(cfg):
     bf16_too = ("hc_attn_fn", "hc_ffn_fn", "index_kpool_compress_ape")
     total = sum(t.nbytes // 2 if t.name.endswith(bf16_too) else t.nbytes for t in plan.hf_tensors())
     assert total == 328_326_771_576
+
+
+def test_every_megatron_linear_asks_for_an_extra_state_and_experts_one_each(cfg):
+    keys = build_plan(cfg, vision=False).mcore_objects()
+    assert "decoder.layers.3.self_attention.linear_q_down_proj._extra_state/shard_0_1" in keys
+    assert "decoder.layers.0.self_attention.kda.q_proj._extra_state/shard_0_1" in keys
+    assert "decoder.layers.3.mlp.experts.experts.linear_fc2._extra_state/shard_287_288" in keys
+    assert "mtp.layers.0.eh_proj._extra_state/shard_0_1" in keys
+    assert not any("layernorm" in k or "router" in k or "embedding" in k for k in keys)

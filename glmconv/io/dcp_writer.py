@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from glmconv.errors import CheckpointError
 from glmconv.io.common_state import COMMON_STATE_KEY
+from glmconv.rules.names import sharded_object_key  # noqa: F401 - re-exported for writers of objects
 
 if TYPE_CHECKING:
     from glmconv.plan import TensorSpec
@@ -94,11 +95,6 @@ def stacked_chunks(name: str, shape: tuple[int, ...], rows: Iterable[torch.Tenso
             start, batch = start + per, []
     if batch:
         yield Chunk(name, torch.stack(batch), row=start, shape=shape)
-
-
-def sharded_object_key(key: str, offset: tuple[int, ...] = (0,), shape: tuple[int, ...] = (1,)) -> str:
-    """DCP key of a megatron ShardedObject (`ShardedObject.unique_key`), e.g. `X._extra_state/shard_0_1`."""
-    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 
 
 def empty_extra_state() -> torch.Tensor:

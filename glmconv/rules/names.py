@@ -118,3 +118,22 @@ def hf_parts_present(names: Iterable[str], num_layers: int) -> set[str]:
 def mcore_parts_present(names: Iterable[str]) -> set[str]:
     """The optional parts ("mtp", "vision") any of these Megatron names belongs to."""
     return {mcore_part(n) for n in names} - {"text"}
+
+
+EXTRA_STATE = "._extra_state"
+WEIGHT_SUFFIX = ".weight"
+
+
+def sharded_object_key(key: str, offset: tuple[int, ...] = (0,), shape: tuple[int, ...] = (1,)) -> str:
+    """DCP key of a megatron ShardedObject (`ShardedObject.unique_key`), e.g. `X._extra_state/shard_0_1`."""
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+
+
+def extra_state_keys(weight: str, experts: int | None = None) -> list[str]:
+    """The `_extra_state` object keys a Megatron linear owning `weight` saves (one per expert when stacked)."""
+    if not weight.endswith(WEIGHT_SUFFIX):
+        raise ValueError(f"{weight}: a linear's weight ends with {WEIGHT_SUFFIX}")
+    key = weight[: -len(WEIGHT_SUFFIX)] + EXTRA_STATE
+    if experts is None:
+        return [sharded_object_key(key)]
+    return [sharded_object_key(key, (e,), (experts,)) for e in range(experts)]

@@ -35,6 +35,7 @@ class Rule:
     per_expert: bool = False  # HF templates expand over `{e}` in 0..n_routed_experts-1
     needs_shared_experts: bool = False
     per_block: bool = False  # vision templates expand over `{b}` in 0..depth-1
+    extra_state: bool = False  # the Megatron module is a parallel/TE linear: it saves an `_extra_state` object
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
@@ -63,7 +64,7 @@ def _hc(site_hf: str, site_mc: str) -> list[Rule]:
 
 def _kda() -> list[Rule]:
     rules = [_r(f"{{layer}}self_attn.{p}_proj.weight", f"{{layer}}self_attention.kda.{p}_proj.weight", shape,
-                attn=KDA)
+                attn=KDA, extra_state=True)
              for p, shape in (("q", ("kda_dim", "hidden")), ("k", ("kda_dim", "hidden")),
                               ("v", ("kda_dim", "hidden")), ("b", ("kda_heads", "hidden")),
                               ("f_a", ("kda_head", "hidden")), ("f_b", ("kda_dim", "kda_head")),
@@ -82,19 +83,25 @@ def _kda() -> list[Rule]:
 def _dsa() -> list[Rule]:
     a, m = "{layer}self_attn.", "{layer}self_attention."
     return [
-        _r(a + "q_a_proj.weight", m + "linear_q_down_proj.weight", ("q_lora", "hidden"), attn=DSA, fp8=True),
+        _r(a + "q_a_proj.weight", m + "linear_q_down_proj.weight", ("q_lora", "hidden"), attn=DSA, fp8=True,
+           extra_state=True),
         _r(a + "q_a_layernorm.weight", m + "linear_q_up_proj.layer_norm_weight", ("q_lora",), attn=DSA),
-        _r(a + "q_b_proj.weight", m + "linear_q_up_proj.weight", ("mla_q", "q_lora"), attn=DSA, fp8=True),
+        _r(a + "q_b_proj.weight", m + "linear_q_up_proj.weight", ("mla_q", "q_lora"), attn=DSA, fp8=True,
+           extra_state=True),
         _r(a + "kv_a_proj_with_mqa.weight", m + "linear_kv_down_proj.weight", ("mla_kv_a", "hidden"), attn=DSA,
-           fp8=True),
+           fp8=True, extra_state=True),
         _r(a + "kv_a_layernorm.weight", m + "linear_kv_up_proj.layer_norm_weight", ("kv_lora",), attn=DSA),
-        _r(a + "kv_b_proj.weight", m + "linear_kv_up_proj.weight", ("mla_kv_b", "kv_lora"), attn=DSA),
-        _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True),
-        _r(a + "indexer.wq_b.weight", m + "wq_b.weight", ("idx_q", "q_lora"), attn=DSA, indexer=True),
-        _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA, indexer=True),
+        _r(a + "kv_b_proj.weight", m + "linear_kv_up_proj.weight", ("mla_kv_b", "kv_lora"), attn=DSA,
+           extra_state=True),
+        _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True, extra_state=True),
+        _r(a + "indexer.wq_b.weight", m + "wq_b.weight", ("idx_q", "q_lora"), attn=DSA, indexer=True,
+           extra_state=True),
+        _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA, indexer=True,
+           extra_state=True),
         _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA, indexer=True),
         _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA, indexer=True),
-        _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA, indexer=True),
+        _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA,
+           indexer=True, extra_state=True),
         _r(a + "indexer.index_kpool_compress_gate", m + "index_kpool_compress_gate", ("idx_dim", "hidden"),
            attn=DSA, indexer=True),
         _r(a + "indexer.index_kpool_compress_ape", m + "index_kpool_compress_ape", ("kpool", "idx_dim"),
@@ -108,21 +115,21 @@ def _mlp() -> list[Rule]:
     return [
         _r("{layer}post_attention_layernorm.weight", m + "linear_fc1.layer_norm_weight", ("hidden",), mlp=DENSE),
         _r(tuple(h + p for p in gate_up), m + "linear_fc1.weight", ("inter", "hidden"), ("inter", "hidden"),
-           transform=Concat(0), mlp=DENSE, fp8=True),
-        _r(h + "down_proj.weight", m + "linear_fc2.weight", ("hidden", "inter"), mlp=DENSE, fp8=True),
+           transform=Concat(0), mlp=DENSE, fp8=True, extra_state=True),
+        _r(h + "down_proj.weight", m + "linear_fc2.weight", ("hidden", "inter"), mlp=DENSE, fp8=True, extra_state=True),
         _r("{layer}post_attention_layernorm.weight", "{layer}pre_mlp_layernorm.weight", ("hidden",), mlp=MOE),
         _r(h + "gate.weight", m + "router.weight", ("experts", "hidden"), mlp=MOE),
         _r(h + "gate.e_score_correction_bias", m + "router.expert_bias", ("experts",), mlp=MOE, keep_f32=True),
         _r(tuple(h + "shared_experts." + p for p in gate_up), m + "shared_experts.linear_fc1.weight",
            ("shared_inter", "hidden"), ("shared_inter", "hidden"), transform=Concat(0), mlp=MOE, fp8=True,
-           needs_shared_experts=True),
+           needs_shared_experts=True, extra_state=True),
         _r(h + "shared_experts.down_proj.weight", m + "shared_experts.linear_fc2.weight", ("hidden", "shared_inter"),
-           mlp=MOE, fp8=True, needs_shared_experts=True),
+           mlp=MOE, fp8=True, needs_shared_experts=True, extra_state=True),
         _r(tuple(h + "experts.{e}." + p for p in gate_up), m + "experts.experts.linear_fc1.weight",
            ("moe_inter", "hidden"), ("moe_inter", "hidden"), transform=StackExperts(parts=2), mlp=MOE, fp8=True,
-           per_expert=True),
+           per_expert=True, extra_state=True),
         _r(h + "experts.{e}.down_proj.weight", m + "experts.experts.linear_fc2.weight", ("hidden", "moe_inter"),
-           transform=StackExperts(parts=1), mlp=MOE, fp8=True, per_expert=True),
+           transform=StackExperts(parts=1), mlp=MOE, fp8=True, per_expert=True, extra_state=True),
     ]
 
 
@@ -137,7 +144,7 @@ def _global() -> list[Rule]:
     return [
         _r("{text}embed_tokens.weight", "embedding.word_embeddings.weight", ("vocab", "hidden"), scope=GLOBAL),
         _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL),
-        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL),
+        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL, extra_state=True),
     ]
 
 
@@ -146,7 +153,7 @@ def _mtp() -> list[Rule]:
     return [
         _r("{layer}enorm.weight", "{mtp}enorm.weight", ("hidden",), scope=MTP),
         _r("{layer}hnorm.weight", "{mtp}hnorm.weight", ("hidden",), scope=MTP),
-        _r("{layer}eh_proj.weight", "{mtp}eh_proj.weight", ("hidden", "eh_in"), scope=MTP),
+        _r("{layer}eh_proj.weight", "{mtp}eh_proj.weight", ("hidden", "eh_in"), scope=MTP, extra_state=True),
         _r("{layer}shared_head.norm.weight", "{mtp}final_layernorm.weight", ("hidden",), scope=MTP),
     ]
 

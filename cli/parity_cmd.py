@@ -1,0 +1,75 @@
+"""`glmconv parity`: layerwise train-vs-serve parity report with a CI exit code."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("parity")
+@click.argument("hf_dir", type=click.Path(path_type=Path))
+@click.argument("mcore_dir", type=click.Path(path_type=Path))
+@click.option("--tokens", type=int, default=None, help="Random tokens to run (default 128).")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
+              help="Token ids instead of random ones: one sequence per line (whitespace-separated ids) or JSON "
+                   "list(s) of ids; several sequences run as one packed batch.")
+@click.option("--sequences", type=int, default=None, help="Split the random tokens into K packed sequences.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random tokens.")
+@click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
+              help="propagated: each side runs on its own; isolated: every sub-block gets the serve side's input.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="torch device for both models (cpu, cuda, cuda:1).")
+@click.option("--train-conventions", type=click.Choice(["default", "serve"]), default="default", show_default=True,
+              help="The train side's starting conventions: Megatron's defaults, or serve's (aligned).")
+@click.option("--train-convention", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override one train-side convention (repeatable), e.g. proj_rms=reference.")
+@click.option("--threshold", type=float, default=None,
+              help="Rel err that names the first divergence (default 1e-4 for fp32, 2e-2 for bf16).")
+@click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC>VALUE",
+              help="Exit 1 when broken (repeatable): METRIC>VALUE or METRIC<VALUE, e.g. 'logprob_abs_diff.max>1e-4', "
+                   "'top1_agreement<0.99', 'kl>1e-6', 'max_rel_err>1e-4', 'expert_overlap_min<1'.")
+@click.option("--report-dir", type=click.Path(path_type=Path), default=None,
+              help="Write report.json, report.md and error_per_layer.png here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path | None, sequences: int | None,
+           seed: int, mode: str, dtype: str, device: str, train_conventions: str, overrides: tuple[str, ...],
+           threshold: float | None, fail_on: tuple[str, ...], report_dir: Path | None, as_json: bool) -> None:
+    """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block."""
+    from glmconv.errors import GlmconvError
+    from glmconv.parity import DEFAULT_TOKENS, ParityOptions, run_parity
+    from glmconv.parity.metrics import parse_bound
+    from glmconv.parity.report import to_json, write_report
+
+    bounds = tuple(parse_bound(b) for b in fail_on)  # bad syntax fails before any model is built
+    if prompt_file is not None and (tokens is not None or sequences is not None):
+        raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
+    if threshold is not None and not threshold > 0:
+        raise GlmconvError(f"--threshold {threshold}: must be positive")
+    opts = ParityOptions(hf_dir=hf_dir, mcore_dir=mcore_dir, tokens=tokens or DEFAULT_TOKENS,
+                         sequences=sequences or 1, seed=seed, prompt_file=prompt_file, mode=mode, dtype=dtype,
+                         device=device, train_conventions=train_conventions, overrides=overrides,
+                         threshold=threshold, bounds=bounds, progress=not as_json)
+    report = run_parity(opts)
+    paths = write_report(report, report_dir) if report_dir is not None else []
+    if as_json:
+        click.echo(to_json(report))
+    else:
+        _print(report, paths)
+    if not report["passed"]:
+        broken = [b["bound"] for b in report["bounds"] if b["broken"]]
+        click.echo(f"parity failed: {len(broken)} bound(s) broken: {', '.join(broken)}", err=True)
+        sys.exit(1)
+
+
+def _print(report: dict, paths: list[Path]) -> None:
+    from rich.console import Console
+
+    from glmconv.parity.report import print_table
+
+    console = Console(width=max(Console().width, 100))
+    print_table(report, console)
+    for p in paths:
+        console.print(f"wrote {p}", markup=False, highlight=False)
+    console.print(f"took {report['elapsed_s']:.2f}s", markup=False, highlight=False)

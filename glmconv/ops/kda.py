@@ -1,0 +1,130 @@
+"""KDA (Kimi delta attention), the GLM-5.3 linear-attention layer, as torch references that run on a CPU.
+
+Layer: q, k, v = proj(x); causal depthwise short conv (kernel 4, no bias) + SiLU over cat(q, k, v);
+g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias)) in fp32 (a log-decay per key channel);
+beta = sigmoid(b_proj(x)); q, k l2-normalised x / sqrt(sum x^2 + 1e-6), q scaled by head_dim^-0.5;
+gated delta rule with an fp32 state S [K, V] per head:
+  S <- diag(exp(g_t)) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t;
+out = o_proj(RMSNorm(o; o_norm, eps) * sigmoid(g_b(g_a(x)))). This is fla's `chunk_kda(...,
+use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5)`.
+Packed sequences (`cu_seqlens`): state and conv restart at each boundary. The chunked form (chunk 64, WY
+representation with a unit-triangular solve) sits beside the naive recurrence it must equal, fla style.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+L2_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class KdaParams:
+    """Per-config constants of a KDA layer."""
+
+    heads: int
+    head_dim: int
+    lower_bound: float
+    norm_eps: float
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """fla's l2 norm: x / sqrt(sum x^2 + eps) (eps inside the sqrt, not a clamp)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """[(start, end)] of each packed sequence."""
+    cu = [int(v) for v in cu_seqlens.tolist()]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv + SiLU per sequence: x [T, C], weight [C, 1, W] -> [T, C] in x.dtype.
+
+    Computed in the weight's dtype (fp32 in the release), like transformers' `causal_conv1d_fn`.
+    """
+    w = weight.reshape(weight.shape[0], 1, -1)
+    out = torch.empty_like(x)
+    for s, e in segments(cu_seqlens):
+        seg = x[s:e].t().unsqueeze(0).to(w.dtype)
+        y = F.conv1d(seg, w, padding=w.shape[-1] - 1, groups=w.shape[0])[..., : e - s]
+        out[s:e] = F.silu(y)[0].t().to(x.dtype)
+    return out
+
+
+def forget_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, p: KdaParams) -> torch.Tensor:
+    """g [T, H, K] = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), fp32 (f = f_b(f_a(x)) [T, H*K])."""
+    g = (f.float() + dt_bias.float()).view(f.shape[0], p.heads, p.head_dim)
+    return p.lower_bound * torch.sigmoid(torch.exp(a_log.float()).view(1, -1, 1) * g)
+
+
+def _prep(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32, l2-normalised, q scaled by K^-0.5."""
+    q, k = l2norm(q.float()), l2norm(k.float())
+    return q * q.shape[-1] ** -0.5, k
+
+
+def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The naive token-by-token reference. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] -> o [T, H, V] fp32."""
+    q, k = _prep(q, k)
+    v, g, beta = v.float(), g.float(), beta.float()
+    out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for s, e in segments(cu_seqlens):
+        state = torch.zeros(v.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
+        for t in range(s, e):
+            state = state * g[t].exp().unsqueeze(-1)
+            delta = (v[t] - (state * k[t].unsqueeze(-1)).sum(-2)) * beta[t].unsqueeze(-1)
+            state = state + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
+            out[t] = (state * q[t].unsqueeze(-1)).sum(-2)
+    return out
+
+
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """The chunked form (same contract as `recurrent_kda`): sequential over chunks, parallel inside one."""
+    q, k = _prep(q, k)
+    v, g, beta = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for s, e in segments(cu_seqlens):
+        state = torch.zeros(v.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
+        for c in range(s, e, chunk):
+            c_end = min(c + chunk, e)
+            o, state = _chunk_step(*(t[c:c_end].transpose(0, 1) for t in (q, k, v, g, beta)), state)
+            out[c:c_end] = o.transpose(0, 1)
+    return out
+
+
+def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk, heads first: q, k, g [H, C, K]; v [H, C, V]; beta [H, C]; state [H, K, V].
+
+    With G the in-chunk cumulative log-decay, the update u of each token solves (I + A) u = beta (v - (k e^G) S0),
+    A[t, s] = beta_t sum_c k_t e^(G_t - G_s) k_s (s < t); then o = (q e^G) S0 + (q . e^(G_t - G_s) k_s)_(s<=t) u.
+    """
+    n = q.shape[1]
+    big_g = g.cumsum(dim=1)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    diff = (big_g.unsqueeze(2) - big_g.unsqueeze(1)).masked_fill(~causal[..., None], float("-inf"))
+    decay = diff.exp()  # [H, t, s, K], zero above the diagonal
+    kk = torch.einsum("htc,htsc,hsc->hts", k, decay, k)
+    a = beta.unsqueeze(-1) * kk.tril(-1) + torch.eye(n, dtype=q.dtype, device=q.device)
+    rhs = beta.unsqueeze(-1) * (v - (k * big_g.exp()) @ state)
+    u = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+    qk = torch.einsum("htc,htsc,hsc->hts", q, decay, k)
+    o = (q * big_g.exp()) @ state + qk @ u
+    last = big_g[:, -1:]
+    state = state * last.exp().transpose(1, 2) + (k * (last - big_g).exp()).transpose(1, 2) @ u
+    return o, state
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(o; weight, eps) * sigmoid(gate), all in fp32 (o, gate [..., K])."""
+    o = o.float()
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * o * torch.sigmoid(gate.float())

@@ -1,0 +1,133 @@
+"""`glmconv parity`: layerwise train-vs-serve parity of an HF checkpoint and its torch_dist conversion.
+
+The serve model reads HF_DIR with HF/sglang conventions, the train model reads MCORE_DIR with Megatron
+conventions (each switch settable); both run the same packed tokens and every sub-block is compared.
+
+Default thresholds on the per-sub-block stream relative error (`DEFAULT_THRESHOLDS`):
+  fp32 1e-4: identical math in a different order leaves ~1e-7 per op and at most a few 1e-6 after the whole
+      tiny/cut8 stack in propagated mode, while the mildest planted divergence (indexer query, once top-k
+      changes) adds >1e-3 at its layer; two decades of margin on each side.
+  bf16 2e-2: bf16 rounding (2^-8 = 3.9e-3 per cast) accumulates to ~1e-2 on real streams, so only gross
+      defects (a swapped expert, a missing clamp on active units) are named in bf16 runs; use fp32 to bisect
+      conventions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from glmconv.errors import GlmconvError
+
+if TYPE_CHECKING:
+    from glmconv.config import GlmConfig
+    from glmconv.parity.capture import Model
+    from glmconv.parity.inputs import Batch
+    from glmconv.parity.metrics import Bound
+
+DEFAULT_THRESHOLDS = {"fp32": 1e-4, "bf16": 2e-2}
+DTYPES = ("fp32", "bf16")
+TRAIN_CONVENTIONS = ("default", "serve")
+DEFAULT_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class ParityOptions:
+    """Everything a parity run is asked to do (the CLI's flags)."""
+
+    hf_dir: Path
+    mcore_dir: Path
+    tokens: int = DEFAULT_TOKENS
+    sequences: int = 1
+    seed: int = 0
+    prompt_file: Path | None = None
+    mode: str = "propagated"
+    dtype: str = "fp32"
+    device: str = "cpu"
+    train_conventions: str = "default"
+    overrides: tuple[str, ...] = ()
+    threshold: float | None = None
+    bounds: tuple[Bound, ...] = field(default_factory=tuple)
+    progress: bool = True
+
+    @property
+    def effective_threshold(self) -> float:
+        return DEFAULT_THRESHOLDS[self.dtype] if self.threshold is None else self.threshold
+
+
+def run_parity(opts: ParityOptions) -> dict[str, Any]:
+    """Build both models, run them over the batch, and return the report (see `report.build_report`)."""
+    from glmconv.config import load_config
+    from glmconv.parity.capture import StepProgress, capture, steps
+    from glmconv.parity.report import build_report
+
+    if opts.dtype not in DTYPES:
+        raise GlmconvError(f"--dtype {opts.dtype!r}: choose from {', '.join(DTYPES)}")
+    config = load_config(opts.hf_dir)
+    _check_same_config(config, opts.mcore_dir)
+    batch = make_batch(opts, config.dim("vocab_size"))
+    serve, train, conventions = build_models(config, opts)
+    with StepProgress("parity", steps(serve), enabled=opts.progress) as progress:
+        cap = capture(serve, train, batch.to(opts.device), opts.mode, progress)
+    return build_report(cap, opts, batch, conventions)
+
+
+def make_batch(opts: ParityOptions, vocab: int) -> Batch:
+    """Random tokens from --seed, or the ids of --prompt-file."""
+    from glmconv.parity.inputs import load_prompt_file, random_batch
+
+    if opts.prompt_file is not None:
+        return load_prompt_file(opts.prompt_file, vocab)
+    return random_batch(vocab, opts.tokens, opts.sequences, opts.seed)
+
+
+def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, dict[str, dict[str, str]]]:
+    """(serve model, train model, both sides' conventions as plain dicts); tests replace this with fakes."""
+    import dataclasses
+
+    import torch
+
+    from glmconv.models.model import GlmModel
+    from glmconv.models.weights import HfWeights, MegatronWeights
+
+    serve_conv, train_conv = resolve_conventions(opts)
+    dtype = torch.float32 if opts.dtype == "fp32" else torch.bfloat16
+    serve = GlmModel(config, HfWeights(opts.hf_dir), serve_conv, dtype=dtype, device=opts.device)
+    train = GlmModel(config, MegatronWeights(opts.mcore_dir), train_conv, dtype=dtype, device=opts.device)
+    return serve, train, {"serve": dataclasses.asdict(serve_conv), "train": dataclasses.asdict(train_conv)}
+
+
+def resolve_conventions(opts: ParityOptions) -> tuple[Any, Any]:
+    """Serve conventions, and the train side's: Megatron defaults (or serve's), then each KEY=VALUE override."""
+    from glmconv.models.conventions import Conventions
+
+    if opts.train_conventions not in TRAIN_CONVENTIONS:
+        raise GlmconvError(f"--train-conventions {opts.train_conventions!r}: choose from "
+                           f"{', '.join(TRAIN_CONVENTIONS)}")
+    base = Conventions.serve() if opts.train_conventions == "serve" else Conventions.train_default()
+    try:
+        train = base.with_overrides(list(opts.overrides)) if opts.overrides else base
+    except GlmconvError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GlmconvError(f"--train-convention: {exc}") from None
+    return Conventions.serve(), train
+
+
+def _check_same_config(config: GlmConfig, mcore_dir: Path) -> None:
+    """A converted checkpoint carries its config.json: refuse a pair that describes different models."""
+    from glmconv.config import load_config
+
+    path = Path(mcore_dir) / "config.json"
+    if not Path(mcore_dir).is_dir():
+        raise GlmconvError(f"{mcore_dir}: no such directory")
+    if not path.is_file():
+        return
+    other = load_config(path)
+    keys = sorted(k for k in set(config.text) | set(other.text) if config.text.get(k) != other.text.get(k)
+                  and k not in ("dtype", "torch_dtype"))
+    if keys or (config.attn_types, config.mlp_types) != (other.attn_types, other.mlp_types):
+        diff = ", ".join(f"{k}: {json.dumps(config.text.get(k))} vs {json.dumps(other.text.get(k))}" for k in keys[:3])
+        raise GlmconvError(f"{path} describes a different model than the HF config ({diff or 'layer schedule'})")

@@ -1,0 +1,159 @@
+"""Run the serve and train models side by side, sub-block by sub-block, and measure each step at once.
+
+Only the current hc streams of each side are held (plus both logits at the end), so memory is the models'
+own per-layer weights plus a few [T, hc, H] tensors. Two modes:
+  propagated: each side runs on its own from its own embedding (the error that reaches the logits);
+  isolated:   every sub-block of both sides gets the SERVE side's input streams (the error each one adds).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+
+from glmconv.errors import GlmconvError
+from glmconv.parity import metrics
+from glmconv.parity.inputs import Batch
+
+MODES = ("propagated", "isolated")
+ATTENTION, MLP = "attention", "mlp"
+
+
+class Model(Protocol):
+    """What parity needs of a model (glmconv.models.model.GlmModel, or a test double)."""
+
+    num_layers: int
+    attn_types: tuple[str, ...] | list[str]
+    mlp_types: tuple[str, ...] | list[str]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, dict]: ...
+    def mlp(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, dict]: ...
+    def head(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class Capture:
+    """Per sub-block records (forward order) and the logit comparison."""
+
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    logits: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+Step = Callable[[str], None]
+
+
+def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
+            on_step: Step | None = None) -> Capture:
+    """Run both models over `batch`; `on_step(label)` is called after each of the 2L + 1 steps."""
+    if mode not in MODES:
+        raise GlmconvError(f"--mode {mode!r}: choose from {', '.join(MODES)}")
+    _check_same_shape(serve, train)
+    step = on_step or (lambda label: None)
+    start = time.monotonic()
+    out = Capture()
+    with torch.inference_mode():
+        xs = serve.embed(batch.ids)
+        xt = xs if mode == "isolated" else train.embed(batch.ids)
+        for layer in range(serve.num_layers):
+            xs, xt = _attention(serve, train, layer, xs, xt, batch, out, mode)
+            step(f"layer {layer} attention")
+            xs, xt = _mlp(serve, train, layer, xs, xt, out, mode)
+            step(f"layer {layer} mlp")
+        logits_s = serve.head(xs)
+        logits_t = train.head(xs if mode == "isolated" else xt)
+        out.logits = metrics.logit_stats(logits_t, logits_s, batch.ids, batch.cu_seqlens).summary()
+        step("logits")
+    out.elapsed_s = time.monotonic() - start
+    return out
+
+
+def steps(model: Model) -> int:
+    """How many times `capture` calls `on_step`."""
+    return 2 * model.num_layers + 1
+
+
+def _check_same_shape(serve: Model, train: Model) -> None:
+    if (serve.num_layers, tuple(serve.attn_types), tuple(serve.mlp_types)) != (
+            train.num_layers, tuple(train.attn_types), tuple(train.mlp_types)):
+        raise GlmconvError(f"the two checkpoints describe different models: serve has {serve.num_layers} layers "
+                           f"{tuple(serve.attn_types)}/{tuple(serve.mlp_types)}, train has {train.num_layers} "
+                           f"{tuple(train.attn_types)}/{tuple(train.mlp_types)}")
+
+
+def _attention(serve: Model, train: Model, layer: int, xs: torch.Tensor, xt: torch.Tensor, batch: Batch,
+               out: Capture, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ys, aux_s = serve.attention(layer, xs, batch.cu_seqlens)
+    yt, aux_t = train.attention(layer, xs if mode == "isolated" else xt, batch.cu_seqlens)
+    rec = _record(serve, layer, ATTENTION, yt, ys)
+    if _has(aux_s, aux_t, "topk"):
+        rec["topk_overlap"] = metrics.selection_overlap(aux_t["topk"], aux_s["topk"])
+    out.layers.append(rec)
+    return ys, yt
+
+
+def _mlp(serve: Model, train: Model, layer: int, xs: torch.Tensor, xt: torch.Tensor, out: Capture,
+         mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ys, aux_s = serve.mlp(layer, xs)
+    yt, aux_t = train.mlp(layer, xs if mode == "isolated" else xt)
+    rec = _record(serve, layer, MLP, yt, ys)
+    if _has(aux_s, aux_t, "experts"):
+        rec["expert_overlap"] = metrics.selection_overlap(aux_t["experts"], aux_s["experts"])
+    out.layers.append(rec)
+    return ys, yt
+
+
+def _record(model: Model, layer: int, sub_block: str, train: torch.Tensor, serve: torch.Tensor) -> dict[str, Any]:
+    if train.shape != serve.shape:
+        raise GlmconvError(f"layer {layer} {sub_block}: train streams {tuple(train.shape)} but serve "
+                           f"{tuple(serve.shape)}")
+    return {"layer": layer, "sub_block": sub_block, "attn_type": model.attn_types[layer],
+            "mlp_type": model.mlp_types[layer], "rel_err": metrics.rel_err(train, serve),
+            "max_abs": metrics.max_abs(train, serve)}
+
+
+def _has(aux_s: dict | None, aux_t: dict | None, key: str) -> bool:
+    return bool(aux_s) and bool(aux_t) and aux_s.get(key) is not None and aux_t.get(key) is not None
+
+
+class StepProgress:
+    """Counts parity steps: a rich bar on a terminal, a plain line every few seconds otherwise, or nothing."""
+
+    def __init__(self, label: str, total: int, *, enabled: bool = True, every_s: float = 5.0) -> None:
+        self.label, self.total, self.enabled, self.every_s = label, total, enabled, every_s
+        self.done = 0
+        self._rich: Any = None
+        self._task: Any = None
+        self._last = time.monotonic()
+
+    def __enter__(self) -> StepProgress:
+        if self.enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.fields[step]}"), TimeElapsedColumn(),
+                                  console=Console(stderr=True), transient=True)
+            self._rich.__enter__()
+            self._task = self._rich.add_task(self.label, total=self.total, step="")
+        return self
+
+    def __call__(self, step: str) -> None:
+        self.done += 1
+        if self._rich is not None:
+            self._rich.update(self._task, advance=1, step=step)
+        elif self.enabled and time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            print(f"{self.label}: {self.done}/{self.total} steps ({step})", file=sys.stderr, flush=True)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._rich is not None:
+            self._rich.__exit__(exc_type, exc, tb)

@@ -1,0 +1,194 @@
+"""Parity metrics on captured tensors: stream errors, selection overlaps, next-token log-prob and KL.
+
+Everything is computed in float64 from whatever dtype the models ran in, so the metric itself adds no noise
+below the fp32 rounding it is meant to measure. "b" / "serve" is always the reference side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+LOGIT_CHUNK = 512  # rows of [T, V] logits turned into log-probs at once: bounds memory at the real vocab
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (0 when both are zero, inf when only b is)."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    num = float(torch.linalg.vector_norm(a64 - b64))
+    den = float(torch.linalg.vector_norm(b64))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise |a - b|."""
+    if a.numel() == 0:
+        return 0.0
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def selection_overlap(train: torch.Tensor, serve: torch.Tensor) -> float:
+    """Mean over tokens of |T_train & T_serve| / |T_serve|, ignoring -1 sentinels on both sides.
+
+    Rows [T, W] of distinct ids (expert ids or indexer top-k token ids); tokens whose serve row is all -1
+    are left out, and a batch with nothing selected counts as full agreement. Sort + searchsorted keeps it
+    O(T W log W), not O(T W^2), at the real width (2051).
+    """
+    if train.shape[0] != serve.shape[0]:
+        raise ValueError(f"selection rows differ: {tuple(train.shape)} vs {tuple(serve.shape)}")
+    s = serve.detach().long().sort(dim=-1).values
+    t = train.detach().long()
+    pos = torch.searchsorted(s, t).clamp(max=max(s.shape[-1] - 1, 0))
+    hit = (s.gather(-1, pos) == t) & (t >= 0) if s.shape[-1] else torch.zeros_like(t, dtype=torch.bool)
+    size = (s >= 0).sum(-1)
+    keep = size > 0
+    if not bool(keep.any()):
+        return 1.0
+    return float((hit.sum(-1)[keep].double() / size[keep].double()).mean())
+
+
+def next_token_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Positions whose next token belongs to the same packed sequence (every position but each last one)."""
+    cu = cu_seqlens.detach().cpu().long().tolist()
+    return torch.tensor([p for lo, hi in zip(cu, cu[1:]) for p in range(lo, hi - 1)], dtype=torch.int64)
+
+
+@dataclass
+class LogitStats:
+    """Per-position logit comparisons, accumulated chunk by chunk."""
+
+    logprob_abs_diff: torch.Tensor  # [P] |logp_train(next) - logp_serve(next)| at next-token positions
+    top1_agree: torch.Tensor  # [T] bool: argmax equal
+    kl: torch.Tensor  # [T] KL(serve || train) per position
+
+    def summary(self) -> dict[str, Any]:
+        return {"logprob_abs_diff": quantile_summary(self.logprob_abs_diff),
+                "top1_agreement": float(self.top1_agree.double().mean()) if self.top1_agree.numel() else 1.0,
+                "kl": float(self.kl.mean()) if self.kl.numel() else 0.0,
+                "positions": int(self.top1_agree.numel()),
+                "next_token_positions": int(self.logprob_abs_diff.numel())}
+
+
+def logit_stats(train: torch.Tensor, serve: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor) -> LogitStats:
+    """Compare [T, V] logits: next-token log-prob differences (within each sequence), top-1, KL(serve||train)."""
+    if train.shape != serve.shape or train.dim() != 2 or train.shape[0] != ids.numel():
+        raise ValueError(f"logits {tuple(train.shape)} / {tuple(serve.shape)} do not match {ids.numel()} tokens")
+    n = train.shape[0]
+    nxt = torch.full((n,), -1, dtype=torch.int64)
+    pos = next_token_positions(cu_seqlens)
+    ids_cpu = ids.detach().cpu().long()
+    nxt[pos] = ids_cpu[pos + 1]
+    diffs, agree, kls = [], [], []
+    for lo, lt, ls in _chunks(train, serve):
+        tgt = nxt[lo:lo + lt.shape[0]].to(lt.device)
+        has = tgt >= 0
+        g = tgt.clamp(min=0).unsqueeze(-1)
+        diffs.append((lt.gather(-1, g) - ls.gather(-1, g)).squeeze(-1)[has].abs().cpu())
+        agree.append((lt.argmax(-1) == ls.argmax(-1)).cpu())
+        kls.append((ls.exp() * (ls - lt)).sum(-1).clamp(min=0.0).cpu())
+    return LogitStats(torch.cat(diffs), torch.cat(agree), torch.cat(kls))
+
+
+def _chunks(train: torch.Tensor, serve: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    for lo in range(0, train.shape[0], LOGIT_CHUNK):
+        lt = torch.log_softmax(train[lo:lo + LOGIT_CHUNK].detach().double(), dim=-1)
+        ls = torch.log_softmax(serve[lo:lo + LOGIT_CHUNK].detach().double(), dim=-1)
+        yield lo, lt, ls
+
+
+def quantile_summary(x: torch.Tensor) -> dict[str, float]:
+    """mean, p99 and max of a 1-D sample (zeros when empty)."""
+    if x.numel() == 0:
+        return {"mean": 0.0, "p99": 0.0, "max": 0.0}
+    x64 = x.double()
+    return {"mean": float(x64.mean()), "p99": float(torch.quantile(x64, 0.99)), "max": float(x64.max())}
+
+
+def first_divergence(layers: Iterable[dict[str, Any]], threshold: float) -> dict[str, Any] | None:
+    """The first (layer, sub-block) record, in forward order, whose rel_err exceeds `threshold` (NaN counts)."""
+    for rec in layers:
+        v = rec["rel_err"]
+        if not v <= threshold:  # also true for NaN
+            return {"layer": rec["layer"], "sub_block": rec["sub_block"], "metric": "rel_err", "value": v}
+    return None
+
+
+# ---- scalar summary and --fail-on bounds ------------------------------------------------------------------
+
+BOUND_METRICS = ("logprob_abs_diff.mean", "logprob_abs_diff.p99", "logprob_abs_diff.max", "kl", "top1_agreement",
+                 "top1_disagreement", "max_rel_err", "final_rel_err", "expert_overlap_min", "topk_overlap_min")
+
+
+def scalars(layers: list[dict[str, Any]], logits: dict[str, Any]) -> dict[str, float | None]:
+    """The report's single-number metrics, the ones `--fail-on` can bound (None: not measured in this run)."""
+    lp = logits["logprob_abs_diff"]
+    experts = [r["expert_overlap"] for r in layers if "expert_overlap" in r]
+    topk = [r["topk_overlap"] for r in layers if "topk_overlap" in r]
+    errs = [r["rel_err"] for r in layers]
+    return {"logprob_abs_diff.mean": lp["mean"], "logprob_abs_diff.p99": lp["p99"], "logprob_abs_diff.max": lp["max"],
+            "kl": logits["kl"], "top1_agreement": logits["top1_agreement"],
+            "top1_disagreement": 1.0 - logits["top1_agreement"],
+            "max_rel_err": _nanmax(errs), "final_rel_err": errs[-1] if errs else None,
+            "expert_overlap_min": min(experts) if experts else None, "topk_overlap_min": min(topk) if topk else None}
+
+
+def _nanmax(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    return math.nan if any(math.isnan(x) for x in xs) else max(xs)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """`METRIC>VALUE` (broken when the metric is above VALUE) or `METRIC<VALUE` (broken when below)."""
+
+    metric: str
+    op: str
+    limit: float
+
+    @property
+    def text(self) -> str:
+        return f"{self.metric}{self.op}{self.limit:g}"
+
+    def broken(self, value: float) -> bool:
+        """NaN breaks every bound: a metric that cannot be computed never passes a gate."""
+        return not (value <= self.limit if self.op == ">" else value >= self.limit)
+
+
+def parse_bound(text: str) -> Bound:
+    """Parse one --fail-on; raises GlmconvError naming what is wrong."""
+    from glmconv.errors import GlmconvError
+
+    ops = [op for op in "<>" if op in text]
+    if len(ops) != 1 or text.count(ops[0]) != 1:
+        raise GlmconvError(f"--fail-on {text!r}: expected METRIC>VALUE or METRIC<VALUE")
+    metric, value = (s.strip() for s in text.split(ops[0]))
+    if metric not in BOUND_METRICS:
+        raise GlmconvError(f"--fail-on {text!r}: unknown metric {metric!r} (choose from {', '.join(BOUND_METRICS)})")
+    try:
+        limit = float(value)
+    except ValueError:
+        raise GlmconvError(f"--fail-on {text!r}: {value!r} is not a number") from None
+    if math.isnan(limit):
+        raise GlmconvError(f"--fail-on {text!r}: the bound must be a number, not NaN")
+    return Bound(metric, ops[0], limit)
+
+
+def check_bounds(bounds: Iterable[Bound], values: dict[str, float | None]) -> list[dict[str, Any]]:
+    """Each bound with the measured value and whether it is broken."""
+    from glmconv.errors import GlmconvError
+
+    out = []
+    for b in bounds:
+        v = values.get(b.metric)
+        if v is None:
+            raise GlmconvError(f"--fail-on {b.text}: {b.metric} was not measured in this run (no such layers)")
+        out.append({"bound": b.text, "metric": b.metric, "op": b.op, "limit": b.limit, "value": v,
+                    "broken": b.broken(v)})
+    return out

@@ -1,0 +1,181 @@
+"""The parity report: one JSON-able dict, rendered as a rich table, Markdown, and a per-layer error plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from glmconv import __version__
+from glmconv.errors import GlmconvError
+from glmconv.parity import metrics
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from glmconv.parity import ParityOptions
+    from glmconv.parity.capture import Capture
+    from glmconv.parity.inputs import Batch
+
+JSON_NAME, MD_NAME, PNG_NAME = "report.json", "report.md", "error_per_layer.png"
+_PLOT_FLOOR = 1e-12  # log-scale floor for exact zeros
+
+
+def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: dict[str, Any]) -> dict[str, Any]:
+    """Everything a run measured plus what it was asked: the one structure all renderings read."""
+    threshold = opts.effective_threshold
+    values = metrics.scalars(cap.layers, cap.logits)
+    bounds = metrics.check_bounds(opts.bounds, values)
+    return {
+        "glmconv_version": __version__, "hf_dir": str(opts.hf_dir), "mcore_dir": str(opts.mcore_dir),
+        "mode": opts.mode, "dtype": opts.dtype, "device": opts.device, "tokens": batch.tokens,
+        "sequences": batch.sequences, "seed": opts.seed, "inputs": batch.source,
+        "train_conventions_base": opts.train_conventions, "train_convention_overrides": list(opts.overrides),
+        "conventions": conventions, "threshold": threshold, "layers": cap.layers, "logits": cap.logits,
+        "summary": values, "first_divergence": metrics.first_divergence(cap.layers, threshold),
+        "bounds": bounds, "passed": not any(b["broken"] for b in bounds), "elapsed_s": round(cap.elapsed_s, 3),
+    }
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """report.json, report.md and error_per_layer.png in `out_dir` (created); returns the paths."""
+    d = Path(out_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        paths = [d / JSON_NAME, d / MD_NAME, d / PNG_NAME]
+        paths[0].write_text(to_json(report) + "\n")
+        paths[1].write_text(to_markdown(report))
+        plot(report, paths[2])
+    except OSError as exc:
+        raise GlmconvError(f"{d}: cannot write the report ({exc.strerror or exc})") from None
+    return paths
+
+
+def to_json(report: dict[str, Any]) -> str:
+    """Strict JSON: NaN and infinities become strings, so any JSON parser reads the report."""
+    return json.dumps(_finite(report), indent=2)
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _fmt(v: Any, spec: str = ".3e") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def _overlap(rec: dict[str, Any]) -> str:
+    parts = [f"experts {rec['expert_overlap']:.3f}" if "expert_overlap" in rec else "",
+             f"top-k {rec['topk_overlap']:.3f}" if "topk_overlap" in rec else ""]
+    return " ".join(p for p in parts if p) or "-"
+
+
+def divergence_line(report: dict[str, Any]) -> str:
+    fd = report["first_divergence"]
+    if fd is None:
+        return f"no sub-block exceeds rel_err {report['threshold']:g}"
+    return (f"first divergence: layer {fd['layer']} {fd['sub_block']} (rel_err {_fmt(fd['value'])} > "
+            f"{report['threshold']:g})")
+
+
+def logits_lines(report: dict[str, Any]) -> list[str]:
+    lg = report["logits"]
+    lp = lg["logprob_abs_diff"]
+    return [f"next-token logprob abs diff: mean {_fmt(lp['mean'])}, p99 {_fmt(lp['p99'])}, max {_fmt(lp['max'])}",
+            f"top-1 agreement: {lg['top1_agreement']:.4f}   KL(serve||train): {_fmt(lg['kl'])} per token"]
+
+
+def bound_lines(report: dict[str, Any]) -> list[str]:
+    return [f"{'FAILED' if b['broken'] else 'ok'}: {b['bound']} (measured {_fmt(b['value'])})"
+            for b in report["bounds"]]
+
+
+def print_table(report: dict[str, Any], console: Console) -> None:
+    """The per-sub-block table, the logit metrics, the first divergence and the bounds."""
+    from rich.table import Table
+
+    t = Table(title=f"glmconv parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens "
+                    f"in {report['sequences']} sequence(s)")
+    for col in ("layer", "sub-block", "type", "rel err", "max abs", "overlap"):
+        t.add_column(col, justify="right" if col in ("layer", "rel err", "max abs") else "left")
+    fd = report["first_divergence"]
+    for rec in report["layers"]:
+        over = not rec["rel_err"] <= report["threshold"]
+        first = fd is not None and (fd["layer"], fd["sub_block"]) == (rec["layer"], rec["sub_block"])
+        kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
+        t.add_row(str(rec["layer"]), rec["sub_block"] + (" <- first" if first else ""), kind, _fmt(rec["rel_err"]),
+                  _fmt(rec["max_abs"]), _overlap(rec), style="bold red" if first else "red" if over else None)
+    console.print(t)
+    for line in logits_lines(report) + [divergence_line(report)]:
+        console.print(line, markup=False, highlight=False)
+    for line, b in zip(bound_lines(report), report["bounds"]):
+        console.print(line, style="bold red" if b["broken"] else "green", markup=False, highlight=False)
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """A self-contained Markdown page: settings, conventions, per-layer table, logits, verdict."""
+    conv = report["conventions"]
+    keys = sorted(set(conv.get("serve", {})) | set(conv.get("train", {})))
+    lines = ["# glmconv parity report", "",
+             f"- serve: `{report['hf_dir']}`", f"- train: `{report['mcore_dir']}`",
+             f"- mode {report['mode']}, dtype {report['dtype']}, device {report['device']}, {report['tokens']} "
+             f"tokens in {report['sequences']} sequence(s), inputs {report['inputs']}, seed {report['seed']}",
+             f"- threshold (rel err): {report['threshold']:g}", "",
+             "## Conventions", "", "| switch | serve | train |", "|---|---|---|"]
+    lines += [f"| {k} | {conv.get('serve', {}).get(k, '-')} | {conv.get('train', {}).get(k, '-')}"
+              f"{' (differs)' if conv.get('serve', {}).get(k) != conv.get('train', {}).get(k) else ''} |" for k in keys]
+    lines += ["", "## Per layer", "", "| layer | sub-block | type | rel err | max abs | overlap |",
+              "|---:|---|---|---:|---:|---|"]
+    for rec in report["layers"]:
+        kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
+        lines.append(f"| {rec['layer']} | {rec['sub_block']} | {kind} | {_fmt(rec['rel_err'])} | "
+                     f"{_fmt(rec['max_abs'])} | {_overlap(rec)} |")
+    lines += ["", "## Logits", ""] + [f"- {s}" for s in logits_lines(report)]
+    lines += ["", "## Verdict", "", f"- {divergence_line(report)}"] + [f"- {s}" for s in bound_lines(report)]
+    lines += ["", f"![relative error per layer]({PNG_NAME})", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Log-scale rel err per layer, one series per sub-block, the threshold as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    try:
+        for sub, marker in (("attention", "o"), ("mlp", "s")):
+            recs = [r for r in report["layers"] if r["sub_block"] == sub]
+            ys = [max(r["rel_err"], _PLOT_FLOOR) if math.isfinite(r["rel_err"]) else 1e6 for r in recs]
+            ax.plot([r["layer"] for r in recs], ys, marker=marker, label=sub)
+        ax.axhline(report["threshold"], color="red", linestyle="--", label=f"threshold {report['threshold']:g}")
+        _mark_first(ax, report)
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("relative error of hc streams (train vs serve)")
+        ax.set_title(f"parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+
+
+def _mark_first(ax: Any, report: dict[str, Any]) -> None:
+    fd = report["first_divergence"]
+    if fd is not None and math.isfinite(fd["value"]):
+        ax.annotate(f"first: {fd['layer']} {fd['sub_block']}", (fd["layer"], fd["value"]),
+                    textcoords="offset points", xytext=(8, 8), color="red")
