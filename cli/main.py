@@ -30,11 +30,13 @@ def cli() -> None:
 def _register() -> None:
     from cli.audit_cmd import audit_names
     from cli.convert_cmd import convert
+    from cli.export_cmd import export
     from cli.fixture_cmd import fixture
     from cli.parity_cmd import parity
 
     cli.add_command(audit_names)
     cli.add_command(convert)
+    cli.add_command(export)
     cli.add_command(fixture)
     cli.add_command(parity)
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +13,9 @@ from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules.ops import StackExperts
+from glmconv.runner import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
+    STAGING_SUFFIX, check_output, cleanup, collective_error, fresh_staging, gather, progress, publish, run_ranks,
+    staging_dir, torchrun_env, try_, try_none, try_raise)
 
 if TYPE_CHECKING:
     import torch
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "glmconv.json"
-STAGING_SUFFIX = ".glmconv-staging"
 DEFAULT_GROUP_BYTES = 1 << 30  # tensors written per data file: the peak memory of one worker
 DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are produced in chunks of at most this many bytes
 
@@ -62,11 +62,17 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
         raise CheckpointError(f"{f.tensor} ({f.file}): {f.kind}: expected {f.expected}, found {f.found}{more}")
     plan = build_plan(full.config, fp8=full.fp8, mtp=full.mtp and mtp, vision=full.vision and vision,
                       text_prefix=full.text_prefix)
-    left_out = {part: sum(len(m.hf) + sum(1 for s in m.scales if s) for m in full.mappings if m.part == part)
+    left_out = {part: sum(len(m.hf) + sum(1 for s in m.scales if s) for m in full.mappings
+                          if _part(m, full.config.num_layers) == part)
                 for part, keep in (("mtp", plan.mtp), ("vision", plan.vision)) if getattr(full, part) and not keep}
     ck = inspect_hf_checkpoint(src_p)
     files = {n: shard_path(src_p, t.file) for n, t in ck.tensors.items()}
     return ConvertJob(src=src_p, out=out_p, plan=plan, files=files, left_out=left_out)
+
+
+def _part(m: Mapping, num_layers: int) -> str:
+    """The optional part a mapping belongs to: the MTP layer's decoder-layer rules have scope "layer"."""
+    return "mtp" if m.layer is not None and m.layer >= num_layers else m.part
 
 
 def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:
@@ -160,32 +166,7 @@ def check_consumed(job: ConvertJob, consumed: list[str]) -> None:
         raise CheckpointError(f"{missing[0]}: never consumed ({len(missing)} source tensors were not converted)")
 
 
-# ---- staging and publishing --------------------------------------------------------------------------
-
-def staging_dir(out: Path) -> Path:
-    return out.with_name(out.name + STAGING_SUFFIX)
-
-
-def check_output(out: Path, force: bool) -> None:
-    """Refuse an existing OUT_DIR unless --force; never half-clear it here (publish replaces it whole)."""
-    if out.exists() and not out.is_dir():
-        raise GlmconvError(f"{out}: exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise GlmconvError(f"{out}: already exists and is not empty; pass --force to replace it")
-    parent = out.resolve().parent
-    if not parent.is_dir():
-        raise GlmconvError(f"{parent}: output parent directory does not exist")
-    if not os.access(parent, os.W_OK):
-        raise GlmconvError(f"{parent}: not writable")
-
-
-def fresh_staging(out: Path) -> Path:
-    stage = staging_dir(out)
-    if stage.exists():
-        shutil.rmtree(stage)  # left by an interrupted run: never published, safe to drop
-    stage.mkdir(parents=True)
-    return stage
-
+# ---- sidecars and verification --------------------------------------------------------------------------
 
 def write_sidecars(job: ConvertJob, stage: Path) -> None:
     """The config (so audit and export know the model) and a manifest of what was done."""
@@ -198,24 +179,22 @@ def write_sidecars(job: ConvertJob, stage: Path) -> None:
 
 
 def verify_staged(job: ConvertJob, stage: Path) -> None:
-    """Re-read what was written (DCP metadata) and audit it against the source, both ways."""
-    report = audit_mod.audit(job.src, stage, mtp=job.plan.mtp, vision=job.plan.vision, accept_flat_prefix=True)
-    if not report.ok:
-        f = report.findings[0]
+    """Re-read what was written (DCP metadata) and audit it against the source, both ways.
+
+    The source itself was audited in full by `prepare`; here it is only cross-checked through the plan of the
+    parts kept, so that --no-mtp / --no-vision do not report the parts left out as unexpected source tensors.
+    """
+    opts = audit_mod.Options(mtp=job.plan.mtp, vision=job.plan.vision, accept_flat_prefix=True)
+    src, out = audit_mod.load_side(job.src, opts), audit_mod.load_side(stage, opts, "against")
+    audit_mod.plan_side(src, opts)
+    audit_mod.plan_side(out, opts)
+    findings = [*out.findings, *audit_mod.compare_side(out, opts, "against"),
+                *audit_mod.config_findings(src, out, "against"), *audit_mod.cross_check(src, out, "against"),
+                *audit_mod.cross_check(out, src, "src", shapes=False)]
+    if findings:
+        f = findings[0]
         raise CheckpointError(f"verification of {stage} failed: {f.tensor}: {f.kind}: expected {f.expected}, "
                               f"found {f.found}")
-
-
-def publish(stage: Path, out: Path) -> None:
-    """Swap the verified staging directory into place; an old OUT_DIR (with --force) goes only now."""
-    trash = out.with_name(out.name + ".glmconv-old")
-    if trash.exists():
-        shutil.rmtree(trash)
-    if out.exists():
-        os.replace(out, trash)
-    os.replace(stage, out)
-    if trash.exists():
-        shutil.rmtree(trash)
 
 
 # ---- running: one process, --workers N, or torchrun ranks ---------------------------------------------
@@ -240,27 +219,10 @@ def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
                         for r, p in enumerate(parts)]}
 
 
-def torchrun_env() -> tuple[int, int] | None:
-    """(rank, world size) when launched by torchrun with more than one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return (int(os.environ["RANK"]), world) if world > 1 and "RANK" in os.environ else None
-
-
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     check_output(job.out, force)
-    env = torchrun_env()
-    if env is not None:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        try:
-            return run_rank(job, opts, env[0], env[1], dist.group.WORLD)
-        finally:
-            dist.destroy_process_group()
-    if opts.workers > 1:
-        return _spawn(job, opts)
-    return run_rank(job, opts, 0, 1, None)
+    return run_ranks(run_rank, (job, opts), opts.workers, "convert")
 
 
 def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
@@ -269,7 +231,7 @@ def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: An
     from glmconv.io.dcp_writer import DcpWriter
 
     stage = staging_dir(job.out)
-    error = _collective_error(group, _try_none(lambda: fresh_staging(job.out)) if rank == 0 else None)
+    error = collective_error(group, try_none(lambda: fresh_staging(job.out)) if rank == 0 else None)
     if error:
         raise GlmconvError(error)
     writer = DcpWriter(stage, specs=job.plan.mcore_index, group=group)
@@ -277,26 +239,26 @@ def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: An
     total = sum(m.hf_bytes for m in share)
     label = f"convert [{rank}/{world}]" if world > 1 else "convert"
     result: ShareResult | None = None
-    with _progress(label, total, sum(len(m.hf) for m in share), opts.progress and rank == 0) as progress:
-        outcome = _try(lambda: run_share(job, share, writer, progress, group_bytes=opts.group_bytes,
-                                         chunk_bytes=opts.chunk_bytes))
+    with progress(label, total, sum(len(m.hf) for m in share), opts.progress and rank == 0) as prog:
+        outcome = try_(lambda: run_share(job, share, writer, prog, group_bytes=opts.group_bytes,
+                                        chunk_bytes=opts.chunk_bytes))
     if not isinstance(outcome, str):
         result, outcome = outcome, None
-    consumed = _gather(group, (outcome, result.consumed if result else []), world)
+    consumed = gather(group, (outcome, result.consumed if result else []), world)
     error = None
     if rank == 0:
-        error = next((e for e, _ in consumed if e), None) or _try_none(
+        error = next((e for e, _ in consumed if e), None) or try_none(
             lambda: check_consumed(job, [n for _, names in consumed for n in names]))
-    error = _collective_error(group, error)
+    error = collective_error(group, error)
     if error:
-        _cleanup(stage, rank)
+        cleanup(stage, rank)
         raise GlmconvError(error)
     if rank == 0:
-        _try_raise(lambda: write_extra_states(job, writer), stage, rank)
-    _try_raise(lambda: writer.finish(build_common_state(job.plan.config) if rank == 0 else None), stage, rank)
+        try_raise(lambda: write_extra_states(job, writer), stage, rank)
+    try_raise(lambda: writer.finish(build_common_state(job.plan.config) if rank == 0 else None), stage, rank)
     if rank == 0:
-        _try_raise(lambda: _finalize(job, stage), stage, rank)
-    _collective_error(group, None)
+        try_raise(lambda: _finalize(job, stage), stage, rank)
+    collective_error(group, None)
     return {**dry_run_summary(job, RunOptions(workers=world)), "published": str(job.out)}
 
 
@@ -311,108 +273,3 @@ def _finalize(job: ConvertJob, stage: Path) -> None:
     write_sidecars(job, stage)
     verify_staged(job, stage)
     publish(stage, job.out)
-
-
-def _progress(label: str, total: int, items: int, enabled: bool) -> Any:
-    from glmconv.progress import Progress
-
-    return Progress(label, total, items, enabled=enabled)
-
-
-def _try(fn: Any) -> Any:
-    """Run `fn`; a user-facing error becomes its message (so every rank still reaches the collectives)."""
-    try:
-        return fn()
-    except GlmconvError as exc:
-        return str(exc)
-
-
-def _try_none(fn: Any) -> str | None:
-    out = _try(fn)
-    return out if isinstance(out, str) else None
-
-
-def _try_raise(fn: Any, stage: Path, rank: int) -> None:
-    try:
-        fn()
-    except GlmconvError:
-        _cleanup(stage, rank)
-        raise
-
-
-def _cleanup(stage: Path, rank: int) -> None:
-    if rank == 0 and stage.exists():
-        shutil.rmtree(stage, ignore_errors=True)
-
-
-def _gather(group: Any, value: Any, world: int) -> list[Any]:
-    if group is None:
-        return [value]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
-def _collective_error(group: Any, error: str | None) -> str | None:
-    """Rank 0's verdict, seen by every rank."""
-    if group is None:
-        return error
-    import torch.distributed as dist
-
-    box = [error]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _spawn(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
-    """--workers N on one machine: N gloo processes, each converting its share."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="glmconv-pg-") as tmp:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(job, opts, r, opts.workers, Path(tmp) / "store", results))
-                 for r in range(opts.workers)]
-        for p in procs:
-            p.start()
-        outcomes = _collect(results, procs)
-    errors = [o for o in outcomes if isinstance(o, str)]
-    if errors:
-        raise GlmconvError(errors[0])
-    if any(p.exitcode for p in procs) or not outcomes:
-        raise GlmconvError(f"a convert worker died (exit codes {[p.exitcode for p in procs]}); nothing published")
-    return next(o for o in outcomes if isinstance(o, dict))
-
-
-def _collect(results: Any, procs: list[Any]) -> list[Any]:
-    """One outcome per worker; a worker that died without one is noticed instead of waited on."""
-    import queue
-
-    outcomes: list[Any] = []
-    while len(outcomes) < len(procs):
-        try:
-            outcomes.append(results.get(timeout=1.0))
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join()
-    return outcomes
-
-
-def _worker(job: ConvertJob, opts: RunOptions, rank: int, world: int, store: Path, results: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        results.put(run_rank(job, opts, rank, world, dist.group.WORLD))
-    except GlmconvError as exc:
-        results.put(str(exc))
-    finally:
-        dist.destroy_process_group()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import re
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,10 @@ class DcpReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in self._entry(name).size)
+
+    def chunks(self, name: str) -> list[Box]:
+        """(offsets, sizes) of every stored chunk of `name`, as the metadata lists them."""
+        return [(tuple(int(o) for o in c.offsets), tuple(int(z) for z in c.sizes)) for c in self._entry(name).chunks]
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The global tensor `name`, or its rows [start, stop) along dim 0, assembled from every chunk."""
@@ -105,12 +110,14 @@ class DcpReader:
         if info is None:
             raise CheckpointError(f"{name}: chunk at {list(chunk.offsets)} has no storage entry in {DCP_METADATA_NAME}")
         path = self._data_file(name, info)
-        data = _read_range(path, int(info.offset), int(info.length), name)
         try:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+            with open(path, "rb") as fh:  # torch.load reads the chunk in place: no copy of its bytes
+                tensor = torch.load(_Slice(fh, int(info.offset), int(info.length)), map_location="cpu",
+                                    weights_only=True)
+        except OSError as exc:
+            raise CheckpointError(f"{path.name}: cannot read {name} ({exc.strerror or exc})") from None
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
             raise CheckpointError(f"{path.name}: {name}: chunk is not a readable tensor ({_line(exc)})") from None
-        del data
         want = tuple(int(s) for s in chunk.sizes)
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != want or tensor.dtype != self._entry(
                 name).properties.dtype:
@@ -132,16 +139,31 @@ class DcpReader:
         return path
 
 
-def _read_range(path: Path, offset: int, length: int, name: str) -> bytes:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            data = fh.read(length)
-    except OSError as exc:
-        raise CheckpointError(f"{path.name}: cannot read {name} ({exc.strerror or exc})") from None
-    if len(data) != length:
-        raise CheckpointError(f"{path.name}: truncated: {name} needs bytes {offset}..{offset + length}")
-    return data
+class _Slice(io.RawIOBase):
+    """The read-only window [offset, offset + length) of an open file, seekable relative to its start."""
+
+    def __init__(self, fh: io.BufferedReader, offset: int, length: int) -> None:
+        super().__init__()
+        self._fh, self._start, self._len = fh, offset, length
+        fh.seek(offset)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._fh.tell() - self._start
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.tell(), io.SEEK_END: self._len}[whence]
+        self._fh.seek(self._start + min(max(base + pos, 0), self._len))
+        return self.tell()
+
+    def readinto(self, buf: Any) -> int:
+        n = min(len(buf), self._len - self.tell())
+        return self._fh.readinto(memoryview(buf)[:n]) if n > 0 else 0
 
 
 def _intersect(name: str, size: tuple[int, ...], chunk: Any, start: int, stop: int) -> Box | None:
@@ -177,5 +199,9 @@ def _check_cover(name: str, boxes: list[Box], shape: tuple[int, ...], start: int
 
 
 def _line(exc: BaseException) -> str:
+    """The reason in one line: the weights-only unpickler's own words when it refused something."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+)|(Trying to load unsupported GLOBAL [\w.]+)", str(exc))
+    if found:
+        return "refused by the weights-only unpickler: " + (found.group(1) or found.group(2)).strip()
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__

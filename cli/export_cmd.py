@@ -1,0 +1,57 @@
+"""`glmconv export`: Megatron torch_dist -> HF safetensors in the release's naming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from cli.sizes import parse_size
+
+
+@click.command("export")
+@click.argument("mcore_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--like", "like", type=click.Path(path_type=Path), default=None,
+              help="HF checkpoint to imitate: its text prefix, per-tensor dtypes, config, tokenizer files.")
+@click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+              help="config.json of the model (default: the one convert left in MCORE_DIR).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--fp8", is_flag=True, help="Re-quantise the release's FP8 set (e4m3, 128x128 block scales).")
+@click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Worker processes on this machine (under torchrun, one per rank instead).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR (only once the new one is verified).")
+def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: str, fp8: bool,
+           workers: int, as_json: bool, force: bool) -> None:
+    """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
+    from glmconv.export import ExportOptions, export as run, prepare
+
+    job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=parse_size(max_shard_size))
+    summary = run(job, ExportOptions(workers=workers, progress=not as_json), force=force)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    _print(summary)
+
+
+def _print(s: dict) -> None:
+    click.echo(f"exported {s['mcore_tensors']:,} Megatron tensors ({s['bytes_in'] / 1e9:.3f} GB read) -> "
+               f"{s['hf_tensors']:,} HF tensors in {s['shards']} shards ({s['bytes_out'] / 1e9:.3f} GB) into "
+               f"{s['published']} in {s['elapsed_s']:.1f}s")
+    for name, pad in s["vocab_padding_stripped"].items():
+        click.echo(f"vocab padding stripped: {name} {pad['stored_rows']:,} -> {pad['vocab_size']:,} rows")
+    if s["fp8_requantized"]:
+        f = s["fp8_requantized"]
+        click.echo(f"fp8: {f['tensors']:,} weights, {f['blocks']:,} blocks, {f['scale_adjusted_blocks']:,} scales "
+                   f"moved off amax/448 to reproduce the bf16 values, {f['inexact_blocks']:,} blocks inexact")
+    for part in ("mtp", "vision"):
+        if not s[part]:
+            click.echo(f"{part}: not in the torch_dist checkpoint, not exported")
+    if s.get("source_fp8") and not s["fp8"]:
+        click.echo("note: the source HF checkpoint was FP8; this export is BF16 (pass --fp8 to re-quantise)")
+    src_prefix = s.get("source_text_prefix")
+    if src_prefix and src_prefix != s["text_prefix"]:
+        click.echo(f"note: the source HF checkpoint used the text prefix {src_prefix!r}; this export uses "
+                   f"{s['text_prefix']!r} (pass --like SOURCE to restore it)")

@@ -1,0 +1,493 @@
+"""Megatron torch_dist -> HF safetensors in the release's naming: the plan run backward, streaming, strict, atomic.
+
+Each mapping's Megatron tensors are read from the `.distcp` chunks (stacked experts a few rows at a time),
+turned back into HF tensors by `rule.transform.backward`, cast to the HF dtype (the plan's, or `--like`'s
+header dtype where the plan accepts it) and streamed into safetensors shards; rank 0 names the shards, writes
+the index and sidecars, audits the staged directory against its plan and the source, then publishes it.
+
+FP8 (`--fp8`), measured on the `tiny` fixture (95 FP8 weights, 101 blocks, 247,808 values;
+tests/test_export.py::test_fp8_round_trip_codes_equal_scales_differ_dequantised_equal): the Megatron side holds
+w = bf16(q0 * s0). Re-quantising w with amax/448 gives back every e4m3 code q0 (0 of 247,808 differ: the block
+maximum dequantises to bf16(448 * s0) and maps to 448 again; every other value moves by < 2^-8 relative, far
+inside an e4m3 half-step of 2^-4), but none of the 101 scales: amax(w) / 448 = bf16(448 * s0) / 448 lost the
+low 16 bits of s0's mantissa in the bf16 cast (max relative difference 3.7e-3). With that scale 56,649 values
+(23%) dequantise to a different bf16. So export keeps the codes and moves each block's scale to the fp32 value
+nearest amax/448 at which every value of the block dequantises to exactly w (`quantize_fp8_exact`): the
+dequantised checkpoint is bit-identical to the source's, the codes are the source's codes, and the scale bytes
+differ from the source's (s0 itself is not recoverable: every fp32 scale in an interval reproduces w; on the
+fixture the intervals hold 2,169 to 65,506 fp32 values, median 10,064, and s0 lies in each of them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from glmconv import audit as audit_mod
+from glmconv.config import GlmConfig, load_config
+from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, shares
+from glmconv.errors import CheckpointError, ConfigError, GlmconvError
+from glmconv.io.dcp_metadata import DcpCheckpoint, inspect_torch_dist
+from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
+from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
+from glmconv.rules import names
+from glmconv.rules.ops import StackExperts
+from glmconv.runner import (broadcast, check_output, cleanup, collective_error, fresh_staging, gather, progress,
+                            publish, run_ranks, staging_dir, try_, try_none)
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmconv.io.dcp_reader import DcpReader
+
+DEFAULT_SHARD_BYTES = 5 * 10**9
+VOCAB_DIM = "vocab"
+LIKE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
+              "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+LIKE_GLOBS = ("chat_template*", "*.tiktoken")
+_RANK_DIR = ".rank-{:05d}"
+
+
+@dataclass
+class ExportJob:
+    """Everything decided before a byte of tensor data is read."""
+
+    src: Path
+    out: Path
+    plan: Plan
+    config_json: dict[str, Any]
+    dtypes: dict[str, str]  # HF tensor (and FP8 scale) -> safetensors dtype to write
+    stored_rows: dict[str, int] = field(default_factory=dict)  # vocab-padded Megatron tensors: rows on disk
+    iteration: str = ""
+    like: Path | None = None
+    config_path: Path | None = None
+    source_text_prefix: str | None = None  # from convert's manifest, when there is one
+    source_fp8: bool | None = None
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    workers: int = 1
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    progress: bool = True
+
+
+# ---- deciding the plan -------------------------------------------------------------------------------
+
+def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
+            fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportJob:
+    """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch)."""
+    from glmconv.io.common_state import read_common_state
+
+    if max_shard_bytes < 1:
+        raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
+    src_p = Path(src)
+    ck = inspect_torch_dist(src_p)
+    common = read_common_state(ck.iter_dir)
+    cfg_path = Path(config) if config is not None else _config_path(src_p, ck)
+    cfg = load_config(cfg_path)
+    like_ck = inspect_hf_checkpoint(like) if like is not None else None
+    if like_ck is not None:
+        _check_like_config(cfg, like_ck)
+    prefix = (like_ck.text_prefix if like_ck is not None else None) or names.HF_TEXT_PREFIX
+    parts = names.mcore_parts_present(ck.tensors)
+    plan = build_plan(cfg, fp8=fp8, mtp="mtp" in parts, vision="vision" in parts, text_prefix=prefix)
+    stored_rows = check_source(plan, ck)
+    manifest = _manifest(src_p)
+    return ExportJob(
+        src=src_p, out=Path(out), plan=plan, config_json=_config_json(like_ck.config if like_ck else cfg, plan),
+        dtypes=_dtypes(plan, like_ck), stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
+        like=Path(like) if like is not None else None, config_path=Path(config) if config is not None else None,
+        source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
+        max_shard_bytes=max_shard_bytes)
+
+
+def _config_path(src: Path, ck: DcpCheckpoint) -> Path:
+    for cand in audit_mod.mcore_config_candidates(src, ck.iter_dir):
+        if cand.is_file():
+            return cand
+    raise CheckpointError(f"{src}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
+
+
+def _manifest(src: Path) -> dict[str, Any]:
+    path = src / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _check_like_config(cfg: GlmConfig, like: HfCheckpoint) -> None:
+    """--like must describe the same model: every dimension and the layer schedules."""
+    a = audit_mod.Side(Path("mcore"), audit_mod.CONFIG, cfg, None)
+    b = audit_mod.Side(like.path, audit_mod.CONFIG, like.config, None)
+    findings = audit_mod.config_findings(a, b, "like")
+    if findings:
+        f = findings[0]
+        raise ConfigError(f"{like.path / CONFIG_NAME}: --like is another model: {f.tensor} is {f.found}, "
+                          f"the torch_dist config says {f.expected}")
+
+
+def _dtypes(plan: Plan, like: HfCheckpoint | None) -> dict[str, str]:
+    """The plan's dtype per HF tensor, or the --like checkpoint's where the plan accepts it (BF16 hc fn)."""
+    out: dict[str, str] = {}
+    for name, spec in plan.hf_index.items():
+        have = like.tensors.get(name) if like is not None else None
+        out[name] = have.dtype if have is not None and spec.accepts(have.dtype) else spec.dtype
+    return out
+
+
+def _config_json(cfg: GlmConfig, plan: Plan) -> dict[str, Any]:
+    """The config to publish: FP8 quantization_config exactly when the tensors are FP8."""
+    from glmconv.fixtures.presets import modules_not_converted, quantization_config
+
+    raw = cfg.to_json()
+    q = raw.pop("quantization_config", None)
+    if plan.fp8:
+        fp8_q = isinstance(q, dict) and q.get("quant_method") == "fp8"
+        raw["quantization_config"] = q if fp8_q else quantization_config(modules_not_converted(raw))
+    return raw
+
+
+def check_source(plan: Plan, ck: DcpCheckpoint) -> dict[str, int]:
+    """Every planned Megatron tensor present with its shape and dtype, nothing else; returns vocab-padded rows."""
+    where = ck.iter_dir
+    missing = [n for n in plan.mcore_index if n not in ck.tensors]
+    if missing:
+        needs = ", ".join(t.name for t in plan.mapping_of_mcore[missing[0]].hf)
+        more = f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{missing[0]}: missing from {where} (needed for {needs}){more}")
+    extra = sorted(set(ck.tensors) - set(plan.mcore_index))
+    if extra:
+        more = f" ({len(extra)} tensors are not in the plan)" if len(extra) > 1 else ""
+        raise CheckpointError(f"{extra[0]}: in {where} but not in the export plan{more}")
+    padded: dict[str, int] = {}
+    for name, spec in plan.mcore_index.items():
+        got = ck.tensors[name]
+        if got.dtype != spec.dtype:
+            raise CheckpointError(f"{name}: {got.dtype} in {where}, the plan says {spec.dtype}")
+        if got.shape != spec.shape:
+            padded[name] = _padded_rows(plan, spec, got.shape, where)
+    return padded
+
+
+def _padded_rows(plan: Plan, spec: TensorSpec, shape: tuple[int, ...], where: Path) -> int:
+    """Megatron pads the vocabulary to a multiple (of 128 x TP): more rows are stripped, fewer are an error."""
+    m = plan.mapping_of_mcore[spec.name]
+    vocab = m.rule.shapes[0][0] == VOCAB_DIM
+    if vocab and len(shape) == len(spec.shape) and shape[1:] == spec.shape[1:]:
+        if shape[0] > spec.shape[0]:
+            return shape[0]
+        raise CheckpointError(f"{spec.name}: {shape[0]} vocabulary rows in {where}, fewer than vocab_size "
+                              f"{spec.shape[0]}")
+    raise CheckpointError(f"{spec.name}: {list(shape)} in {where}, the plan says {list(spec.shape)}")
+
+
+# ---- producing HF tensors ----------------------------------------------------------------------------
+
+@dataclass
+class Fp8Stats:
+    """What re-quantisation did: blocks written, scales moved off amax/448, blocks not reproduced exactly."""
+
+    tensors: int = 0
+    blocks: int = 0
+    scale_adjusted_blocks: int = 0
+    inexact_blocks: int = 0
+
+    def add(self, other: Fp8Stats) -> None:
+        for k in ("tensors", "blocks", "scale_adjusted_blocks", "inexact_blocks"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str, str] | None = None, *,
+                    stored_rows: dict[str, int] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                    stats: Fp8Stats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors (FP8 weights followed by their scales) of `mappings`, read and transformed one group at a time."""
+    for m in mappings:
+        yield from mapping_tensors(m, reader, dtypes or {}, stored_rows or {}, chunk_bytes, stats or Fp8Stats())
+
+
+def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], stored_rows: dict[str, int],
+                    chunk_bytes: int, stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
+    """One mapping backward; stacked experts come `chunk_bytes` of experts at a time, never whole."""
+    try:
+        if isinstance(m.rule.transform, StackExperts):
+            yield from _expert_tensors(m, reader, dtypes, chunk_bytes, stats)
+            return
+        mcore = [reader.read(t.name, (0, t.shape[0]) if t.name in stored_rows else None) for t in m.mcore]
+        hf = m.rule.transform.backward(mcore, [t.shape for t in m.hf])
+        for spec, scale, tensor in zip(m.hf, m.scales, hf, strict=True):
+            yield from _encode(spec, scale, tensor, dtypes, stats)
+    finally:
+        reader.drop_cache()
+
+
+def _expert_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], chunk_bytes: int,
+                    stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
+    spec = m.mcore[0]
+    experts = spec.shape[0]
+    per = max(1, min(experts, chunk_bytes // max(1, spec.nbytes // experts)))
+    parts = m.rule.transform.parts  # type: ignore[attr-defined]
+    for start in range(0, experts, per):
+        rows = range(start, min(experts, start + per))
+        chunk = reader.read(spec.name, (rows.start, rows.stop))
+        hf = m.rule.transform.backward([chunk], [])
+        picks = [p * experts + e for p in range(parts) for e in rows]
+        for i, tensor in zip(picks, hf, strict=True):
+            yield from _encode(m.hf[i], m.scales[i], tensor, dtypes, stats)
+
+
+def _encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: dict[str, str],
+            stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
+    from glmconv.io.dcp_writer import TORCH_DTYPES
+
+    if tuple(t.shape) != spec.shape:
+        raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
+    dtype = dtypes.get(spec.name, spec.dtype)
+    if dtype != FP8:
+        yield spec.name, t.to(TORCH_DTYPES[dtype]).contiguous()
+        return
+    if scale is None:
+        raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
+    q, s, adjusted, inexact = quantize_fp8_exact(t)
+    stats.add(Fp8Stats(1, s.numel(), adjusted, inexact))
+    yield spec.name, q
+    yield scale.name, s
+
+
+# ---- FP8: e4m3 codes with block scales that reproduce the bf16 values exactly ------------------------
+
+_SHRINK = 2.0**-20  # keeps a product q*s strictly inside its bf16 rounding interval despite fp32 rounding
+
+
+def quantize_fp8_exact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """`quantize_fp8_blocks`, then each block's scale moved to the nearest fp32 at which q * scale == w in bf16.
+
+    Returns (codes, scales, blocks whose scale moved off amax/448, blocks that still do not reproduce w).
+    """
+    import torch
+
+    from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    w = w.contiguous()
+    q, s = quantize_fp8_blocks(w)
+    if w.dtype != torch.bfloat16:
+        return q, s, 0, 0
+    lo, hi = _scale_bounds(q, w)
+    moved = torch.where(lo <= hi, torch.minimum(torch.maximum(s, lo), hi), s)
+    exact = _blocks(dequantize_fp8_blocks(q, moved).view(torch.int16) != w.view(torch.int16), False).logical_not()
+    final = torch.where(exact, moved, s)
+    return q, final.contiguous(), int((final != s).sum()), int(exact.logical_not().sum())
+
+
+def _scale_bounds(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, the fp32 scales s with bf16(q * s) == w for every element (lo > hi: none)."""
+    import torch
+
+    a = w.abs()
+    bits = a.view(torch.int16)
+    up = (bits + 1).view(torch.bfloat16).float()
+    down = (bits - 1).clamp_min(0).view(torch.bfloat16).float()
+    af, qa = a.float(), q.float().abs()
+    nz = qa > 0
+    lo = torch.where(nz, (af + down) / 2 / qa * (1 + _SHRINK), 0.0)
+    hi = torch.where(nz, (af + up) / 2 / qa * (1 - _SHRINK), float("inf"))
+    return _blocks(lo, 0.0, "amax"), _blocks(hi, float("inf"), "amin")
+
+
+def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tensor:
+    """Reduce a 2-D tensor over its 128x128 blocks (edge blocks padded with `fill`)."""
+    import torch
+
+    from glmconv.rules.table import FP8_BLOCK as B
+
+    rows, cols = x.shape
+    sr, sc = -(-rows // B), -(-cols // B)
+    padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype)
+    padded[:rows, :cols] = x
+    view = padded.view(sr, B, sc, B)
+    if how == "any":
+        return view.any(dim=3).any(dim=1)
+    return view.amax(dim=(1, 3)) if how == "amax" else view.amin(dim=(1, 3))
+
+
+# ---- one rank's share --------------------------------------------------------------------------------
+
+@dataclass
+class ShareResult:
+    """What one rank wrote and read, for rank 0's checks and summary."""
+
+    rank: int
+    weight_map: dict[str, str]  # HF tensor -> shard file in this rank's directory
+    total_size: int
+    consumed: list[str]
+    bytes_read: int
+    fp8: Fp8Stats
+
+
+def rank_dir(stage: Path, rank: int) -> Path:
+    return stage / _RANK_DIR.format(rank)
+
+
+def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Any,
+              chunk_bytes: int) -> ShareResult:
+    """Export one worker's mappings into its own shards (bounded by one mapping step plus one shard buffer)."""
+    from glmconv.io.dcp_reader import DcpReader
+    from glmconv.io.hf_writer import ShardWriter
+
+    reader = DcpReader(job.src)
+    stats, consumed = Fp8Stats(), []
+    if not share:
+        return ShareResult(rank, {}, 0, [], 0, stats)
+    writer = ShardWriter(rank_dir(stage, rank), job.max_shard_bytes)
+    try:
+        for m in share:
+            for name, tensor in mapping_tensors(m, reader, job.dtypes, job.stored_rows, chunk_bytes, stats):
+                writer.add(name, tensor)
+            consumed.extend(t.name for t in m.mcore)
+            prog.advance(m.mcore_bytes, len(m.hf))
+    except BaseException:
+        writer.abort()
+        raise
+    weight_map = writer.close()
+    return ShareResult(rank, weight_map, writer.total_size, consumed, reader.bytes_read, stats)
+
+
+def check_results(job: ExportJob, results: list[ShareResult]) -> None:
+    """Every Megatron tensor consumed once and every HF tensor written once, across all ranks."""
+    for what, got, want in (("consumed", [n for r in results for n in r.consumed], job.plan.mcore_index),
+                            ("written", [n for r in results for n in r.weight_map], job.plan.hf_index)):
+        seen: set[str] = set()
+        for name in got:
+            if name in seen:
+                raise CheckpointError(f"{name}: {what} twice")
+            seen.add(name)
+        if seen != set(want):
+            odd = sorted(set(want) - seen) or sorted(seen - set(want))
+            raise CheckpointError(f"{odd[0]}: {'never ' + what if odd[0] in want else what + ' but not planned'}")
+
+
+# ---- assembling, verifying, publishing (rank 0) ------------------------------------------------------
+
+def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
+    """Give every rank's shards their final `model-i-of-N` names and write one index; (shards, total_size)."""
+    from glmconv.io.hf_writer import _FINAL as SHARD_NAME  # the one spelling of HF shard names
+
+    files = [(r.rank, f) for r in sorted(results, key=lambda r: r.rank) for f in sorted(set(r.weight_map.values()))]
+    final = {key: SHARD_NAME.format(i, len(files)) for i, key in enumerate(files, 1)}
+    for (rank, f), name in final.items():
+        os.replace(rank_dir(stage, rank) / f, stage / name)
+    for r in results:
+        shutil.rmtree(rank_dir(stage, r.rank), ignore_errors=True)
+    weight_map = {t: final[(r.rank, f)] for r in results for t, f in r.weight_map.items()}
+    total = sum(r.total_size for r in results)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return len(files), total
+
+
+def write_sidecars(job: ExportJob, stage: Path) -> None:
+    """config.json (FP8 block only when FP8), and with --like its generation config and tokenizer files."""
+    (stage / CONFIG_NAME).write_text(json.dumps(job.config_json, indent=2) + "\n")
+    if job.like is None:
+        return
+    found = [job.like / n for n in LIKE_FILES] + [p for g in LIKE_GLOBS for p in sorted(job.like.glob(g))]
+    for path in found:
+        if path.is_file():
+            shutil.copyfile(path, stage / path.name)
+
+
+def verify_staged(job: ExportJob, stage: Path) -> None:
+    """Audit the staged HF directory against its plan and, through the mapping, against the source."""
+    report = audit_mod.audit(stage, against=job.src, accept_flat_prefix=True, config=job.config_path)
+    objects = set(job.plan.mcore_objects())  # a trainer needs them; export reads no object, so it does not
+    findings = [f for f in report.findings if not _is_padding(job, f) and not (f.side == "against" and
+                                                                                f.tensor in objects)]
+    if findings:
+        f = findings[0]
+        raise CheckpointError(f"verification of {stage} failed: {f.tensor}: {f.kind}: expected {f.expected}, "
+                              f"found {f.found}")
+
+
+def _is_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
+    """The audit sees a padded vocabulary as a shape mismatch on the source; export stripped it on purpose."""
+    spec = job.plan.mcore_index.get(f.tensor)
+    rows = job.stored_rows.get(f.tensor)
+    return f.side == "against" and f.kind == "shape" and spec is not None and rows is not None and \
+        f.found == str([rows, *spec.shape[1:]])
+
+
+# ---- running: one process, --workers N, or torchrun ranks ---------------------------------------------
+
+def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
+    """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
+    check_output(job.out, force)
+    start = time.monotonic()
+    summary = run_ranks(run_rank, (job, opts), opts.workers, "export")
+    return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
+
+
+def run_rank(job: ExportJob, opts: ExportOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
+    """One rank's share; rank 0 checks what every rank wrote, names the shards, verifies and publishes."""
+    stage = staging_dir(job.out)
+    error = collective_error(group, try_none(lambda: fresh_staging(job.out)) if rank == 0 else None)
+    if error:
+        raise GlmconvError(error)
+    order = {id(m): i for i, m in enumerate(job.plan.mappings)}
+    share = sorted(shares(job.plan.mappings, world)[rank], key=lambda m: order[id(m)])
+    label = f"export [{rank}/{world}]" if world > 1 else "export"
+    with progress(label, sum(m.mcore_bytes for m in share), sum(len(m.hf) for m in share),
+                  opts.progress and rank == 0) as prog:
+        outcome = try_(lambda: run_share(job, share, rank, stage, prog, opts.chunk_bytes))
+    results = gather(group, outcome, world)
+    verdict: Any = None
+    if rank == 0:
+        error = next((r for r in results if isinstance(r, str)), None)
+        verdict = error or try_(lambda: _finalize(job, stage, results, world))
+    verdict = broadcast(group, verdict)
+    if isinstance(verdict, str):
+        cleanup(stage, rank)
+        raise GlmconvError(verdict)
+    return verdict
+
+
+def _finalize(job: ExportJob, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
+    try:
+        check_results(job, results)
+        shards, total = merge_shards(stage, results)
+        write_sidecars(job, stage)
+        verify_staged(job, stage)
+        publish(stage, job.out)
+    except OSError as exc:
+        cleanup(stage, 0)
+        raise CheckpointError(f"{job.out}: cannot write the export ({exc.strerror or exc})") from None
+    except GlmconvError:
+        cleanup(stage, 0)
+        raise
+    return summary(job, results, shards, total, world)
+
+
+def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int, world: int) -> dict[str, Any]:
+    """What was exported: tensors, bytes in (read from .distcp) and out (written), padding, FP8 re-quantisation."""
+    fp8 = Fp8Stats()
+    for r in results:
+        fp8.add(r.fp8)
+    plan = job.plan
+    return {"src": str(job.src), "out": str(job.out), "iteration": job.iteration, "fp8": plan.fp8, "mtp": plan.mtp,
+            "vision": plan.vision, "text_prefix": plan.text_prefix, "source_text_prefix": job.source_text_prefix,
+            "source_fp8": job.source_fp8, "like": str(job.like) if job.like else None, "hf_tensors": len(plan.hf_index),
+            "mcore_tensors": len(plan.mcore_index), "bytes_in": sum(r.bytes_read for r in results),
+            "bytes_out": total, "shards": shards, "workers": world,
+            "vocab_padding_stripped": {n: {"stored_rows": rows, "vocab_size": plan.mcore_index[n].shape[0]}
+                                       for n, rows in sorted(job.stored_rows.items())},
+            "fp8_requantized": vars(fp8) if plan.fp8 else None, "published": str(job.out)}
+
