@@ -162,7 +162,8 @@ def _load_mcore(p: Path, opts: Options, side: str) -> Side:
 
     ck = inspect_torch_dist(p)
     config = load_config(_mcore_config_path(p, ck.iter_dir, opts))
-    tensors = {n: (t.shape, t.dtype, ck.iter_dir.name) for n, t in ck.tensors.items()}
+    tensors = {n: (t.shape, t.dtype, ck.iter_dir.name) for n, t in ck.tensors.items()
+               if not names.is_training_state(n)}
     s = Side(p, MCORE, config, tensors, objects=set(ck.objects))
     if ck.common_state is None:
         s.findings.append(Finding("missing", "common_state", ck.iter_dir.name,

@@ -166,7 +166,7 @@ def check_source(plan: Plan, ck: DcpCheckpoint) -> dict[str, int]:
         needs = ", ".join(t.name for t in plan.mapping_of_mcore[missing[0]].hf)
         more = f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""
         raise CheckpointError(f"{missing[0]}: missing from {where} (needed for {needs}){more}")
-    extra = sorted(set(ck.tensors) - set(plan.mcore_index))
+    extra = sorted(n for n in set(ck.tensors) - set(plan.mcore_index) if not names.is_training_state(n))
     if extra:
         more = f" ({len(extra)} tensors are not in the plan)" if len(extra) > 1 else ""
         raise CheckpointError(f"{extra[0]}: in {where} but not in the export plan{more}")

@@ -319,3 +319,9 @@ def test_torch_dist_without_extra_state_objects_names_each_missing_key(tmp_path)
     r = audit(root)
     missing = [f.tensor for f in r.findings if f.kind == "missing"]
     assert missing and all("._extra_state/shard_" in k for k in missing)
+
+
+def test_trainer_optimizer_state_in_a_torch_dist_is_not_a_model_tensor(tmp_path):
+    tensors = mcore_tensors(tiny_config())
+    tensors["optimizer.state.exp_avg.decoder.final_layernorm.weight"] = torch.ones(64)
+    assert audit(write_torch_dist(tmp_path / "mc", tiny_config(), tensors)).ok

@@ -137,3 +137,11 @@ def extra_state_keys(weight: str, experts: int | None = None) -> list[str]:
     if experts is None:
         return [sharded_object_key(key)]
     return [sharded_object_key(key, (e,), (experts,)) for e in range(experts)]
+
+
+TRAINING_STATE_PREFIXES = ("optimizer.",)  # a trainer's own checkpoint: optimizer moments and fp32 masters
+
+
+def is_training_state(key: str) -> bool:
+    """Tensors of a trainer's checkpoint that are not model weights (export and audit skip them)."""
+    return key.startswith(TRAINING_STATE_PREFIXES)
