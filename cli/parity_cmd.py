@@ -18,7 +18,8 @@ import click
 @click.option("--sequences", type=int, default=None, help="Split the random tokens into K packed sequences.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random tokens.")
 @click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
-              help="propagated: each side runs on its own; isolated: every sub-block gets the serve side's input.")
+              help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
+                   "metrics then compare heads only) gets the serve side's input.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="torch device for both models (cpu, cuda, cuda:1).")
 @click.option("--train-conventions", type=click.Choice(["default", "serve"]), default="default", show_default=True,
@@ -47,10 +48,10 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
         raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
     if threshold is not None and not threshold > 0:
         raise GlmconvError(f"--threshold {threshold}: must be positive")
-    opts = ParityOptions(hf_dir=hf_dir, mcore_dir=mcore_dir, tokens=tokens or DEFAULT_TOKENS,
-                         sequences=sequences or 1, seed=seed, prompt_file=prompt_file, mode=mode, dtype=dtype,
-                         device=device, train_conventions=train_conventions, overrides=overrides,
-                         threshold=threshold, bounds=bounds, progress=not as_json)
+    opts = ParityOptions(hf_dir=hf_dir, mcore_dir=mcore_dir, tokens=DEFAULT_TOKENS if tokens is None else tokens,
+                         sequences=1 if sequences is None else sequences, seed=seed, prompt_file=prompt_file,
+                         mode=mode, dtype=dtype, device=device, train_conventions=train_conventions,
+                         overrides=overrides, threshold=threshold, bounds=bounds, progress=not as_json)
     report = run_parity(opts)
     paths = write_report(report, report_dir) if report_dir is not None else []
     if as_json:
@@ -68,8 +69,8 @@ def _print(report: dict, paths: list[Path]) -> None:
 
     from glmconv.parity.report import print_table
 
-    console = Console(width=max(Console().width, 100))
+    console = Console()
     print_table(report, console)
     for p in paths:
-        console.print(f"wrote {p}", markup=False, highlight=False)
-    console.print(f"took {report['elapsed_s']:.2f}s", markup=False, highlight=False)
+        console.print(f"wrote {p}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"took {report['elapsed_s']:.2f}s", markup=False, highlight=False, soft_wrap=True)

@@ -23,6 +23,25 @@ L2_EPS = 1e-6
 
 
 @dataclass(frozen=True)
+class KdaTensors:
+    """One KDA layer's weights; `conv` is the fused depthwise conv over cat(q, k, v) channels [3C, 1, W]."""
+
+    q_proj: torch.Tensor
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
+    conv: torch.Tensor
+    f_a: torch.Tensor
+    f_b: torch.Tensor
+    g_a: torch.Tensor
+    g_b: torch.Tensor
+    b_proj: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    o_norm: torch.Tensor
+    o_proj: torch.Tensor
+
+
+@dataclass(frozen=True)
 class KdaParams:
     """Per-config constants of a KDA layer."""
 
@@ -128,3 +147,17 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     o = o.float()
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
     return weight.float() * o * torch.sigmoid(gate.float())
+
+
+def kda_layer(x: torch.Tensor, w: KdaTensors, p: KdaParams, cu_seqlens: torch.Tensor,
+              chunked: bool = True) -> torch.Tensor:
+    """The whole KDA sub-block: x [T, hidden] (already input-normed) -> [T, hidden] in x.dtype."""
+    t, c = x.shape[0], p.heads * p.head_dim
+    qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
+    q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in short_conv(qkv, w.conv, cu_seqlens).split(c, dim=-1))
+    g = forget_gate(F.linear(F.linear(x, w.f_a), w.f_b), w.a_log, w.dt_bias, p)
+    beta = torch.sigmoid(F.linear(x, w.b_proj))
+    o = (chunk_kda if chunked else recurrent_kda)(q, k, v, g, beta, cu_seqlens).to(x.dtype)
+    gate = F.linear(F.linear(x, w.g_a), w.g_b).view(t, p.heads, p.head_dim)
+    o = gated_rms_norm(o, gate, w.o_norm, p.norm_eps).to(x.dtype).reshape(t, c)
+    return F.linear(o, w.o_proj)

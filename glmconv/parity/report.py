@@ -118,9 +118,10 @@ def print_table(report: dict[str, Any], console: Console) -> None:
                   _fmt(rec["max_abs"]), _overlap(rec), style="bold red" if first else "red" if over else None)
     console.print(t)
     for line in logits_lines(report) + [divergence_line(report)]:
-        console.print(line, markup=False, highlight=False)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     for line, b in zip(bound_lines(report), report["bounds"]):
-        console.print(line, style="bold red" if b["broken"] else "green", markup=False, highlight=False)
+        console.print(line, style="bold red" if b["broken"] else "green", markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -153,6 +154,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     try:
@@ -163,6 +165,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.axhline(report["threshold"], color="red", linestyle="--", label=f"threshold {report['threshold']:g}")
         _mark_first(ax, report)
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         ax.set_ylabel("relative error of hc streams (train vs serve)")
         ax.set_title(f"parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens")

@@ -36,6 +36,7 @@ class Rule:
     needs_shared_experts: bool = False
     per_block: bool = False  # vision templates expand over `{b}` in 0..depth-1
     extra_state: bool = False  # the Megatron module is a parallel/TE linear: it saves an `_extra_state` object
+    role: str = ""  # what the tensor is to a model (`glmconv.models.weights` looks tensors up by it)
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
@@ -53,18 +54,18 @@ def _hc(site_hf: str, site_mc: str) -> list[Rule]:
     """The three hyper-connection tensors of one site (attn or ffn)."""
     return [
         _r(f"{{layer}}hc_{site_hf}_fn", f"{{layer}}{site_mc}_hyper_connection.mapping_proj.weight",
-           ("hc_mix", "hc_in"), hc=True, keep_f32=True),
+           ("hc_mix", "hc_in"), hc=True, keep_f32=True, role=f"hc_{site_hf}.fn"),
         _r(f"{{layer}}hc_{site_hf}_base", f"{{layer}}{site_mc}_hyper_connection.bias", ("hc_mix",),
-           hc=True, keep_f32=True),
+           hc=True, keep_f32=True, role=f"hc_{site_hf}.base"),
         _r(f"{{layer}}hc_{site_hf}_scale",
            tuple(f"{{layer}}{site_mc}_hyper_connection.alpha_{a}" for a in ("pre", "post", "res")),
-           (3,), transform=SplitVector(), hc=True, keep_f32=True),
+           (3,), transform=SplitVector(), hc=True, keep_f32=True, role=f"hc_{site_hf}.scale"),
     ]
 
 
 def _kda() -> list[Rule]:
     rules = [_r(f"{{layer}}self_attn.{p}_proj.weight", f"{{layer}}self_attention.kda.{p}_proj.weight", shape,
-                attn=KDA, extra_state=True)
+                attn=KDA, extra_state=True, role=f"kda.{p}_proj")
              for p, shape in (("q", ("kda_dim", "hidden")), ("k", ("kda_dim", "hidden")),
                               ("v", ("kda_dim", "hidden")), ("b", ("kda_heads", "hidden")),
                               ("f_a", ("kda_head", "hidden")), ("f_b", ("kda_dim", "kda_head")),
@@ -72,10 +73,13 @@ def _kda() -> list[Rule]:
                               ("o", ("hidden", "kda_dim")))]
     rules += [
         _r(tuple(f"{{layer}}self_attn.{p}_conv1d.weight" for p in "qkv"), "{layer}self_attention.kda.conv1d.weight",
-           *[("kda_dim", 1, "conv_k")] * 3, transform=Concat(0), attn=KDA),
-        _r("{layer}self_attn.A_log", "{layer}self_attention.kda.A_log", ("kda_heads",), attn=KDA, keep_f32=True),
-        _r("{layer}self_attn.dt_bias", "{layer}self_attention.kda.dt_bias", ("kda_dim",), attn=KDA, keep_f32=True),
-        _r("{layer}self_attn.o_norm.weight", "{layer}self_attention.kda.o_norm.weight", ("kda_head",), attn=KDA),
+           *[("kda_dim", 1, "conv_k")] * 3, transform=Concat(0), attn=KDA, role="kda.conv"),
+        _r("{layer}self_attn.A_log", "{layer}self_attention.kda.A_log", ("kda_heads",), attn=KDA, keep_f32=True,
+           role="kda.A_log"),
+        _r("{layer}self_attn.dt_bias", "{layer}self_attention.kda.dt_bias", ("kda_dim",), attn=KDA, keep_f32=True,
+           role="kda.dt_bias"),
+        _r("{layer}self_attn.o_norm.weight", "{layer}self_attention.kda.o_norm.weight", ("kda_head",), attn=KDA,
+           role="kda.o_norm"),
     ]
     return rules
 
@@ -84,28 +88,33 @@ def _dsa() -> list[Rule]:
     a, m = "{layer}self_attn.", "{layer}self_attention."
     return [
         _r(a + "q_a_proj.weight", m + "linear_q_down_proj.weight", ("q_lora", "hidden"), attn=DSA, fp8=True,
-           extra_state=True),
-        _r(a + "q_a_layernorm.weight", m + "linear_q_up_proj.layer_norm_weight", ("q_lora",), attn=DSA),
+           extra_state=True, role="dsa.q_a"),
+        _r(a + "q_a_layernorm.weight", m + "linear_q_up_proj.layer_norm_weight", ("q_lora",), attn=DSA,
+           role="dsa.q_a_norm"),
         _r(a + "q_b_proj.weight", m + "linear_q_up_proj.weight", ("mla_q", "q_lora"), attn=DSA, fp8=True,
-           extra_state=True),
+           extra_state=True, role="dsa.q_b"),
         _r(a + "kv_a_proj_with_mqa.weight", m + "linear_kv_down_proj.weight", ("mla_kv_a", "hidden"), attn=DSA,
-           fp8=True, extra_state=True),
-        _r(a + "kv_a_layernorm.weight", m + "linear_kv_up_proj.layer_norm_weight", ("kv_lora",), attn=DSA),
+           fp8=True, extra_state=True, role="dsa.kv_a"),
+        _r(a + "kv_a_layernorm.weight", m + "linear_kv_up_proj.layer_norm_weight", ("kv_lora",), attn=DSA,
+           role="dsa.kv_a_norm"),
         _r(a + "kv_b_proj.weight", m + "linear_kv_up_proj.weight", ("mla_kv_b", "kv_lora"), attn=DSA,
-           extra_state=True),
-        _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True, extra_state=True),
+           extra_state=True, role="dsa.kv_b"),
+        _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True, extra_state=True,
+           role="dsa.o_proj"),
         _r(a + "indexer.wq_b.weight", m + "wq_b.weight", ("idx_q", "q_lora"), attn=DSA, indexer=True,
-           extra_state=True),
+           extra_state=True, role="indexer.wq_b"),
         _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA, indexer=True,
-           extra_state=True),
-        _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA, indexer=True),
-        _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA, indexer=True),
+           extra_state=True, role="indexer.wk"),
+        _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA, indexer=True,
+           role="indexer.k_norm_weight"),
+        _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA, indexer=True,
+           role="indexer.k_norm_bias"),
         _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA,
-           indexer=True, extra_state=True),
+           indexer=True, extra_state=True, role="indexer.weights_proj"),
         _r(a + "indexer.index_kpool_compress_gate", m + "index_kpool_compress_gate", ("idx_dim", "hidden"),
-           attn=DSA, indexer=True),
+           attn=DSA, indexer=True, role="indexer.compress_gate"),
         _r(a + "indexer.index_kpool_compress_ape", m + "index_kpool_compress_ape", ("kpool", "idx_dim"),
-           attn=DSA, indexer=True, keep_f32=True),
+           attn=DSA, indexer=True, keep_f32=True, role="indexer.compress_ape"),
     ]
 
 
@@ -113,48 +122,57 @@ def _mlp() -> list[Rule]:
     h, m = "{layer}mlp.", "{layer}mlp."
     gate_up = ("gate_proj.weight", "up_proj.weight")
     return [
-        _r("{layer}post_attention_layernorm.weight", m + "linear_fc1.layer_norm_weight", ("hidden",), mlp=DENSE),
+        _r("{layer}post_attention_layernorm.weight", m + "linear_fc1.layer_norm_weight", ("hidden",), mlp=DENSE,
+           role="mlp_norm"),
         _r(tuple(h + p for p in gate_up), m + "linear_fc1.weight", ("inter", "hidden"), ("inter", "hidden"),
-           transform=Concat(0), mlp=DENSE, fp8=True, extra_state=True),
-        _r(h + "down_proj.weight", m + "linear_fc2.weight", ("hidden", "inter"), mlp=DENSE, fp8=True, extra_state=True),
-        _r("{layer}post_attention_layernorm.weight", "{layer}pre_mlp_layernorm.weight", ("hidden",), mlp=MOE),
-        _r(h + "gate.weight", m + "router.weight", ("experts", "hidden"), mlp=MOE),
-        _r(h + "gate.e_score_correction_bias", m + "router.expert_bias", ("experts",), mlp=MOE, keep_f32=True),
+           transform=Concat(0), mlp=DENSE, fp8=True, extra_state=True, role="dense.fc1"),
+        _r(h + "down_proj.weight", m + "linear_fc2.weight", ("hidden", "inter"), mlp=DENSE, fp8=True, extra_state=True,
+           role="dense.fc2"),
+        _r("{layer}post_attention_layernorm.weight", "{layer}pre_mlp_layernorm.weight", ("hidden",), mlp=MOE,
+           role="mlp_norm"),
+        _r(h + "gate.weight", m + "router.weight", ("experts", "hidden"), mlp=MOE, role="moe.router"),
+        _r(h + "gate.e_score_correction_bias", m + "router.expert_bias", ("experts",), mlp=MOE, keep_f32=True,
+           role="moe.expert_bias"),
         _r(tuple(h + "shared_experts." + p for p in gate_up), m + "shared_experts.linear_fc1.weight",
            ("shared_inter", "hidden"), ("shared_inter", "hidden"), transform=Concat(0), mlp=MOE, fp8=True,
-           needs_shared_experts=True, extra_state=True),
+           needs_shared_experts=True, extra_state=True, role="moe.shared_fc1"),
         _r(h + "shared_experts.down_proj.weight", m + "shared_experts.linear_fc2.weight", ("hidden", "shared_inter"),
-           mlp=MOE, fp8=True, needs_shared_experts=True, extra_state=True),
+           mlp=MOE, fp8=True, needs_shared_experts=True, extra_state=True, role="moe.shared_fc2"),
         _r(tuple(h + "experts.{e}." + p for p in gate_up), m + "experts.experts.linear_fc1.weight",
            ("moe_inter", "hidden"), ("moe_inter", "hidden"), transform=StackExperts(parts=2), mlp=MOE, fp8=True,
-           per_expert=True, extra_state=True),
+           per_expert=True, extra_state=True, role="moe.experts_fc1"),
         _r(h + "experts.{e}.down_proj.weight", m + "experts.experts.linear_fc2.weight", ("hidden", "moe_inter"),
-           transform=StackExperts(parts=1), mlp=MOE, fp8=True, per_expert=True, extra_state=True),
+           transform=StackExperts(parts=1), mlp=MOE, fp8=True, per_expert=True, extra_state=True,
+           role="moe.experts_fc2"),
     ]
 
 
 def _layer() -> list[Rule]:
     return [
-        _r("{layer}input_layernorm.weight", "{layer}input_layernorm.weight", ("hidden",)),
+        _r("{layer}input_layernorm.weight", "{layer}input_layernorm.weight", ("hidden",), role="attn_norm"),
         *_hc("attn", "self_attention"), *_hc("ffn", "mlp"), *_kda(), *_dsa(), *_mlp(),
     ]
 
 
 def _global() -> list[Rule]:
     return [
-        _r("{text}embed_tokens.weight", "embedding.word_embeddings.weight", ("vocab", "hidden"), scope=GLOBAL),
-        _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL),
-        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL, extra_state=True),
+        _r("{text}embed_tokens.weight", "embedding.word_embeddings.weight", ("vocab", "hidden"), scope=GLOBAL,
+           role="embed"),
+        _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL, role="final_norm"),
+        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL, extra_state=True,
+           role="lm_head"),
     ]
 
 
 def _mtp() -> list[Rule]:
     """The MTP layer's own tensors; its decoder layer (DSA + MoE, no hc) uses the layer rules."""
     return [
-        _r("{layer}enorm.weight", "{mtp}enorm.weight", ("hidden",), scope=MTP),
-        _r("{layer}hnorm.weight", "{mtp}hnorm.weight", ("hidden",), scope=MTP),
-        _r("{layer}eh_proj.weight", "{mtp}eh_proj.weight", ("hidden", "eh_in"), scope=MTP, extra_state=True),
-        _r("{layer}shared_head.norm.weight", "{mtp}final_layernorm.weight", ("hidden",), scope=MTP),
+        _r("{layer}enorm.weight", "{mtp}enorm.weight", ("hidden",), scope=MTP, role="mtp.enorm"),
+        _r("{layer}hnorm.weight", "{mtp}hnorm.weight", ("hidden",), scope=MTP, role="mtp.hnorm"),
+        _r("{layer}eh_proj.weight", "{mtp}eh_proj.weight", ("hidden", "eh_in"), scope=MTP, extra_state=True,
+           role="mtp.eh_proj"),
+        _r("{layer}shared_head.norm.weight", "{mtp}final_layernorm.weight", ("hidden",), scope=MTP,
+           role="mtp.final_norm"),
     ]
 
 

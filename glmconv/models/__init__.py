@@ -1,0 +1,5 @@
+"""The two GLM-5.3-Flash text models parity compares: one forward, fed by a weight source and conventions.
+
+serve = `GlmModel(config, HfWeights(hf_dir), Conventions.serve())`;
+train = `GlmModel(config, MegatronWeights(mcore_dir), Conventions.train_default())`.
+"""

@@ -1,0 +1,89 @@
+"""The numerical conventions on which a serving stack and a naive Megatron port of GLM-5.3-Flash differ.
+
+Each switch reproduces one known train-vs-serve divergence (design/glm5_next.md), so a parity run can
+bisect them one at a time. `serve()` is HF/sglang; `train_default()` is what a faithful naive Megatron
+port computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from glmconv.errors import GlmconvError
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "proj_rms": ("reference", "megatron"),
+    "indexer_query": ("normed", "raw"),
+    "swiglu_clamp": ("10", "off"),
+    "output_contraction": ("mean", "learned"),
+    "hc_mix": ("fp32", "bf16"),
+}
+SERVE_ALIAS = "serve"
+
+
+class ConventionError(GlmconvError):
+    """An unknown convention key or value."""
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """One value per switch; the defaults are serve's."""
+
+    proj_rms: str = "reference"  # mHC flat RMS: rsqrt(mean(x^2) + rms_eps) | megatron: 1/(rms(x) + 1e-6)
+    indexer_query: str = "normed"  # kpool indexer query from the normalised q_resid | raw q_a_proj output
+    swiglu_clamp: str = "10"  # silu(min(gate, 10)) * clamp(up, +-10) | off: plain SwiGLU
+    output_contraction: str = "mean"  # final hc streams: plain mean | learned (needs hc_head_* tensors)
+    hc_mix: str = "fp32"  # post/comb residual mix in fp32 (sglang) | bf16 (HF casts post/comb to bf16)
+
+    def __post_init__(self) -> None:
+        for key, allowed in CHOICES.items():
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ConventionError(f"convention {key}={value!r}: choose from {', '.join(allowed)}")
+
+    @classmethod
+    def serve(cls) -> Conventions:
+        """HF/sglang: reference RMS, normalised indexer query, clamp 10, mean contraction, fp32 mix."""
+        return cls()
+
+    @classmethod
+    def train_default(cls, has_hc_head: bool = False) -> Conventions:
+        """A faithful naive Megatron port, one line per divergence:
+
+        proj_rms=megatron: Megatron's hyper-connection computes r = 1/(rms(x) + 1e-6), eps outside the root.
+        indexer_query=raw: Megatron fuses q_a_layernorm into linear_q_up_proj, so the indexer sees raw q.
+        swiglu_clamp=off: Megatron's SwiGLU (chunk(2), silu(gate) * up) has no clamp.
+        output_contraction=learned only where hc_head_* tensors exist (never in GLM-5.3-Flash), else mean.
+        hc_mix=bf16: a bf16 trainer mixes the streams in the activation dtype, post/comb cast to bf16, as HF.
+        """
+        return cls(proj_rms="megatron", indexer_query="raw", swiglu_clamp="off",
+                   output_contraction="learned" if has_hc_head else "mean", hc_mix="bf16")
+
+    def with_overrides(self, items: list[str] | tuple[str, ...]) -> Conventions:
+        """Apply `KEY=VALUE` items in order; `serve` resets every switch, `KEY=serve` resets one."""
+        out = self
+        for item in items:
+            out = out._apply(item.strip())
+        return out
+
+    def _apply(self, item: str) -> Conventions:
+        if item == SERVE_ALIAS:
+            return Conventions.serve()
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in CHOICES:
+            known = ", ".join(CHOICES)
+            raise ConventionError(f"convention override {item!r}: expected KEY=VALUE with KEY one of {known} "
+                                  f"(or '{SERVE_ALIAS}')")
+        if value == SERVE_ALIAS:
+            value = getattr(Conventions.serve(), key)
+        return dataclasses.replace(self, **{key: value})
+
+    def diverging(self) -> list[str]:
+        """The switches set differently from serve's."""
+        serve = Conventions.serve()
+        return [k for k in CHOICES if getattr(self, k) != getattr(serve, k)]
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,204 @@
+"""GLM-5.3-Flash's text forward, one sub-block at a time, on any weight source and set of conventions.
+
+The layer-wise API is what parity drives: `embed` -> for each layer `attention` then `mlp` (each returns
+the new hc streams [T, hc_mult, H] and an aux dict) -> `head`. Weights stream in one sub-block at a time
+(only the latest attention and MLP weights are held). MTP is not part of the forward.
+dtype fp32 or bf16: bf16 runs weights and activations in bf16 while the parts the reference keeps in fp32
+stay fp32 (hc coefficients, KDA gate/state/conv, router, indexer scores, attention softmax).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from glmconv.config import GlmConfig
+from glmconv.errors import GlmconvError
+from glmconv.models.conventions import Conventions
+from glmconv.models.weights import AttentionWeights, ExpertBank, HcSite, MlpWeights, WeightSource
+from glmconv.ops import rms_norm
+from glmconv.ops.dsa import DsaParams, dsa_layer
+from glmconv.ops.kda import KdaParams, kda_layer
+from glmconv.ops.kpool import KpoolParams
+from glmconv.ops.mhc import HcParams, hc_post, hc_pre, head_learned, head_mean
+from glmconv.ops.moe import RouterParams, mlp as swiglu_mlp, route, routed, swiglu_limit
+
+DTYPES = (torch.float32, torch.bfloat16)
+# Tensors kept in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict, plus hc fn/ape).
+_FP32_FIELDS = {"fn", "base", "scale", "conv", "a_log", "dt_bias", "expert_bias", "compress_ape"}
+
+
+class GlmModel:
+    """The text model; `weights` decides serve or train, `conventions` the numerics."""
+
+    def __init__(self, config: GlmConfig, weights: WeightSource, conventions: Conventions,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if dtype not in DTYPES:
+            raise GlmconvError(f"model dtype {dtype}: choose torch.float32 or torch.bfloat16")
+        self.config, self.weights, self.conventions = config, weights, conventions
+        self.dtype, self.device = dtype, torch.device(device)
+        self._limit = swiglu_limit(conventions.swiglu_clamp)
+        self._params(config.text)
+        self._attn: tuple[int, AttentionWeights] | None = None
+        self._mlp: tuple[int, MlpWeights] | None = None
+        self._embed: torch.Tensor | None = None
+        self._head: tuple[torch.Tensor, torch.Tensor, HcSite | None] | None = None
+        self._last_topk: torch.Tensor | None = None
+
+    def _params(self, t: dict[str, Any]) -> None:
+        self.eps = float(t["rms_norm_eps"])
+        self.hc = HcParams(t["hc_mult"], self.eps, float(t.get("hc_eps", 1e-6)), int(t.get("hc_sinkhorn_iters", 20)))
+        bound = t.get("linear_lower_bound", (t.get("linear_attn_config") or {}).get("gate_lower_bound", -5.0))
+        if bound is None:
+            raise GlmconvError("linear_lower_bound is null: only the safe-gate KDA (GLM-5.3) is implemented")
+        self.kda_p = KdaParams(t["linear_num_heads"], t["linear_head_dim"], float(bound), self.eps)
+        self.dsa_p = DsaParams(t["num_attention_heads"], t["qk_nope_head_dim"], t["v_head_dim"], self.eps)
+        self.kpool_p = KpoolParams(t["index_n_heads"], t["index_head_dim"], t["index_topk"], t["index_kpool"],
+                                   bool(t.get("index_kpool_always_select_tail", True)))
+        self.router_p = RouterParams(t["num_experts_per_tok"], float(t.get("routed_scaling_factor", 1.0)),
+                                     int(t.get("n_group") or 1), int(t.get("topk_group") or 1),
+                                     bool(t.get("norm_topk_prob", True)))
+
+    # ---- the parity API ----------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def attn_types(self) -> tuple[str, ...]:
+        return self.config.attn_types
+
+    @property
+    def mlp_types(self) -> tuple[str, ...]:
+        return self.config.mlp_types
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> hc streams [T, hc_mult, H] (the embedding replicated on every stream)."""
+        if self._embed is None:
+            self._embed = self.weights.embedding()
+        x = self._embed[input_ids.to(self._embed.device)].to(self.device, self.dtype)
+        return x.unsqueeze(1).expand(-1, self.hc.hc_mult, -1).contiguous()
+
+    def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Streams after layer `layer`'s attention sub-block; aux `topk` [T, W] on DSA layers."""
+        w = self._attention_weights(layer)
+        post, comb, collapsed = self._pre(w.hc, x, layer)
+        a = rms_norm(collapsed, w.norm, self.eps)
+        aux: dict[str, torch.Tensor] = {}
+        if w.kda is not None:
+            y = kda_layer(a, w.kda, self.kda_p, cu_seqlens)
+        else:
+            y, aux["topk"] = self._dsa(layer, a, w, cu_seqlens)
+        return hc_post(y, x, post, comb, self.conventions.hc_mix), aux
+
+    def mlp(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Streams after layer `layer`'s MLP sub-block; aux `experts` [T, k] on MoE layers."""
+        w = self._mlp_weights(layer)
+        post, comb, collapsed = self._pre(w.hc, x, layer)
+        h = rms_norm(collapsed, w.norm, self.eps)
+        aux: dict[str, torch.Tensor] = {}
+        if w.dense is not None:
+            y = swiglu_mlp(h, w.dense.gate, w.dense.up, w.dense.down, self._limit)
+        else:
+            y, aux["experts"] = self._moe(h, w)
+        return hc_post(y, x, post, comb, self.conventions.hc_mix), aux
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Streams -> fp32 logits [T, V]: contraction (mean or learned), final norm, lm_head."""
+        norm, lm_head, hc_head = self._head_weights()
+        if self.conventions.output_contraction == "mean":
+            h = head_mean(x)
+        else:
+            h = head_learned(x, hc_head.fn, hc_head.base, hc_head.scale, self.eps, self.hc.hc_eps,  # type: ignore
+                             self.conventions.proj_rms)
+        return F.linear(rms_norm(h, norm, self.eps), lm_head).float()
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] of packed sequences, every layer in order."""
+        x = self.embed(input_ids)
+        for layer in range(self.num_layers):
+            x, _ = self.attention(layer, x, cu_seqlens)
+            x, _ = self.mlp(layer, x)
+        return self.head(x)
+
+    __call__ = forward
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+
+    def _pre(self, hc: HcSite | None, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if hc is None:
+            raise GlmconvError(f"layer {layer}: no hyper-connection tensors (only the mHC model is implemented)")
+        return hc_pre(x, hc.fn, hc.base, hc.scale, self.hc, self.conventions.proj_rms)
+
+    def _dsa(self, layer: int, a: torch.Tensor, w: AttentionWeights,
+             cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert w.dsa is not None
+        shared = w.dsa.indexer is None
+        if shared and self._last_topk is None:
+            raise GlmconvError(f"layer {layer} reuses the indexer top-k of an earlier DSA layer; run that first")
+        y, topk = dsa_layer(a, w.dsa, self.dsa_p, self.kpool_p, cu_seqlens, self.conventions.indexer_query,
+                            topk=self._last_topk if shared else None)
+        self._last_topk = topk
+        return y, topk
+
+    def _moe(self, h: torch.Tensor, w: MlpWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        assert w.moe is not None
+        weights, ids = route(h, w.moe.router, w.moe.expert_bias, self.router_p)
+        bank = w.moe.experts
+        y = routed(h, weights, ids, lambda e: self._expert(bank, e), self._limit)
+        if w.moe.shared is not None:
+            s = w.moe.shared
+            y = y + swiglu_mlp(h, s.gate, s.up, s.down, self._limit)
+        return y, ids
+
+    def _expert(self, bank: ExpertBank, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = bank.get(e)
+        return self._cast(s.gate), self._cast(s.up), self._cast(s.down)
+
+    # ---- weights: one sub-block at a time, cast to the model's device and dtype -----------------------------
+
+    def _attention_weights(self, layer: int) -> AttentionWeights:
+        self._check_layer(layer)
+        if self._attn is None or self._attn[0] != layer:
+            self._attn = None
+            self._attn = (layer, self._prepare(self.weights.attention(layer)))
+        return self._attn[1]
+
+    def _mlp_weights(self, layer: int) -> MlpWeights:
+        self._check_layer(layer)
+        if self._mlp is None or self._mlp[0] != layer:
+            self._mlp = None
+            self._mlp = (layer, self._prepare(self.weights.mlp(layer)))
+        return self._mlp[1]
+
+    def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor, HcSite | None]:
+        if self._head is None:
+            hc_head = self.weights.hc_head()
+            if self.conventions.output_contraction == "learned" and hc_head is None:
+                raise GlmconvError("output_contraction=learned needs the hc_head_fn, hc_head_base and hc_head_scale "
+                                   "tensors, which this checkpoint does not have (GLM-5.3-Flash contracts by mean)")
+            self._head = (self._cast(self.weights.final_norm()), self._cast(self.weights.lm_head()),
+                          self._prepare(hc_head) if hc_head is not None else None)
+        return self._head
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise GlmconvError(f"layer {layer}: the model has layers 0..{self.num_layers - 1}")
+
+    def _prepare(self, obj: Any) -> Any:
+        """A weight structure with every tensor on the device, in the model dtype or kept fp32."""
+        if obj is None or isinstance(obj, ExpertBank):
+            return obj
+        changes = {}
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            changes[f.name] = self._cast(v, f.name in _FP32_FIELDS) if isinstance(v, torch.Tensor) else self._prepare(v)
+        return replace(obj, **changes)
+
+    def _cast(self, t: torch.Tensor, keep_fp32: bool = False) -> torch.Tensor:
+        return t.to(self.device, torch.float32 if keep_fp32 else self.dtype)
+

@@ -1,0 +1,302 @@
+"""Per-layer weight sources: the HF checkpoint (serve) and the converted torch_dist checkpoint (train).
+
+Both hand out one sub-block's weights at a time (layer streaming: a full-size parity run fits one GPU) in
+one common structure. Tensors are found through the plan by rule role, never by spelling names. The
+Megatron side reads Megatron's own layout natively (fc1 = gate rows then up rows, experts sliced from the
+stacked [E, 2F, H] / [E, H, F] tensors, the fused q/k/v conv, alpha_pre/post/res, router expert_bias) and
+never calls the rules' `backward`, so a convert bug that a symmetric backward would undo is still caught.
+Tensors come back in their stored dtype (FP8 dequantised to BF16); the model casts them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glmconv.config import DSA, KDA, MOE, GlmConfig, load_config
+from glmconv.errors import CheckpointError
+from glmconv.ops.dsa import DsaTensors
+from glmconv.ops.kda import KdaTensors
+from glmconv.ops.kpool import IndexerTensors
+from glmconv.plan import FP8, Mapping, build_plan
+
+EXPERT_WINDOW_BYTES = 1 << 30  # stacked-expert rows read at once on the Megatron side
+HC_ROLES = {"attn": ("hc_attn.fn", "hc_attn.base", "hc_attn.scale"),
+            "ffn": ("hc_ffn.fn", "hc_ffn.base", "hc_ffn.scale")}
+
+
+@dataclass(frozen=True)
+class HcSite:
+    """One hyper-connection site: fn [(2+n)n, nH], base [(2+n)n], scale [3] (pre, post, comb)."""
+
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Swiglu:
+    """A gated MLP's three matrices."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+class ExpertBank(ABC):
+    """Routed experts, read one at a time (a full-size layer's experts need not fit at once)."""
+
+    num: int
+
+    @abstractmethod
+    def get(self, expert: int) -> Swiglu:
+        """Expert `expert`'s matrices."""
+
+
+@dataclass(frozen=True)
+class MoeWeights:
+    """Router, its selection bias, the shared expert and the routed experts."""
+
+    router: torch.Tensor
+    expert_bias: torch.Tensor
+    shared: Swiglu | None
+    experts: ExpertBank
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """Everything the attention sub-block of one layer needs."""
+
+    hc: HcSite | None
+    norm: torch.Tensor
+    kda: KdaTensors | None = None
+    dsa: DsaTensors | None = None
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    """Everything the MLP sub-block of one layer needs."""
+
+    hc: HcSite | None
+    norm: torch.Tensor
+    dense: Swiglu | None = None
+    moe: MoeWeights | None = None
+
+
+class WeightSource(ABC):
+    """Role lookups over the plan; subclasses read tensors in their side's native layout."""
+
+    def __init__(self, config: GlmConfig, text_prefix: str | None = None) -> None:
+        self.config = config
+        kw = {} if text_prefix is None else {"text_prefix": text_prefix}
+        plan = build_plan(config, mtp=False, vision=False, **kw)
+        self._roles: dict[tuple[int | None, str], Mapping] = {(m.layer, m.rule.role): m for m in plan.mappings}
+
+    def mapping(self, layer: int | None, role: str) -> Mapping:
+        m = self._roles.get((layer, role))
+        if m is None:
+            where = "the model" if layer is None else f"layer {layer}"
+            raise CheckpointError(f"{where} has no {role} tensor in the plan")
+        return m
+
+    def has(self, layer: int | None, role: str) -> bool:
+        return (layer, role) in self._roles
+
+    @abstractmethod
+    def tensor(self, layer: int | None, role: str) -> torch.Tensor:
+        """The single tensor (HF side) or the Megatron tensor of a 1:1 role."""
+
+    @abstractmethod
+    def hc_site(self, layer: int, site: str) -> HcSite:
+        """The hyper-connection tensors of `site` ("attn" or "ffn")."""
+
+    @abstractmethod
+    def kda_conv(self, layer: int) -> torch.Tensor:
+        """The depthwise conv over cat(q, k, v) channels [3C, 1, W]."""
+
+    @abstractmethod
+    def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
+        """A dense or shared-expert gated MLP."""
+
+    @abstractmethod
+    def experts(self, layer: int) -> ExpertBank:
+        """The routed experts of an MoE layer."""
+
+    def close(self) -> None:
+        """Release open files."""
+
+    # ---- the common structure ---------------------------------------------------------------------------
+
+    def embedding(self) -> torch.Tensor:
+        return self.tensor(None, "embed")
+
+    def final_norm(self) -> torch.Tensor:
+        return self.tensor(None, "final_norm")
+
+    def lm_head(self) -> torch.Tensor:
+        return self.tensor(None, "lm_head")
+
+    def hc_head(self) -> HcSite | None:
+        """Learned output contraction tensors: GLM-5.3-Flash has none (its head is a plain mean)."""
+        return None
+
+    def attention(self, layer: int) -> AttentionWeights:
+        hc = self.hc_site(layer, "attn") if self.has(layer, HC_ROLES["attn"][0]) else None
+        norm = self.tensor(layer, "attn_norm")
+        kind = self.config.attn_types[layer]
+        if kind == KDA:
+            return AttentionWeights(hc, norm, kda=self._kda(layer))
+        if kind == DSA:
+            return AttentionWeights(hc, norm, dsa=self._dsa(layer))
+        raise CheckpointError(f"layer {layer}: unknown attention type {kind!r}")
+
+    def mlp(self, layer: int) -> MlpWeights:
+        hc = self.hc_site(layer, "ffn") if self.has(layer, HC_ROLES["ffn"][0]) else None
+        norm = self.tensor(layer, "mlp_norm")
+        if self.config.mlp_types[layer] != MOE:
+            return MlpWeights(hc, norm, dense=self.swiglu(layer, "dense.fc1", "dense.fc2"))
+        shared = self.swiglu(layer, "moe.shared_fc1", "moe.shared_fc2") if self.has(layer, "moe.shared_fc1") else None
+        moe = MoeWeights(self.tensor(layer, "moe.router"), self.tensor(layer, "moe.expert_bias"), shared,
+                         self.experts(layer))
+        return MlpWeights(hc, norm, moe=moe)
+
+    def _kda(self, layer: int) -> KdaTensors:
+        t = lambda role: self.tensor(layer, role)  # noqa: E731
+        return KdaTensors(q_proj=t("kda.q_proj"), k_proj=t("kda.k_proj"), v_proj=t("kda.v_proj"),
+                          conv=self.kda_conv(layer), f_a=t("kda.f_a_proj"), f_b=t("kda.f_b_proj"),
+                          g_a=t("kda.g_a_proj"), g_b=t("kda.g_b_proj"), b_proj=t("kda.b_proj"), a_log=t("kda.A_log"),
+                          dt_bias=t("kda.dt_bias"), o_norm=t("kda.o_norm"), o_proj=t("kda.o_proj"))
+
+    def _dsa(self, layer: int) -> DsaTensors:
+        t = lambda role: self.tensor(layer, role)  # noqa: E731
+        indexer = None
+        if self.has(layer, "indexer.wq_b"):
+            indexer = IndexerTensors(
+                wq_b=t("indexer.wq_b"), wk=t("indexer.wk"), k_norm_weight=t("indexer.k_norm_weight"),
+                k_norm_bias=t("indexer.k_norm_bias"), weights_proj=t("indexer.weights_proj"),
+                compress_gate=t("indexer.compress_gate"), compress_ape=t("indexer.compress_ape"))
+        return DsaTensors(q_a=t("dsa.q_a"), q_a_norm=t("dsa.q_a_norm"), q_b=t("dsa.q_b"), kv_a=t("dsa.kv_a"),
+                          kv_a_norm=t("dsa.kv_a_norm"), kv_b=t("dsa.kv_b"), o_proj=t("dsa.o_proj"), indexer=indexer)
+
+
+# ---- serve side: the HF checkpoint ---------------------------------------------------------------------------
+
+class HfWeights(WeightSource):
+    """The HF checkpoint through `HfTensorSource` (lazy, memory-mapped; FP8 dequantised to BF16)."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
+        from glmconv.io.hf_reader import HfTensorSource
+
+        ck = inspect_hf_checkpoint(hf_dir)
+        if ck.text_prefix is None:
+            raise CheckpointError(f"{hf_dir}: no text-model tensors under a known prefix")
+        super().__init__(ck.config, ck.text_prefix)
+        self._src = HfTensorSource({n: shard_path(Path(hf_dir), t.file) for n, t in ck.tensors.items()})
+        self._fp8 = {n for n, t in ck.tensors.items() if t.dtype == FP8}
+
+    def close(self) -> None:
+        self._src.close()
+
+    def read(self, name: str) -> torch.Tensor:
+        """As stored, except FP8 weights, which come back dequantised to BF16 (what convert writes)."""
+        return self._src.weight(name, torch.bfloat16) if name in self._fp8 else self._src.raw(name)
+
+    def _hf(self, layer: int | None, role: str) -> list[torch.Tensor]:
+        return [self.read(s.name) for s in self.mapping(layer, role).hf]
+
+    def tensor(self, layer: int | None, role: str) -> torch.Tensor:
+        (t,) = self._hf(layer, role)
+        return t
+
+    def hc_site(self, layer: int, site: str) -> HcSite:
+        return HcSite(*(self.tensor(layer, role) for role in HC_ROLES[site]))
+
+    def kda_conv(self, layer: int) -> torch.Tensor:
+        return torch.cat(self._hf(layer, "kda.conv"), dim=0)  # transformers' conv1d runs over cat(q, k, v)
+
+    def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
+        gate, up = self._hf(layer, fc1)
+        return Swiglu(gate, up, self.tensor(layer, fc2))
+
+    def experts(self, layer: int) -> ExpertBank:
+        return _HfExperts(self, self.mapping(layer, "moe.experts_fc1"), self.mapping(layer, "moe.experts_fc2"))
+
+
+class _HfExperts(ExpertBank):
+    """Per-expert HF tensors; the plan lists gate_0..gate_{E-1} then up_0..up_{E-1} (template-major)."""
+
+    def __init__(self, src: HfWeights, fc1: Mapping, fc2: Mapping) -> None:
+        self._src, self._fc1, self._fc2 = src, fc1, fc2
+        self.num = len(fc2.hf)
+
+    def get(self, expert: int) -> Swiglu:
+        read = self._src.read
+        return Swiglu(read(self._fc1.hf[expert].name), read(self._fc1.hf[self.num + expert].name),
+                      read(self._fc2.hf[expert].name))
+
+
+# ---- train side: the converted torch_dist checkpoint ----------------------------------------------------------
+
+class MegatronWeights(WeightSource):
+    """The torch_dist checkpoint read tensor by tensor (or by expert rows), in Megatron's own layout."""
+
+    def __init__(self, mcore_dir: str | Path, config: GlmConfig | None = None) -> None:
+        from glmconv.io.dcp_reader import DcpReader
+
+        root = Path(mcore_dir)
+        if config is None:
+            if not (root / "config.json").is_file():
+                raise CheckpointError(f"{root}: no config.json beside the torch_dist checkpoint (pass the config)")
+            config = load_config(root / "config.json")
+        super().__init__(config)
+        self._reader = DcpReader(root)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self._reader.read(name, rows)
+
+    def _mc(self, layer: int | None, role: str) -> list[torch.Tensor]:
+        return [self.read(s.name) for s in self.mapping(layer, role).mcore]
+
+    def tensor(self, layer: int | None, role: str) -> torch.Tensor:
+        (t,) = self._mc(layer, role)
+        return t
+
+    def hc_site(self, layer: int, site: str) -> HcSite:
+        fn_role, base_role, scale_role = HC_ROLES[site]
+        fn, base = self.tensor(layer, fn_role), self.tensor(layer, base_role)
+        alpha_pre, alpha_post, alpha_res = self._mc(layer, scale_role)
+        return HcSite(fn, base, torch.cat([alpha_pre, alpha_post, alpha_res]))
+
+    def kda_conv(self, layer: int) -> torch.Tensor:
+        return self.tensor(layer, "kda.conv")  # already the fused conv over q, k, v channels
+
+    def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
+        gate, up = self.tensor(layer, fc1).chunk(2, dim=0)  # Megatron's gated fc1: gate rows, then up rows
+        return Swiglu(gate, up, self.tensor(layer, fc2))
+
+    def experts(self, layer: int) -> ExpertBank:
+        fc1, fc2 = self.mapping(layer, "moe.experts_fc1").mcore[0], self.mapping(layer, "moe.experts_fc2").mcore[0]
+        return _StackedExperts(self, fc1.name, fc2.name, fc2.shape[0], fc1.nbytes + fc2.nbytes)
+
+
+class _StackedExperts(ExpertBank):
+    """Experts sliced from [E, 2F, H] / [E, H, F], read in windows of rows (experts come in ascending order)."""
+
+    def __init__(self, src: MegatronWeights, fc1: str, fc2: str, num: int, nbytes: int) -> None:
+        self._src, self._fc1, self._fc2, self.num = src, fc1, fc2, num
+        self._step = max(1, min(num, EXPERT_WINDOW_BYTES * num // max(nbytes, 1)))
+        self._window: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, expert: int) -> Swiglu:
+        if not 0 <= expert < self.num:
+            raise CheckpointError(f"{self._fc1}: no expert {expert} (there are {self.num})")
+        if self._window is None or not 0 <= expert - self._window[0] < self._window[1].shape[0]:
+            rows = (expert, min(expert + self._step, self.num))
+            self._window = (expert, self._src.read(self._fc1, rows), self._src.read(self._fc2, rows))
+        start, fc1, fc2 = self._window
+        gate, up = fc1[expert - start].chunk(2, dim=0)
+        return Swiglu(gate, up, fc2[expert - start])

@@ -1,0 +1,116 @@
+"""The kpool DSA indexer: which past tokens each query attends to, as a torch reference.
+
+iq = wq_b(q_resid) [T, n, d] (q_resid normalised on the serve side, raw q_a_proj output in a naive Megatron
+port); ik = LayerNorm(wk(x); weight, bias, eps 1e-6) [T, d]; gate = x @ compress_gate^T [T, d].
+Per sequence, pools of `kpool` consecutive tokens from its first token; only complete pools are candidates:
+  pool_key[c] = sum_j softmax_j(gate_j[c] + ape[j][c]) * ik_j[c]   (fp32)
+  score(t, p) = sum_h w_h(t) * relu(iq_h(t) . pool_key(p) * d^-0.5),  w = weights_proj(x) * n^-0.5 (fp32)
+A pool is visible to query t when its last token is <= t. The top min(index_topk / kpool, #pools) pools by
+score (descending) expand to their token ids, -1 for a selected pool that is not visible; with
+always_select_tail the query's incomplete tail pool (up to kpool - 1 tokens) follows; -1 pads to the width
+index_topk (+ kpool - 1 with the tail). This is transformers' `Glm5NextTextIndexer` on an unpadded sequence,
+so a sequence no longer than index_topk selects every visible token. Packed sequences never cross.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glmconv.ops.kda import segments
+
+K_NORM_EPS = 1e-6
+SCORE_BUDGET = 256 << 20  # bytes of fp32 [queries, heads, pools] scores per block
+
+
+@dataclass(frozen=True)
+class KpoolParams:
+    """Per-config constants of the indexer."""
+
+    heads: int
+    head_dim: int
+    topk: int
+    kpool: int
+    select_tail: bool
+
+    @property
+    def width(self) -> int:
+        return self.topk + (self.kpool - 1 if self.select_tail else 0)
+
+
+@dataclass(frozen=True)
+class IndexerTensors:
+    """The indexer's weights (the names follow transformers' module)."""
+
+    wq_b: torch.Tensor
+    wk: torch.Tensor
+    k_norm_weight: torch.Tensor
+    k_norm_bias: torch.Tensor
+    weights_proj: torch.Tensor
+    compress_gate: torch.Tensor
+    compress_ape: torch.Tensor
+
+
+def kpool_topk(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors, p: KpoolParams,
+               cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden], q_resid [T, q_lora] -> LongTensor [T, width] of packed token ids, -1 = none."""
+    iq = F.linear(q_resid, w.wq_b).view(x.shape[0], p.heads, p.head_dim)
+    ik = F.layer_norm(F.linear(x, w.wk), (p.head_dim,), w.k_norm_weight, w.k_norm_bias, K_NORM_EPS)
+    gate = F.linear(x, w.compress_gate)
+    head_w = F.linear(x, w.weights_proj).float() * p.heads ** -0.5
+    out = torch.full((x.shape[0], p.width), -1, dtype=torch.long, device=x.device)
+    for s, e in segments(cu_seqlens):
+        ids = _sequence_topk(iq[s:e], ik[s:e], gate[s:e], head_w[s:e], w.compress_ape, p)
+        out[s:e] = torch.where(ids >= 0, ids + s, ids)
+    return out
+
+
+def pool_keys(ik: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
+    """[P, d] fp32 keys of the complete pools: softmax over each pool's tokens of gate + ape, per channel."""
+    n = ik.shape[0] // kpool
+    keys = ik[: n * kpool].float().view(n, kpool, ik.shape[-1])
+    logits = gate[: n * kpool].float().view(n, kpool, gate.shape[-1]) + ape.float()
+    return (logits.softmax(dim=1) * keys).sum(dim=1)
+
+
+def pool_scores(iq: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[S, P] = sum_h w_h relu(iq_h . key_p * d^-0.5), fp32."""
+    scores = F.relu(torch.matmul(iq.float(), keys.t()) * head_dim ** -0.5)  # [S, n, P]
+    return torch.matmul(head_w.unsqueeze(-2), scores).squeeze(-2)
+
+
+def _sequence_topk(iq: torch.Tensor, ik: torch.Tensor, gate: torch.Tensor, head_w: torch.Tensor,
+                   ape: torch.Tensor, p: KpoolParams) -> torch.Tensor:
+    """One sequence's [S, width] local token ids, scored in blocks of queries (bounded memory)."""
+    keys = pool_keys(ik, gate, ape, p.kpool)
+    pos = torch.arange(iq.shape[0], device=iq.device)
+    step = max(1, SCORE_BUDGET // max(1, 4 * p.heads * keys.shape[0]))
+    blocks = [_select(iq[s:s + step], head_w[s:s + step], keys, pos[s:s + step], p)
+              for s in range(0, iq.shape[0], step)]
+    return torch.cat(blocks) if blocks else torch.empty(0, p.width, dtype=torch.long, device=iq.device)
+
+
+def _select(iq: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
+            p: KpoolParams) -> torch.Tensor:
+    """Queries at positions `pos`: the best visible pools (best first) expanded to ids, then the tail."""
+    n_pools = keys.shape[0]
+    pool_start = torch.arange(n_pools, device=iq.device) * p.kpool
+    visible = (pool_start + p.kpool - 1)[None, :] <= pos[:, None]  # [q, P]
+    scores = pool_scores(iq, keys, head_w, p.head_dim).masked_fill(~visible, torch.finfo(torch.float32).min)
+    chosen = scores.topk(min(p.topk // p.kpool, n_pools), dim=-1).indices  # [q, k], best first
+    ids = (pool_start[chosen][..., None] + torch.arange(p.kpool, device=iq.device)).flatten(-2)
+    ok = visible.gather(-1, chosen).repeat_interleave(p.kpool, dim=-1)
+    ids = ids.masked_fill(~ok, -1)
+    if p.select_tail:
+        ids = torch.cat([ids, _tail(pos, p.kpool)], dim=-1)
+    return F.pad(ids, (0, max(0, p.width - ids.shape[-1])), value=-1)[:, : p.width]
+
+
+def _tail(pos: torch.Tensor, kpool: int) -> torch.Tensor:
+    """[S, kpool - 1]: the query's incomplete pool (tokens after its last complete pool), -1 padded."""
+    count = (pos + 1) % kpool
+    offsets = torch.arange(kpool - 1, device=pos.device)
+    tail = (pos + 1 - count)[:, None] + offsets
+    return tail.masked_fill(offsets[None, :] >= count[:, None], -1)

@@ -1,0 +1,102 @@
+"""The kpool indexer against transformers' Glm5NextTextIndexer (each packed sequence run alone), fp32.
+
+The ids must be EQUAL, order included (best pool first, then the tail, -1 padding), for sequences shorter
+than, equal to and several times longer than index_topk, with and without the tail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmconv.ops.kda import segments
+from glmconv.ops.kpool import IndexerTensors, KpoolParams, kpool_topk, pool_keys
+from ops_helpers import cu, randomize, rel, text_config
+
+LENGTHS = (100, 1, 3, 4, 16, 17, 45)  # index_topk = 16, kpool = 4 in the tiny preset
+
+
+def _indexer(seed: int, **overrides):  # type: ignore[no-untyped-def]
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
+
+    cfg = text_config(**overrides)
+    return cfg, randomize(Glm5NextTextIndexer(cfg, 3), seed)
+
+
+def tensors(ix) -> IndexerTensors:  # type: ignore[no-untyped-def]
+    return IndexerTensors(wq_b=ix.wq_b.weight, wk=ix.wk.weight, k_norm_weight=ix.k_norm.weight,
+                          k_norm_bias=ix.k_norm.bias, weights_proj=ix.weights_proj.weight,
+                          compress_gate=ix.index_kpool_compress_gate, compress_ape=ix.index_kpool_compress_ape)
+
+
+def params(cfg) -> KpoolParams:  # type: ignore[no-untyped-def]
+    return KpoolParams(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.index_kpool,
+                       cfg.index_kpool_always_select_tail)
+
+
+def _inputs(cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    t = sum(LENGTHS)
+    return torch.randn(t, cfg.hidden_size, generator=g), torch.randn(t, cfg.q_lora_rank, generator=g)
+
+
+def _local(ids: torch.Tensor, start: int) -> torch.Tensor:
+    return torch.where(ids >= 0, ids - start, ids)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"index_kpool_always_select_tail": False},
+    {"index_topk": 24, "index_kpool": 8, "index_n_heads": 8},
+    {"index_kpool": 1},
+], ids=["tiny", "no-tail", "kpool8", "kpool1"])
+@torch.no_grad()
+def test_ids_equal_transformers_per_packed_sequence(overrides: dict) -> None:
+    cfg, ix = _indexer(0, **overrides)
+    x, q_resid = _inputs(cfg, 1)
+    c = cu(*LENGTHS)
+    got = kpool_topk(x, q_resid, tensors(ix), params(cfg), c)
+    assert got.shape == (x.shape[0], params(cfg).width)
+    for s, e in segments(c):
+        want = ix(x[s:e][None], q_resid[s:e][None], torch.ones(1, e - s, dtype=torch.bool), None)[0]
+        assert torch.equal(_local(got[s:e], s), want.long()), (s, e)
+
+
+@torch.no_grad()
+def test_query_blocks_do_not_change_the_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    import glmconv.ops.kpool as kpool
+
+    cfg, ix = _indexer(5)
+    x, q_resid = _inputs(cfg, 6)
+    c = cu(*LENGTHS)
+    whole = kpool_topk(x, q_resid, tensors(ix), params(cfg), c)
+    monkeypatch.setattr(kpool, "SCORE_BUDGET", 4 * cfg.index_n_heads * 7)  # blocks of a few queries
+    assert torch.equal(kpool_topk(x, q_resid, tensors(ix), params(cfg), c), whole)
+
+
+@torch.no_grad()
+def test_selection_rules() -> None:
+    cfg, ix = _indexer(2)
+    p = params(cfg)
+    x, q_resid = _inputs(cfg, 3)
+    c = cu(*LENGTHS)
+    got = kpool_topk(x, q_resid, tensors(ix), p, c)
+    for s, e in segments(c):
+        for t in range(e - s):
+            ids = _local(got[s + t], s)
+            sel = sorted(i for i in ids.tolist() if i >= 0)
+            assert len(sel) == len(set(sel)) and all(0 <= i <= t for i in sel)  # causal, no duplicates
+            if e - s <= p.topk:
+                assert sel == list(range(t + 1))  # short sequences see every visible token
+            else:
+                assert len(sel) == min(t + 1, p.topk + (t + 1) % p.kpool)  # top pools + the incomplete tail
+
+
+def test_pool_keys_are_a_softmax_weighted_average() -> None:
+    g = torch.Generator().manual_seed(4)
+    ik, gate, ape = torch.randn(10, 6, generator=g), torch.randn(10, 6, generator=g), torch.randn(4, 6, generator=g)
+    keys = pool_keys(ik, gate, ape, 4)
+    assert keys.shape == (2, 6)  # the incomplete third pool is no candidate
+    for p in range(2):
+        w = torch.softmax(gate[4 * p:4 * p + 4] + ape, dim=0)
+        assert rel(keys[p], (w * ik[4 * p:4 * p + 4]).sum(0)) <= 1e-6

@@ -1,0 +1,463 @@
+"""`glmconv parity`: inputs, --fail-on parsing, and the driver end to end on a fake model pair.
+
+The fake pair implements the GlmModel API (embed / attention / mlp / head, aux top-k and experts) with the
+same random weights on both sides; the train side adds a 1% error at one sub-block, which the report must
+name. Integration tests against the real models live further down and are skipped until they land.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import glmconv.parity as parity_mod
+from cli.main import cli
+from glmconv.errors import GlmconvError
+from glmconv.parity import ParityOptions
+from glmconv.parity.capture import capture
+from glmconv.parity.inputs import load_prompt_file, random_batch
+
+VOCAB = 512  # the tiny preset's vocabulary (the driver reads HF_DIR's config.json)
+
+
+class FakeModel:
+    """A 4-layer stand-in with the GlmModel API: tanh residual blocks on hc streams, a router, a top-k."""
+
+    attn_types = ("kda", "kda", "kda", "dsa")
+    mlp_types = ("dense", "dense", "moe", "moe")
+    num_layers = 4
+
+    def __init__(self, error_at: tuple[int, str] | None = None, error: float = 0.01, hidden: int = 16,
+                 hc: int = 4, experts: int = 8, k: int = 2, window: int = 6) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.hc, self.k, self.window = hc, k, window
+        self.emb = torch.randn(VOCAB, hidden, generator=g)
+        self.w = {(layer, sub): torch.randn(hidden, hidden, generator=g) / hidden ** 0.5
+                  for layer in range(4) for sub in ("attention", "mlp")}
+        self.router = torch.randn(hidden, experts, generator=g)
+        self.error_at, self.error = error_at, error
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb[ids].unsqueeze(1).expand(-1, self.hc, -1).clone()
+
+    def _block(self, layer: int, sub: str, x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.tanh(x @ self.w[(layer, sub)])
+        return y * (1 + self.error) if self.error_at == (layer, sub) else y
+
+    def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        aux = {"topk": self._topk(x, cu_seqlens)} if self.attn_types[layer] == "dsa" else {}
+        return self._block(layer, "attention", x), aux
+
+    def mlp(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        aux = {"experts": (x.mean(1) @ self.router).topk(self.k, -1).indices} if self.mlp_types[layer] == "moe" else {}
+        return self._block(layer, "mlp", x), aux
+
+    def _topk(self, x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        """The `window` most similar earlier tokens of the same sequence, -1 padded (like the DSA indexer)."""
+        h = x.mean(1)
+        out = torch.full((h.shape[0], self.window), -1, dtype=torch.int32)
+        for lo, hi in zip(cu.tolist(), cu.tolist()[1:]):
+            for t in range(lo, hi):
+                scores = h[lo:t + 1] @ h[t]
+                out[t, :min(self.window, t + 1 - lo)] = scores.topk(min(self.window, t + 1 - lo)).indices.int() + lo
+        return out
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.mean(1) @ self.emb.T).float()
+
+
+@pytest.fixture()
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    from glmconv.fixtures.presets import preset_config
+
+    hf, mc = tmp_path / "hf", tmp_path / "mc"
+    hf.mkdir()
+    mc.mkdir()
+    (hf / "config.json").write_text(json.dumps(preset_config("tiny")))
+    return hf, mc
+
+
+def _fake(monkeypatch: pytest.MonkeyPatch, error_at: tuple[int, str] | None, error: float = 0.01) -> None:
+    conv = {"serve": {"proj_rms": "reference"}, "train": {"proj_rms": "reference"}}
+    monkeypatch.setattr(parity_mod, "build_models",
+                        lambda config, opts: (FakeModel(), FakeModel(error_at, error), conv))
+
+
+# ---- inputs -----------------------------------------------------------------------------------------------
+
+def test_random_batch_is_seeded_and_packed() -> None:
+    a, b = random_batch(VOCAB, 10, 3, seed=7), random_batch(VOCAB, 10, 3, seed=7)
+    assert torch.equal(a.ids, b.ids) and a.cu_seqlens.tolist() == [0, 4, 7, 10]
+    assert not torch.equal(a.ids, random_batch(VOCAB, 10, 3, seed=8).ids)
+    assert int(a.ids.max()) < VOCAB and (a.tokens, a.sequences) == (10, 3)
+    with pytest.raises(GlmconvError, match="exceeds"):
+        random_batch(VOCAB, 2, 3)
+
+
+@pytest.mark.parametrize("text,cu", [
+    ("1 2 3\n\n4 5\n", [0, 3, 5]),
+    ("[1, 2, 3]", [0, 3]),
+    ("[[1, 2, 3], [4, 5]]", [0, 3, 5]),
+    ("[1, 2, 3]\n[4, 5]\n", [0, 3, 5]),
+])
+def test_prompt_file_formats(tmp_path: Path, text: str, cu: list[int]) -> None:
+    (tmp_path / "p").write_text(text)
+    b = load_prompt_file(tmp_path / "p", VOCAB)
+    assert b.ids.tolist() == [1, 2, 3, 4, 5][:cu[-1]] and b.cu_seqlens.tolist() == cu
+
+
+@pytest.mark.parametrize("text,match", [
+    ("1 two 3", "'two' is not an integer"), ("1 512", "outside the vocabulary"), ("", "no token ids"),
+    ("[1, [2]]", "JSON list"), ("[1, 2", "not valid JSON"), ("[[]]", "JSON list"), ("[true]", "JSON list"),
+])
+def test_prompt_file_errors(tmp_path: Path, text: str, match: str) -> None:
+    (tmp_path / "p").write_text(text)
+    with pytest.raises(GlmconvError, match=match):
+        load_prompt_file(tmp_path / "p", VOCAB)
+
+
+# ---- the driver on the fake pair ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["propagated", "isolated"])
+def test_capture_localises_the_planted_error(mode: str) -> None:
+    batch = random_batch(VOCAB, 32, 2, 0)
+    cap = capture(FakeModel(), FakeModel((2, "mlp")), batch, mode)
+    errs = [(r["layer"], r["sub_block"], r["rel_err"]) for r in cap.layers]
+    assert all(e == 0.0 for _, _, e in errs[:5])
+    assert errs[5][:2] == (2, "mlp") and errs[5][2] == pytest.approx(0.01, rel=1e-5)
+    tail = [e for _, _, e in errs[6:]]
+    assert all(e == pytest.approx(0.0, abs=1e-6) for e in tail) if mode == "isolated" else all(e > 1e-3 for e in tail)
+    assert cap.layers[5]["expert_overlap"] == 1.0 and "topk_overlap" in cap.layers[6]
+
+
+def test_capture_refuses_different_models() -> None:
+    other = FakeModel()
+    other.attn_types = ("kda", "kda", "dsa", "dsa")  # type: ignore[misc]
+    with pytest.raises(GlmconvError, match="different models"):
+        capture(FakeModel(), other, random_batch(VOCAB, 8), "propagated")
+    with pytest.raises(GlmconvError, match="--mode"):
+        capture(FakeModel(), FakeModel(), random_batch(VOCAB, 8), "sideways")
+
+
+def test_cli_names_layer_2_mlp_and_fails_the_bound(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    _fake(monkeypatch, (2, "mlp"))
+    hf, mc = dirs
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--tokens", "48", "--sequences", "2",
+                                   "--report-dir", str(tmp_path / "rep"), "--fail-on", "max_rel_err>1e-3",
+                                   "--fail-on", "top1_agreement<0.5"])
+    assert res.exit_code == 1, res.output
+    assert "first divergence: layer 2 mlp" in res.output
+    assert "parity failed: 1 bound(s) broken: max_rel_err>0.001" in res.output
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["first_divergence"]["layer"] == 2 and report["first_divergence"]["sub_block"] == "mlp"
+    assert [b["broken"] for b in report["bounds"]] == [True, False]
+    assert (tmp_path / "rep" / "error_per_layer.png").stat().st_size > 1000
+
+
+def test_cli_json_and_passing_run(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path]) -> None:
+    _fake(monkeypatch, None)
+    hf, mc = dirs
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--json", "--mode", "isolated",
+                                   "--fail-on", "logprob_abs_diff.max>0", "--fail-on", "top1_agreement<1"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["first_divergence"] is None and report["passed"] and report["mode"] == "isolated"
+    assert report["summary"]["max_rel_err"] == 0.0 and report["tokens"] == 128
+
+
+def test_cli_prompt_file_packs_sequences(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path],
+                                        tmp_path: Path) -> None:
+    _fake(monkeypatch, (0, "attention"))
+    hf, mc = dirs
+    (tmp_path / "ids.json").write_text(json.dumps([list(range(1, 30)), list(range(100, 140))]))
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--prompt-file", str(tmp_path / "ids.json"), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert (report["tokens"], report["sequences"], report["inputs"]) == (69, 2, str(tmp_path / "ids.json"))
+    assert report["logits"]["next_token_positions"] == 67
+    assert report["first_divergence"]["layer"] == 0 and report["first_divergence"]["sub_block"] == "attention"
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--fail-on", "kl"], "expected METRIC>VALUE"),
+    (["--fail-on", "nonsense>1"], "unknown metric"),
+    (["--fail-on", "kl>x"], "is not a number"),
+    (["--tokens", "8", "--prompt-file", "p.txt"], "--prompt-file sets the tokens"),
+    (["--threshold", "0"], "must be positive"),
+    (["--train-conventions", "serve", "--fail-on", "expert_overlap_min<1", "--tokens", "0"], "must be positive"),
+])
+def test_cli_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path], args: list[str],
+                                 match: str) -> None:
+    _fake(monkeypatch, None)
+    hf, mc = dirs
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), *args])
+    assert res.exit_code == 2, res.output
+    assert "error:" in res.output and match in res.output and "Traceback" not in res.output
+
+
+def test_cli_missing_dirs_exit_2(tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["parity", str(tmp_path / "nope"), str(tmp_path)])
+    assert res.exit_code == 2 and "error:" in res.output
+
+
+def test_options_threshold_default() -> None:
+    o = ParityOptions(hf_dir=Path("a"), mcore_dir=Path("b"))
+    assert o.effective_threshold == 1e-4
+    assert ParityOptions(hf_dir=Path("a"), mcore_dir=Path("b"), dtype="bf16").effective_threshold == 2e-2
+    assert math.isclose(ParityOptions(hf_dir=Path("a"), mcore_dir=Path("b"), threshold=3e-3).effective_threshold,
+                        3e-3)
+
+
+# ---- integration: the real models on converted fixtures ----------------------------------------------------
+# Each scenario converts (a copy of) a fixture once per module; parity runs are direct `run_parity` calls.
+
+def _models_or_skip() -> None:
+    pytest.importorskip("glmconv.models.model", reason="glmconv.models has not landed yet")
+
+
+def _convert(hf: Path, out: Path) -> Path:
+    res = CliRunner().invoke(cli, ["convert", str(hf), str(out)])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def _scaled_copy(src: Path, dst: Path, factors: dict[str, float]) -> Path:
+    """A copy of an HF checkpoint with some tensors multiplied (same names, shapes, dtypes and shards)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    left = dict(factors)
+    for shard in sorted(dst.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            names, meta = list(f.keys()), f.metadata()
+            if not left.keys() & set(names):
+                continue
+            tensors = {n: f.get_tensor(n) for n in names}
+        for n in left.keys() & set(names):
+            tensors[n] = (tensors[n].float() * left.pop(n)).to(tensors[n].dtype)
+        save_file(tensors, shard, metadata=meta)
+    assert not left, f"not in the checkpoint: {sorted(left)}"
+    return dst
+
+
+def _swap_expert_gate_up(mcore: Path, dst: Path, layer: int, expert: int) -> Path:
+    """A copy of a converted checkpoint whose expert's gate and up rows are swapped inside the stacked fc1.
+
+    DCP stores each chunk as torch.save(tensor) at (offset, length) of a .distcp file; the patched chunk is
+    re-saved in place (same shape and dtype, so the same length) and every other byte, .metadata included,
+    is the converter's own.
+    """
+    import io
+    import shutil
+
+    from glmconv.io.dcp_writer import read_metadata
+
+    shutil.copytree(mcore, dst)
+    iter_dir = dst / "release"
+    name = f"decoder.layers.{layer}.mlp.experts.experts.linear_fc1.weight"
+    patched = 0
+    for idx, info in read_metadata(iter_dir).storage_data.items():
+        row = expert - idx.offset[0] if idx.fqn == name else -1
+        raw = (iter_dir / info.relative_path).read_bytes() if row >= 0 else b""
+        t = torch.load(io.BytesIO(raw[info.offset:info.offset + info.length]), weights_only=True) if raw else None
+        if t is None or row >= t.shape[0]:
+            continue
+        half = t.shape[1] // 2
+        t[row] = torch.cat([t[row, half:], t[row, :half]])
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        assert len(buf.getvalue()) == info.length
+        end = info.offset + info.length
+        (iter_dir / info.relative_path).write_bytes(raw[:info.offset] + buf.getvalue() + raw[end:])
+        patched += 1
+    assert patched == 1
+    return dst
+
+
+def _parity(hf: Path, mc: Path, **kw: object) -> dict:
+    return parity_mod.run_parity(ParityOptions(hf_dir=hf, mcore_dir=mc, progress=False, **kw))  # type: ignore[arg-type]
+
+
+def _where(report: dict) -> tuple[int, str] | None:
+    fd = report["first_divergence"]
+    return None if fd is None else (fd["layer"], fd["sub_block"])
+
+
+@pytest.fixture(scope="module")
+def tiny_mc(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _models_or_skip()
+    return _convert(tiny_ckpt, tmp_path_factory.mktemp("parity") / "mc-tiny")
+
+
+@pytest.fixture(scope="module")
+def cut8_mc(cut8_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _models_or_skip()
+    return _convert(cut8_ckpt, tmp_path_factory.mktemp("parity") / "mc-cut8")
+
+
+EMBED = "model.language_model.embed_tokens.weight"
+GATE_1 = "model.language_model.layers.1.mlp.gate_proj.weight"
+FP32_NOISE = 1e-6  # bound on per-sub-block rel err for aligned fp32 runs (CPU runs are in fact bit-identical)
+
+
+@pytest.fixture(scope="module")
+def small_residual(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """tiny with its embedding x0.01: residual RMS 0.01, GLM-5.3's regime where the proj-RMS eps form matters.
+
+    At the fixture's unit RMS, rsqrt(ms + 1e-5) and 1/(rms + 1e-6) differ by 4e-6 relative: rounding-sized,
+    which is why this divergence only showed at the real model's small residual scale. At RMS 0.01 (ms 1e-4)
+    they differ by 4.6%.
+    """
+    _models_or_skip()
+    d = tmp_path_factory.mktemp("parity-small-residual")
+    hf = _scaled_copy(tiny_ckpt, d / "hf", {EMBED: 0.01})
+    return hf, _convert(hf, d / "mc")
+
+
+@pytest.fixture(scope="module")
+def hot_gate(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """tiny with layer 1's dense gate_proj x20, so the SwiGLU clamp (10) is active in that one sub-block.
+
+    The fixture's fan-in init keeps gate/up pre-activations ~N(0, 1) behind the RMS norm, so nothing in tiny
+    ever reaches 10 (the max of ~20k normal draws is ~4.5); x20 puts ~30% of layer 1's gates above 10
+    (N(0, 20^2) > 10) and leaves every other sub-block below the limit.
+    """
+    _models_or_skip()
+    d = tmp_path_factory.mktemp("parity-hot-gate")
+    hf = _scaled_copy(tiny_ckpt, d / "hf", {GATE_1: 20.0})
+    return hf, _convert(hf, d / "mc")
+
+
+def _assert_noise_only(r: dict) -> None:
+    assert r["first_divergence"] is None
+    assert max(rec["rel_err"] for rec in r["layers"]) <= FP32_NOISE
+    assert all(rec.get("expert_overlap", 1.0) == 1.0 and rec.get("topk_overlap", 1.0) == 1.0 for rec in r["layers"])
+    assert r["logits"]["logprob_abs_diff"]["max"] <= 1e-5 and r["logits"]["top1_agreement"] == 1.0
+    assert r["logits"]["kl"] <= 1e-10
+
+
+@pytest.mark.parametrize("mode", ["propagated", "isolated"])
+def test_aligned_tiny_agrees_to_fp32_noise(tiny_ckpt: Path, tiny_mc: Path, mode: str) -> None:
+    r = _parity(tiny_ckpt, tiny_mc, tokens=128, sequences=2, train_conventions="serve", mode=mode)
+    _assert_noise_only(r)
+    assert r["conventions"]["train"] == r["conventions"]["serve"]
+    print(f"\ntiny parity ({mode}, fp32, 128 tokens in 2 sequences, 4 layers): {r['elapsed_s']:.2f}s")
+
+
+def test_aligned_cut8_agrees_to_fp32_noise(cut8_ckpt: Path, cut8_mc: Path) -> None:
+    r = _parity(cut8_ckpt, cut8_mc, tokens=128, sequences=2, train_conventions="serve")
+    _assert_noise_only(r)
+    assert len(r["layers"]) == 16 and sum("topk_overlap" in rec for rec in r["layers"]) == 2
+    print(f"\ncut8 parity (propagated, fp32, 128 tokens, 8 layers): {r['elapsed_s']:.2f}s")
+
+
+@pytest.mark.parametrize("mode", ["propagated", "isolated"])
+def test_hc_mix_bf16_is_named_at_layer_0_attention(tiny_ckpt: Path, tiny_mc: Path, mode: str) -> None:
+    """Casting post/comb to bf16 perturbs the very first mix by ~2^-9 relative: ~1e-3 at layer 0 attention."""
+    r = _parity(tiny_ckpt, tiny_mc, tokens=128, sequences=2, train_conventions="serve", mode=mode,
+                overrides=("hc_mix=bf16",))
+    assert _where(r) == (0, "attention") and r["first_divergence"]["value"] > 5e-4
+
+
+@pytest.mark.parametrize("mode", ["propagated", "isolated"])
+def test_indexer_query_raw_is_named_at_the_dsa_layer(tiny_ckpt: Path, tiny_mc: Path, mode: str) -> None:
+    """Sequences of 64 tokens > index_topk 16 (4 of up to 16 pools of 4): the raw query changes the top-k.
+
+    The raw and normalised queries differ by a per-token scale (no effect on a ranking) and q_a_layernorm's
+    elementwise weight, which reorders close pool scores; tiny's only DSA layer is 3.
+    """
+    r = _parity(tiny_ckpt, tiny_mc, tokens=128, sequences=2, train_conventions="serve", mode=mode,
+                overrides=("indexer_query=raw",))
+    assert _where(r) == (3, "attention")
+    rec = r["layers"][6]
+    assert rec["layer"] == 3 and rec["topk_overlap"] < 1.0 and rec["rel_err"] > 1e-2
+
+
+def test_indexer_query_is_invisible_in_short_sequences(tiny_ckpt: Path, tiny_mc: Path) -> None:
+    """Sequences no longer than index_topk select every visible token, whatever the query."""
+    r = _parity(tiny_ckpt, tiny_mc, tokens=128, sequences=8, train_conventions="serve",
+                overrides=("indexer_query=raw",))
+    _assert_noise_only(r)
+
+
+def test_proj_rms_is_named_at_layer_0_attention(small_residual: tuple[Path, Path]) -> None:
+    hf, mc = small_residual
+    _assert_noise_only(_parity(hf, mc, tokens=128, sequences=2, train_conventions="serve"))  # the copy itself agrees
+    for mode in ("propagated", "isolated"):
+        r = _parity(hf, mc, tokens=128, sequences=2, train_conventions="serve", mode=mode,
+                    overrides=("proj_rms=megatron",))
+        assert _where(r) == (0, "attention") and r["first_divergence"]["value"] > 1e-3, mode
+
+
+def test_proj_rms_is_rounding_sized_at_unit_residual_scale(tiny_ckpt: Path, tiny_mc: Path) -> None:
+    """Why `small_residual` exists: at unit RMS the eps form moves the streams by less than the threshold."""
+    r = _parity(tiny_ckpt, tiny_mc, tokens=128, sequences=2, train_conventions="serve",
+                overrides=("proj_rms=megatron",))
+    assert r["first_divergence"] is None and 0 < r["summary"]["max_rel_err"] < 1e-5
+
+
+def test_swiglu_clamp_off_is_named_at_layer_1_mlp(hot_gate: tuple[Path, Path]) -> None:
+    hf, mc = hot_gate
+    _assert_noise_only(_parity(hf, mc, tokens=128, sequences=2, train_conventions="serve"))
+    for mode in ("propagated", "isolated"):
+        r = _parity(hf, mc, tokens=128, sequences=2, train_conventions="serve", mode=mode,
+                    overrides=("swiglu_clamp=off",))
+        assert _where(r) == (1, "mlp") and r["first_divergence"]["value"] > 1e-1, mode
+
+
+@pytest.mark.parametrize("mode", ["propagated", "isolated"])
+def test_swapped_expert_rows_are_localised(tiny_ckpt: Path, tiny_mc: Path, tmp_path: Path, mode: str) -> None:
+    """A conversion defect: expert 3's gate and up rows swapped in layer 2's stacked linear_fc1."""
+    bad = _swap_expert_gate_up(tiny_mc, tmp_path / "mc-bad", layer=2, expert=3)
+    r = _parity(tiny_ckpt, bad, tokens=128, sequences=2, train_conventions="serve", mode=mode)
+    assert _where(r) == (2, "mlp") and r["first_divergence"]["value"] > 1e-2
+    rec = r["layers"][5]
+    assert rec["expert_overlap"] == 1.0  # routing is untouched: the expert's output is what differs
+    if mode == "isolated":
+        assert all(x["rel_err"] <= FP32_NOISE for i, x in enumerate(r["layers"]) if i != 5)
+
+
+def test_cli_default_train_conventions_fail_the_gate(tiny_ckpt: Path, tiny_mc: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["parity", str(tiny_ckpt), str(tiny_mc), "--tokens", "64", "--fail-on",
+                                   "top1_agreement<1.0", "--fail-on", "kl>1", "--report-dir", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    assert "first divergence: layer 0 attention" in res.output and "broken: top1_agreement<1" in res.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["conventions"]["train"]["hc_mix"] == "bf16" and report["conventions"]["serve"]["hc_mix"] == "fp32"
+    assert [b["broken"] for b in report["bounds"]] == [True, False]
+
+
+def test_cli_bad_convention_override_exit_2(tiny_ckpt: Path, tiny_mc: Path) -> None:
+    res = CliRunner().invoke(cli, ["parity", str(tiny_ckpt), str(tiny_mc), "--train-convention", "hc_mix=fp64"])
+    assert res.exit_code == 2 and "error:" in res.output and "hc_mix" in res.output
+
+
+def test_cli_refuses_checkpoints_of_different_models(tiny_ckpt: Path, cut8_mc: Path) -> None:
+    res = CliRunner().invoke(cli, ["parity", str(tiny_ckpt), str(cut8_mc)])
+    assert res.exit_code == 2 and "describes a different model" in res.output, res.output
+
+
+@pytest.mark.slow
+def test_parity_gate_script(tmp_path: Path) -> None:
+    """scripts/parity_gate.sh as CI runs it: passes on aligned conventions, fails (1) with a planted one."""
+    import subprocess
+    import sys
+
+    _models_or_skip()
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "WORK": str(tmp_path / "w"), "TOKENS": "64"}
+    ok = subprocess.run(["bash", str(root / "scripts" / "parity_gate.sh")], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert (tmp_path / "w" / "parity-report" / "report.json").is_file()
+    bad = subprocess.run(["bash", str(root / "scripts" / "parity_gate.sh"), "--train-convention", "hc_mix=bf16"],
+                         env=env, capture_output=True, text=True)
+    assert bad.returncode == 1 and "bound(s) broken" in bad.stderr

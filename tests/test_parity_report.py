@@ -1,0 +1,115 @@
+"""The parity report: required keys, strict JSON, Markdown, a readable PNG, the terminal table."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from glmconv.parity import ParityOptions
+from glmconv.parity.capture import Capture
+from glmconv.parity.inputs import random_batch
+from glmconv.parity.metrics import parse_bound
+from glmconv.parity.report import JSON_NAME, MD_NAME, PNG_NAME, build_report, print_table, to_json, write_report
+
+_TYPES = [("kda", "dense"), ("kda", "dense"), ("kda", "moe"), ("dsa", "moe")]
+
+
+def _capture(errs: list[float]) -> Capture:
+    layers = []
+    for i, err in enumerate(errs):
+        layer, sub = divmod(i, 2)
+        attn, mlp = _TYPES[layer]
+        rec = {"layer": layer, "sub_block": ("attention", "mlp")[sub], "attn_type": attn, "mlp_type": mlp,
+               "rel_err": err, "max_abs": err * 3}
+        if sub == 1 and mlp == "moe":
+            rec["expert_overlap"] = 0.875
+        if sub == 0 and attn == "dsa":
+            rec["topk_overlap"] = 0.5
+        layers.append(rec)
+    logits = {"logprob_abs_diff": {"mean": 1e-3, "p99": 5e-3, "max": 8e-3}, "top1_agreement": 0.96875,
+              "kl": 2e-5, "positions": 64, "next_token_positions": 63}
+    return Capture(layers=layers, logits=logits, elapsed_s=0.25)
+
+
+def _report(errs: list[float], bounds: tuple[str, ...] = (), **kw: object) -> dict:
+    opts = ParityOptions(hf_dir=Path("hf"), mcore_dir=Path("mc"), bounds=tuple(parse_bound(b) for b in bounds),
+                         **kw)  # type: ignore[arg-type]
+    conv = {"serve": {"proj_rms": "reference", "hc_mix": "fp32"}, "train": {"proj_rms": "megatron", "hc_mix": "fp32"}}
+    return build_report(_capture(errs), opts, random_batch(512, 64, 2, 0), conv)
+
+
+ERRS = [1e-7, 2e-7, 3e-7, 4e-7, 1e-7, 5e-2, 6e-2, 0.0]
+
+
+def test_report_keys_and_first_divergence() -> None:
+    r = _report(ERRS)
+    for key in ("layers", "logits", "first_divergence", "conventions", "mode", "dtype", "tokens", "seed",
+                "threshold", "summary", "bounds", "passed"):
+        assert key in r, key
+    assert r["first_divergence"] == {"layer": 2, "sub_block": "mlp", "metric": "rel_err", "value": 5e-2}
+    assert r["threshold"] == 1e-4 and r["mode"] == "propagated" and r["dtype"] == "fp32"
+    assert (r["tokens"], r["sequences"], r["seed"]) == (64, 2, 0)
+    assert set(r["conventions"]) == {"serve", "train"}
+    assert set(r["logits"]) >= {"logprob_abs_diff", "top1_agreement", "kl"}
+    assert set(r["logits"]["logprob_abs_diff"]) == {"mean", "p99", "max"}
+    rec = r["layers"][5]
+    assert {"layer", "sub_block", "attn_type", "mlp_type", "rel_err", "max_abs", "expert_overlap"} <= set(rec)
+    assert "topk_overlap" in r["layers"][6] and "expert_overlap" not in r["layers"][0]
+    assert r["passed"] and r["bounds"] == []
+
+
+def test_bf16_default_threshold_and_bounds() -> None:
+    r = _report(ERRS, dtype="bf16", bounds=("max_rel_err>0.01", "top1_agreement<0.9"))
+    assert r["threshold"] == 2e-2
+    assert r["first_divergence"]["layer"] == 2
+    assert [b["broken"] for b in r["bounds"]] == [True, False] and not r["passed"]
+    assert _report(ERRS, threshold=0.1)["first_divergence"] is None
+
+
+def test_written_files(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    r = _report(ERRS)
+    paths = write_report(r, tmp_path / "out")
+    assert [p.name for p in paths] == [JSON_NAME, MD_NAME, PNG_NAME]
+    loaded = json.loads((tmp_path / "out" / JSON_NAME).read_text())
+    assert loaded["first_divergence"]["sub_block"] == "mlp" and len(loaded["layers"]) == 8
+    md = (tmp_path / "out" / MD_NAME).read_text()
+    assert "first divergence: layer 2 mlp" in md and "| proj_rms | reference | megatron (differs) |" in md
+    assert PNG_NAME in md
+    img = matplotlib.image.imread(tmp_path / "out" / PNG_NAME)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_json_is_strict_with_nan_and_inf(tmp_path: Path) -> None:
+    r = _report([1e-7, math.nan, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0])
+    text = to_json(r)
+
+    def refuse(name: str) -> float:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    loaded = json.loads(text, parse_constant=refuse)
+    assert loaded["layers"][1]["rel_err"] == "nan" and loaded["first_divergence"]["sub_block"] == "mlp"
+    write_report(r, tmp_path)  # the plot copes with NaN/inf too
+
+
+def test_terminal_table_names_first_divergence() -> None:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    print_table(_report(ERRS, bounds=("kl>1e-6",)), Console(file=buf, width=140, color_system=None))
+    out = buf.getvalue()
+    assert "mlp <- first" in out and "first divergence: layer 2 mlp" in out
+    assert "FAILED: kl>1e-06" in out and "experts 0.875" in out and "top-k 0.500" in out
+
+
+def test_unwritable_report_dir(tmp_path: Path) -> None:
+    from glmconv.errors import GlmconvError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(GlmconvError, match="cannot write the report"):
+        write_report(_report(ERRS), tmp_path / "file" / "sub")
