@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SHELL := /bin/bash
 
-.PHONY: env demo test test-fast bench gpu-wheels clean lint
+.PHONY: env demo test gate bench gpu-wheels clean
 
 env: $(STAMP)
 
@@ -26,8 +26,12 @@ $(STAMP): setup.cfg setup.py requirements-dev.txt
 demo: env
 	bash scripts/demo.sh
 
-test: env
+# CI: the parity gate the way users run it (fixture -> convert -> parity --fail-on), then the suite.
+test: env gate
 	$(VPY) -m pytest -q -n 2 tests
+
+gate: env
+	bash scripts/parity_gate.sh
 
 bench: env
 	bash benchmarks/run.sh
