@@ -14,8 +14,8 @@ from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules.ops import StackExperts
 from glmconv.runner import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
-    STAGING_SUFFIX, check_output, cleanup, collective_error, fresh_staging, gather, progress, publish, run_ranks,
-    staging_dir, torchrun_env, try_, try_none, try_raise)
+    STAGING_SUFFIX, cleanup, collective_error, fresh_staging, gather, progress, publish, run_on_output, staging_dir,
+    torchrun_env, try_, try_none, try_raise)
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,8 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
     if findings:
         f = findings[0]
         more = f" (and {len(findings) - 1} more; run `glmconv audit-names {src_p}`)" if len(findings) > 1 else ""
-        raise CheckpointError(f"{f.tensor} ({f.file}): {f.kind}: expected {f.expected}, found {f.found}{more}")
+        where = f" ({f.file})" if f.file else ""
+        raise CheckpointError(f"{f.tensor}{where}: {f.kind}: expected {f.expected}, found {f.found}{more}")
     plan = build_plan(full.config, fp8=full.fp8, mtp=full.mtp and mtp, vision=full.vision and vision,
                       text_prefix=full.text_prefix)
     left_out = {part: sum(len(m.hf) + sum(1 for s in m.scales if s) for m in full.mappings
@@ -133,7 +134,7 @@ class ShareResult:
 
 
 def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any, *, group_bytes: int,
-              chunk_bytes: int) -> ShareResult:
+              chunk_bytes: int, check_finite: bool = False) -> ShareResult:
     """Convert one worker's mappings into its own data files."""
     from glmconv.io.hf_reader import HfTensorSource
 
@@ -141,7 +142,7 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any,
     state = {"written": 0, "bytes": 0}
 
     def chunks() -> Iterator[Chunk]:
-        with HfTensorSource(job.files) as source:
+        with HfTensorSource(job.files, check_finite=check_finite) as source:
             for m in share:
                 yield from mapping_chunks(m, source, chunk_bytes)
                 consumed.extend(t.name for t in m.hf)
@@ -205,6 +206,7 @@ class RunOptions:
     group_bytes: int = DEFAULT_GROUP_BYTES
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
+    check_finite: bool = False  # refuse a NaN/Inf in any source tensor (after FP8 dequantisation)
 
 
 def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
@@ -221,8 +223,7 @@ def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
-    check_output(job.out, force)
-    return run_ranks(run_rank, (job, opts), opts.workers, "convert")
+    return run_on_output(job.out, force, run_rank, (job, opts), opts.workers, "convert")
 
 
 def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
@@ -241,7 +242,7 @@ def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: An
     result: ShareResult | None = None
     with progress(label, total, sum(len(m.hf) for m in share), opts.progress and rank == 0) as prog:
         outcome = try_(lambda: run_share(job, share, writer, prog, group_bytes=opts.group_bytes,
-                                        chunk_bytes=opts.chunk_bytes))
+                                        chunk_bytes=opts.chunk_bytes, check_finite=opts.check_finite))
     if not isinstance(outcome, str):
         result, outcome = outcome, None
     consumed = gather(group, (outcome, result.consumed if result else []), world)

@@ -11,6 +11,7 @@ import os
 import socket
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -135,3 +136,332 @@ def assert_same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.contiguous().view(ints[t.element_size()]) if t.is_floating_point() else t
+
+
+# ---- an independent HF -> Megatron reference (the table of /work/shared/design/megatron.md, re-spelled) ----
+# Used by the convert proofs: what every Megatron tensor must hold, computed from the HF files with plain torch
+# and safetensors, never through glmconv's plan, transforms, reader or FP8 code.
+
+FP8_BLOCK = 128
+KDA, DSA = "linear_attention", "deepseek_sparse_attention"
+_KDA_PROJ = ("q", "k", "v", "b", "f_a", "f_b", "g_a", "g_b", "o")
+_DSA = {"q_a_proj.weight": "linear_q_down_proj.weight", "q_a_layernorm.weight": "linear_q_up_proj.layer_norm_weight",
+        "q_b_proj.weight": "linear_q_up_proj.weight", "kv_a_proj_with_mqa.weight": "linear_kv_down_proj.weight",
+        "kv_a_layernorm.weight": "linear_kv_up_proj.layer_norm_weight", "kv_b_proj.weight": "linear_kv_up_proj.weight",
+        "o_proj.weight": "linear_proj.weight"}
+_INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
+            "index_kpool_compress_gate", "index_kpool_compress_ape")
+_HC_SITES = {"attn": "self_attention", "ffn": "mlp"}
+_GATE_UP = {"gate_proj.weight": 0, "up_proj.weight": 1}
+F32_HF_SUFFIXES = ("_fn", "_base", "_scale", ".A_log", ".dt_bias", ".e_score_correction_bias",
+                   ".index_kpool_compress_ape")
+
+
+def read_safetensors(ckpt_dir: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory exactly as stored (safetensors' own reader, all shards)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        for name, t in load_file(str(shard)).items():
+            assert name not in out, f"{name} stored twice"
+            out[name] = t
+    return out
+
+
+def read_dcp(root: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint root, at its stored dtype and global shape (torch's DCP reader)."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ckpt = Path(root) / "release"
+    md = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+           if isinstance(v, TensorStorageMetadata)}
+    dcp.load(out, checkpoint_id=str(ckpt), no_dist=True)
+    return out
+
+
+def dequant_reference(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """fp8.float() * scale_inv[i, j] on each 128x128 block (edge blocks cropped), then bf16: a plain loop."""
+    rows, cols = fp8.shape
+    assert scale_inv.shape == (-(-rows // block), -(-cols // block)) and scale_inv.dtype == torch.float32
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            blk = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+            out[blk] = fp8[blk].to(torch.float32) * scale_inv[i, j]
+    return out.to(torch.bfloat16)
+
+
+def reference_mcore(ckpt_dir: Any, *, mtp: bool = True, vision: bool = True,
+                    mtp_inner: str = "transformer_layer.") -> dict[str, torch.Tensor]:
+    """Every Megatron tensor a conversion of `ckpt_dir` must write, computed from the HF files alone.
+
+    Each HF tensor is routed to exactly one Megatron tensor (slot); an unknown name, a slot filled twice or a
+    scale without its weight fails. FP8 weights are dequantised by `dequant_reference`. `mtp_inner` is the one
+    name taken as given (whether megatron-core keys it so is test_convert_mcore_keys' business).
+    """
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    raw = read_safetensors(ckpt_dir)
+    slots: dict[str, dict[Any, torch.Tensor]] = {}
+    for name, t in raw.items():
+        if name.endswith("_scale_inv"):
+            assert name.removesuffix("_scale_inv") in raw, f"{name} without its weight"
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = dequant_reference(t, raw[name + "_scale_inv"])
+        for mc, slot, value in _route(name, t, text, mtp_inner):
+            if (mc.startswith("mtp.") and not mtp) or (mc.startswith("vision_model.") and not vision):
+                continue
+            assert slot not in slots.setdefault(mc, {}), f"{mc} slot {slot} filled twice"
+            slots[mc][slot] = value
+    return {mc: _assemble(parts) for mc, parts in slots.items()}
+
+
+def _megatron_dtype(hf_name: str) -> torch.dtype:
+    return torch.float32 if hf_name.endswith(F32_HF_SUFFIXES) else torch.bfloat16
+
+
+def _route(name: str, t: torch.Tensor, text: dict[str, Any], mtp_inner: str) -> list[tuple[str, Any, torch.Tensor]]:
+    """(Megatron name, slot, value) for one HF tensor; slot None is the whole tensor."""
+    t = t.to(_megatron_dtype(name))
+    if name.startswith("model.visual."):
+        return [("vision_model." + name.removeprefix("model.visual."), None, t)]
+    if name == "lm_head.weight":
+        return [("output_layer.weight", None, t)]
+    prefix = "model.language_model." if name.startswith("model.language_model.") else "model."
+    rest = name.removeprefix(prefix)
+    if rest == "embed_tokens.weight":
+        return [("embedding.word_embeddings.weight", None, t)]
+    if rest == "norm.weight":
+        return [("decoder.final_layernorm.weight", None, t)]
+    head, layer_s, local = rest.split(".", 2)
+    assert head == "layers", name
+    layer, n = int(layer_s), text["num_hidden_layers"]
+    if layer < n:
+        return _route_layer(f"decoder.layers.{layer}.", local, t, text["layer_types"][layer],
+                            text["mlp_layer_types"][layer])
+    outer = f"mtp.layers.{layer - n}."
+    mtp_own = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+               "shared_head.norm.weight": "final_layernorm.weight"}
+    if local in mtp_own:
+        return [(outer + mtp_own[local], None, t)]
+    return _route_layer(outer + mtp_inner, local, t, DSA, "sparse")
+
+
+def _route_layer(p: str, local: str, t: torch.Tensor, attn: str, mlp: str) -> list[tuple[str, Any, torch.Tensor]]:
+    import re
+
+    if local == "input_layernorm.weight":
+        return [(p + local, None, t)]
+    if local == "post_attention_layernorm.weight":
+        return [(p + ("mlp.linear_fc1.layer_norm_weight" if mlp == "dense" else "pre_mlp_layernorm.weight"), None, t)]
+    m = re.fullmatch(r"hc_(attn|ffn)_(fn|base|scale)", local)
+    if m:
+        site = f"{p}{_HC_SITES[m.group(1)]}_hyper_connection."
+        if m.group(2) == "scale":
+            return [(site + f"alpha_{a}", None, t[i:i + 1].clone()) for i, a in enumerate(("pre", "post", "res"))]
+        return [(site + ("mapping_proj.weight" if m.group(2) == "fn" else "bias"), None, t)]
+    if local.startswith("self_attn."):
+        return [_route_attn(p, local.removeprefix("self_attn."), t, attn)]
+    if local.startswith("mlp."):
+        return [_route_mlp(p, local.removeprefix("mlp."), t, mlp)]
+    raise AssertionError(f"{p}{local}: no Megatron counterpart in the reference table")
+
+
+def _route_attn(p: str, a: str, t: torch.Tensor, attn: str) -> tuple[str, Any, torch.Tensor]:
+    if attn == KDA:
+        proj = a.removesuffix("_proj.weight")
+        if a.endswith("_proj.weight") and proj in _KDA_PROJ:
+            return (f"{p}self_attention.kda.{a}", None, t)
+        if a.endswith("_conv1d.weight"):
+            return (f"{p}self_attention.kda.conv1d.weight", ("cat", "qkv".index(a[0])), t)
+        assert a in ("A_log", "dt_bias", "o_norm.weight"), a
+        return (f"{p}self_attention.kda.{a}", None, t)
+    assert attn == DSA, attn
+    if a in _DSA:
+        return (f"{p}self_attention.{_DSA[a]}", None, t)
+    assert a.startswith("indexer.") and a.removeprefix("indexer.") in _INDEXER, a
+    return (f"{p}self_attention.{a.removeprefix('indexer.')}", None, t)
+
+
+def _route_mlp(p: str, a: str, t: torch.Tensor, mlp: str) -> tuple[str, Any, torch.Tensor]:
+    if mlp == "dense":
+        if a in _GATE_UP:
+            return (f"{p}mlp.linear_fc1.weight", ("cat", _GATE_UP[a]), t)
+        assert a == "down_proj.weight", a
+        return (f"{p}mlp.linear_fc2.weight", None, t)
+    if a == "gate.weight":
+        return (f"{p}mlp.router.weight", None, t)
+    if a == "gate.e_score_correction_bias":
+        return (f"{p}mlp.router.expert_bias", None, t)
+    if a.startswith("shared_experts."):
+        w = a.removeprefix("shared_experts.")
+        if w in _GATE_UP:
+            return (f"{p}mlp.shared_experts.linear_fc1.weight", ("cat", _GATE_UP[w]), t)
+        assert w == "down_proj.weight", a
+        return (f"{p}mlp.shared_experts.linear_fc2.weight", None, t)
+    experts, e, w = a.split(".", 2)
+    assert experts == "experts", a
+    if w in _GATE_UP:
+        return (f"{p}mlp.experts.experts.linear_fc1.weight", ("expert", int(e), _GATE_UP[w]), t)
+    assert w == "down_proj.weight", a
+    return (f"{p}mlp.experts.experts.linear_fc2.weight", ("expert", int(e), 0), t)
+
+
+def _assemble(parts: dict[Any, torch.Tensor]) -> torch.Tensor:
+    """One slot: the tensor. ("cat", i): concatenated on dim 0 in i order. ("expert", e, i): per expert e the
+    concat of its parts, stacked on a new expert axis (fc1 per expert: gate rows, then up rows)."""
+    if set(parts) == {None}:
+        return parts[None]
+    kind = {k[0] for k in parts}
+    assert len(kind) == 1, parts.keys()
+    if kind == {"cat"}:
+        n = len(parts)
+        assert set(parts) == {("cat", i) for i in range(n)}, sorted(parts)
+        return torch.cat([parts[("cat", i)] for i in range(n)])
+    experts = 1 + max(k[1] for k in parts)
+    per = len(parts) // experts
+    assert set(parts) == {("expert", e, i) for e in range(experts) for i in range(per)}, "experts missing"
+    return torch.stack([torch.cat([parts[("expert", e, i)] for i in range(per)]) for e in range(experts)])
+
+
+
+# ---- how a Megatron trainer shards each tensor, written out as ShardedTensor.from_rank_offsets requests ----
+# megatron-core's own modules (MLA, MLP, MoE, embedding, output, MTP eh_proj) are followed as their TE spec does
+# it (q/kv down projections are TELinear "duplicated"); for modules megatron-core does not have (KDA, the DSA
+# indexer, hyper-connections, vision) the usual column-in / row-out convention is assumed. Whatever the choice,
+# a torch_dist checkpoint of global tensors must serve it: that is what the load proofs check.
+
+COLUMN_SUFFIXES = (".linear_q_up_proj.weight", ".linear_kv_up_proj.weight", ".eh_proj.weight", ".kda.A_log",
+                   ".kda.dt_bias", *(f".kda.{p}_proj.weight" for p in ("q", "k", "v", "b", "f_b", "g_b")))
+ROW_SUFFIXES = (".linear_proj.weight", ".kda.o_proj.weight", ".mlp.linear_fc2.weight",
+                ".shared_experts.linear_fc2.weight")
+SWIGLU_SUFFIXES = (".mlp.linear_fc1.weight", ".shared_experts.linear_fc1.weight")
+DOWN_PROJ_SUFFIXES = (".linear_q_down_proj.weight", ".linear_kv_down_proj.weight")
+EXPERT_FC1, EXPERT_FC2 = ".experts.experts.linear_fc1.weight", ".experts.experts.linear_fc2.weight"
+VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a megatron layout (dense TP x DP; experts EP x ETP x expert-DP)."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    dp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+    edp_rank: int = 0
+
+
+def ranks_from_parallel_state() -> Ranks:
+    from megatron.core import parallel_state as ps
+
+    return Ranks(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                 dp_rank=ps.get_data_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
+                 ep_rank=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_world_size(),
+                 etp_rank=ps.get_expert_tensor_parallel_rank(), edp_rank=ps.get_expert_data_parallel_rank())
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One local shard request: `index` into the global tensor is the data this rank must get."""
+
+    key: str
+    index: tuple[Any, ...]
+    rank_offsets: tuple[tuple[int, int, int], ...]
+    replica_id: tuple[int, ...]
+    prepend: int = 0
+
+    def request(self, global_shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        local = torch.empty(global_shape, device="meta")[self.index].shape
+        return ShardedTensor.from_rank_offsets(self.key, torch.empty(local, dtype=dtype), *self.rank_offsets,
+                                               replica_id=self.replica_id, prepend_axis_num=self.prepend)
+
+
+def tp_layout(name: str, down_proj: str = "duplicated") -> str:
+    """replicated | column | row | swiglu | conv3 | expert_fc1 | expert_fc2, as a trainer shards `name`."""
+    if name.endswith(EXPERT_FC1):
+        return "expert_fc1"
+    if name.endswith(EXPERT_FC2):
+        return "expert_fc2"
+    if name.endswith(SWIGLU_SUFFIXES):
+        return "swiglu"
+    if name.endswith(".kda.conv1d.weight"):
+        return "conv3"
+    if name in VOCAB_PARALLEL or name.endswith(COLUMN_SUFFIXES):
+        return "column"
+    if name.endswith(DOWN_PROJ_SUFFIXES):
+        return "column" if down_proj == "column" else "replicated"
+    if name.endswith(ROW_SUFFIXES):
+        return "row"
+    return "replicated"
+
+
+def shard_pieces(name: str, shape: tuple[int, ...], r: Ranks, down_proj: str = "duplicated") -> list[Piece]:
+    """The local shard requests of this rank for the global tensor `name` of `shape`."""
+    kind = tp_layout(name, down_proj)
+    all_ = slice(None)
+    if kind == "replicated":
+        return [Piece(name, (), (), (0, r.tp_rank, r.dp_rank))]
+    rep = (0, 0, r.dp_rank)
+    if kind == "column":
+        n = shape[0] // r.tp
+        return [Piece(name, (slice(r.tp_rank * n, (r.tp_rank + 1) * n),), ((0, r.tp_rank, r.tp),), rep)]
+    if kind == "row":
+        n = shape[1] // r.tp
+        return [Piece(name, (all_, slice(r.tp_rank * n, (r.tp_rank + 1) * n)), ((1, r.tp_rank, r.tp),), rep)]
+    if kind in ("swiglu", "conv3"):
+        parts = 2 if kind == "swiglu" else 3
+        part, n = shape[0] // parts, shape[0] // parts // r.tp
+        return [Piece(name, (slice(j * part + r.tp_rank * n, j * part + (r.tp_rank + 1) * n),),
+                      ((0, j * r.tp + r.tp_rank, parts * r.tp),), rep) for j in range(parts)]
+    experts = shape[0]
+    local = experts // r.ep
+    erep = (0, 0, r.edp_rank)
+    pieces = []
+    for e in range(r.ep_rank * local, (r.ep_rank + 1) * local):
+        if kind == "expert_fc1":
+            half, n = shape[1] // 2, shape[1] // 2 // r.etp
+            pieces += [Piece(name, (e, slice(j * half + r.etp_rank * n, j * half + (r.etp_rank + 1) * n)),
+                             ((0, e, experts), (1, j * r.etp + r.etp_rank, 2 * r.etp)), erep, prepend=1)
+                       for j in range(2)]
+        else:
+            n = shape[2] // r.etp
+            pieces.append(Piece(name, (e, all_, slice(r.etp_rank * n, (r.etp_rank + 1) * n)),
+                                ((0, e, experts), (2, r.etp_rank, r.etp)), erep, prepend=1))
+    return pieces
+
+
+def parse_object_key(unique_key: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """`X._extra_state/shard_0_1` -> (key, global_offset, global_shape), the inverse of ShardedObject.unique_key."""
+    key, shard = unique_key.rsplit("/", 1)
+    offset, shape = shard.removeprefix("shard_").split("_")
+    return key, tuple(int(x) for x in offset.split(".")), tuple(int(x) for x in shape.split("."))
+
+
+def object_request(unique_key: str, r: Ranks) -> Any | None:
+    """The ShardedObject this rank asks for (experts: only its own experts), or None."""
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    key, offset, shape = parse_object_key(unique_key)
+    if shape == (1,):
+        return ShardedObject(key, None, shape, offset, replica_id=(0, r.tp_rank, r.dp_rank))
+    local = shape[0] // r.ep
+    if not r.ep_rank * local <= offset[0] < (r.ep_rank + 1) * local:
+        return None
+    return ShardedObject(key, None, shape, offset, replica_id=(0, r.etp_rank, r.edp_rank))

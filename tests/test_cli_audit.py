@@ -88,7 +88,7 @@ def test_emit_mcore_spot_checks():
     assert by["decoder.layers.3.mlp.experts.experts.linear_fc1.weight"] == ((288, 4096, 4096), "BF16")
     assert by["decoder.layers.44.mlp.experts.experts.linear_fc2.weight"] == ((288, 4096, 2048), "BF16")
     assert by["mtp.layers.0.eh_proj.weight"] == ((4096, 8192), "BF16")
-    assert by["mtp.layers.0.mtp_model_layer.mlp.router.expert_bias"] == ((288,), "F32")
+    assert by["mtp.layers.0.transformer_layer.mlp.router.expert_bias"] == ((288,), "F32")
     assert not any(n.startswith("decoder.layers.45.") for n in by)
 
 

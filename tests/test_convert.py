@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
 import mcore_helpers as mh
@@ -30,18 +29,6 @@ STAGING = ".glmconv-staging"
 def run_convert(src: Path, out: Path, *, workers: int = 1, force: bool = False, **parts: bool) -> dict[str, Any]:
     job = prepare(src, out, **parts)
     return convert(job, RunOptions(workers=workers, progress=False), force=force)
-
-
-def read_dcp(root: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint, at its stored dtype and global shape (torch's DCP reader)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    ckpt = root / "release"
-    md = dcp.FileSystemReader(str(ckpt)).read_metadata()
-    out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-           if isinstance(v, TensorStorageMetadata)}
-    dcp.load(out, checkpoint_id=str(ckpt), no_dist=True)
-    return out
 
 
 def source_names(src: Path) -> list[str]:
@@ -89,7 +76,7 @@ def test_bf16_source_lands_bit_for_bit_through_the_mapping(fixture: str, sources
                                                            converted: dict[str, Path]) -> None:
     """Renames, gate++up, q,k,v conv concat, stacked experts, split alphas: exactly the source bytes."""
     want = mh.reference_mcore(sources[fixture])
-    got = read_dcp(converted[fixture])
+    got = mh.read_dcp(converted[fixture])
     assert_matches_reference(got, want)
     n_layers = json.loads((sources[fixture] / "config.json").read_text())["text_config"]["num_hidden_layers"]
     assert any(n.startswith("mtp.layers.0.") for n in got) and any(n.startswith("vision_model.") for n in got)
@@ -103,7 +90,7 @@ def test_fp8_source_is_dequantised_per_128_block_then_bf16(sources: dict[str, Pa
     scales = [raw[n + "_scale_inv"].shape for n in fp8]
     assert len(fp8) >= 40 and any(s[0] > 1 for s in scales) and any(s[1] > 1 for s in scales)
     assert any(t.shape[0] % 128 and t.shape[1] % 128 for t in fp8.values())  # cropped edge blocks in both dims
-    got = read_dcp(converted["tiny-fp8"])
+    got = mh.read_dcp(converted["tiny-fp8"])
     assert_matches_reference(got, mh.reference_mcore(sources["tiny-fp8"]))
     down = "decoder.layers.0.mlp.linear_fc2.weight"  # an FP8 tensor: the dequantised value, not the raw bytes
     assert got[down].dtype == torch.bfloat16
@@ -116,7 +103,7 @@ def test_two_workers_write_the_same_tensors_as_one(sources: dict[str, Path], con
     assert [w["rank"] for w in summary["workers"]] == [0, 1]
     files = {p.name.split("_")[2] for p in (tmp_path / "w2" / "release").glob("__*_*.distcp")}
     assert files == {"0", "1"}, "both ranks wrote data files"
-    one, two = read_dcp(converted["cut8"]), read_dcp(tmp_path / "w2")
+    one, two = mh.read_dcp(converted["cut8"]), mh.read_dcp(tmp_path / "w2")
     assert sorted(one) == sorted(two)
     for name, t in one.items():
         mh.assert_same(name, two[name], t)
@@ -140,7 +127,7 @@ def test_tracker_says_release_and_sidecars_sit_in_the_root(sources: dict[str, Pa
     assert manifest["source"] == str(sources["tiny"].resolve())
     assert (manifest["mtp"], manifest["vision"], manifest["fp8_source"], manifest["left_out"]) == (True, True, False, {})
     assert manifest["hf_tensors"] == len(source_names(sources["tiny"]))
-    assert manifest["mcore_tensors"] == len(read_dcp(out))
+    assert manifest["mcore_tensors"] == len(mh.read_dcp(out))
     assert not list(out.parent.glob("*" + STAGING))
 
 
@@ -160,7 +147,7 @@ def test_force_replaces_existing_output_whole(sources: dict[str, Path], tmp_path
     (out / "stale.txt").write_text("from before")
     run_convert(sources["tiny"], out, force=True)
     assert not (out / "stale.txt").exists() and (out / TRACKER).read_text() == "release"
-    assert_matches_reference(read_dcp(out), mh.reference_mcore(sources["tiny"]))
+    assert_matches_reference(mh.read_dcp(out), mh.reference_mcore(sources["tiny"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -175,7 +162,7 @@ def test_left_out_part_is_absent_and_the_summary_says_so(part: str, prefix: str,
     result = CliRunner().invoke(cli, ["convert", str(src), str(out), option])
     assert result.exit_code == 0, result.output
     assert f"left out by request: {part} ({len(hf_part):,} HF tensors)" in result.output
-    got = read_dcp(out)
+    got = mh.read_dcp(out)
     assert not [n for n in got if n.startswith(prefix)]
     assert_matches_reference(got, mh.reference_mcore(src, mtp=part != "mtp", vision=part != "vision"))
     manifest = json.loads((out / "glmconv.json").read_text())

@@ -83,14 +83,15 @@ def test_mtp_layer_45_maps_to_megatron_mtp_layer_0_without_hc(cfg):
     assert len(mtp_hf) == 889 and not any("hc_" in n for n in mtp_hf)
     assert plan.mapping_of_hf["model.language_model.layers.45.shared_head.norm.weight"].mcore[0].name == \
         "mtp.layers.0.final_layernorm.weight"
-    assert "mtp.layers.0.mtp_model_layer.self_attention.linear_q_down_proj.weight" in plan.mcore_index
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_q_down_proj.weight" in plan.mcore_index
 
 
-def test_mtp_inner_layer_name_matches_installed_megatron_core():
+def test_mtp_inner_layer_key_is_the_one_installed_megatron_core_saves_and_loads():
     mtp = pytest.importorskip("megatron.core.transformer.multi_token_prediction")
     import inspect
 
-    assert "self.mtp_model_layer" in inspect.getsource(mtp.MultiTokenPredictionLayer)
+    src = inspect.getsource(mtp.MultiTokenPredictionLayer.sharded_state_dict)
+    assert "{f'{prefix}mtp_model_layer.': f'{prefix}transformer_layer.'}" in src
 
 
 def test_vision_tower_is_347_pass_through_tensors(cfg):

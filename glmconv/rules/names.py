@@ -9,7 +9,9 @@ HF_TEXT_PREFIX = "model.language_model."
 HF_FLAT_PREFIX = "model."
 HF_VISUAL_PREFIX = "model.visual."
 HF_PREFIXES = (HF_TEXT_PREFIX, HF_FLAT_PREFIX)
-MTP_INNER_LAYER = "mtp_model_layer."  # megatron-core 0.19 MultiTokenPredictionLayer.mtp_model_layer
+# megatron-core 0.19.2 names the module `mtp_model_layer` but keys GPT MTP checkpoints `transformer_layer.`
+# (MultiTokenPredictionLayer.sharded_state_dict remaps it for backward compatibility): the key is what a trainer loads.
+MTP_INNER_LAYER = "transformer_layer."
 SCALE_SUFFIX = "_scale_inv"
 
 

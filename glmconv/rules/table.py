@@ -159,8 +159,8 @@ def _global() -> list[Rule]:
         _r("{text}embed_tokens.weight", "embedding.word_embeddings.weight", ("vocab", "hidden"), scope=GLOBAL,
            role="embed"),
         _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL, role="final_norm"),
-        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL, extra_state=True,
-           role="lm_head"),
+        # no extra_state: GPTModel.sharded_state_dict drops output_layer._extra_state (gpt_model.py)
+        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL, role="lm_head"),
     ]
 
 

@@ -1,0 +1,108 @@
+"""Converted checkpoints load through megatron-core's `dist_checkpointing` at TP=1, TP=2 and EP=2.
+
+Per layout, one group of 2 gloo processes on CPU (spawned, like tests/mcore_helpers.py) loads the converted
+`tiny`, `tiny --fp8` and `cut8` with a sharded state dict of `ShardedTensor.from_rank_offsets` requests for
+every tensor of the plan (as a trainer shards it: `mcore_helpers.shard_pieces`) plus every `_extra_state`
+ShardedObject, under `strict="raise_all"` (nothing requested is missing, nothing stored is left unrequested).
+Every local shard must equal the same slice of `mcore_helpers.reference_mcore` (computed from the HF files
+alone; FP8 sources dequantised block by block), bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_helpers as mh
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+FIXTURES = ("tiny", "tiny-fp8", "cut8")
+LAYOUTS = {"tp1": dict(tp=1, ep=1), "tp2": dict(tp=2, ep=1), "ep2": dict(tp=1, ep=2)}
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_ckpt: Path, tiny_fp8_ckpt: Path, cut8_ckpt: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, str, str]]:
+    """(fixture, HF dir, converted root) for each fixture, converted once in this process."""
+    from glmconv.convert import RunOptions, convert, prepare
+
+    root = tmp_path_factory.mktemp("converted")
+    out = []
+    for name, src in zip(FIXTURES, (tiny_ckpt, tiny_fp8_ckpt, cut8_ckpt)):
+        convert(prepare(src, root / name), RunOptions(progress=False))
+        out.append((name, str(src), str(root / name)))
+    return out
+
+
+def _check_fixture(name: str, src: str, root: str, r: mh.Ranks) -> int:
+    """Load one converted checkpoint at this rank's layout; returns the number of local pieces compared."""
+    from glmconv.convert import prepare
+    from glmconv.io.dcp_writer import TORCH_DTYPES
+
+    plan = prepare(src, Path(root) / "unused").plan
+    want = mh.reference_mcore(src)
+    assert set(plan.mcore_index) == set(want), f"{name}: plan and reference disagree on the tensor set"
+    request, expected = {}, {}
+    for spec in plan.mcore_index.values():
+        for i, piece in enumerate(mh.shard_pieces(spec.name, spec.shape, r)):
+            request[f"{spec.name}#{i}"] = piece.request(spec.shape, TORCH_DTYPES[spec.dtype])
+            expected[f"{spec.name}#{i}"] = want[spec.name][piece.index]
+    objects = {k: o for k in plan.mcore_objects() if (o := mh.object_request(k, r)) is not None}
+    loaded = mh.load({**request, **objects}, str(Path(root) / "release"), strict="raise_all")
+    for key, t in expected.items():
+        mh.assert_same(f"{name}: {key} at {r}", loaded[key], t)
+    for key in objects:
+        value = loaded[key]
+        assert isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.numel() == 0, (key, value)
+    assert (loaded["checkpoint_version"], loaded["iteration"]) == (3.0, 0)
+    assert loaded["args"].num_layers == plan.config.num_layers
+    return len(expected)
+
+
+def _load_worker(rank: int, tp: int, ep: int, cases: list[tuple[str, str, str]], counts_file: str) -> None:
+    mh.init_parallel(tp=tp, ep=ep)
+    r = mh.ranks_from_parallel_state()
+    assert (r.tp, r.ep) == (tp, ep)
+    counts = {name: _check_fixture(name, src, root, r) for name, src, root in cases}
+    torch.save({"ranks": r, "counts": counts}, f"{counts_file}.{rank}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_megatron_loads_every_tensor_and_extra_state_at_layout(layout: str, converted: list[tuple[str, str, str]],
+                                                               tmp_path: Path) -> None:
+    mh.spawn(_load_worker, LAYOUTS[layout]["tp"], LAYOUTS[layout]["ep"], converted, str(tmp_path / "counts"))
+    seen = [torch.load(tmp_path / f"counts.{rank}", weights_only=False) for rank in (0, 1)]
+    ranks = [s["ranks"] for s in seen]
+    if layout == "tp2":  # the two ranks hold different halves of every split tensor and expert
+        assert [(x.tp_rank, x.etp, x.etp_rank) for x in ranks] == [(0, 2, 0), (1, 2, 1)]
+    elif layout == "ep2":  # each rank loads its own 4 of the 8 experts
+        assert [(x.ep, x.ep_rank, x.tp) for x in ranks] == [(2, 0, 1), (2, 1, 1)]
+    else:  # data parallel: both ranks load everything, one as the main replica
+        assert [(x.tp, x.ep, x.dp_rank) for x in ranks] == [(1, 1, 0), (1, 1, 1)]
+    for name in FIXTURES:
+        assert all(s["counts"][name] > 150 for s in seen), seen
+
+
+def test_common_state_and_tensor_metadata_read_through_megatron(converted: list[tuple[str, str, str]]) -> None:
+    """`load_common_state_dict` and `load_tensors_metadata`, in this process (neither needs a process group)."""
+    from megatron.core import dist_checkpointing
+
+    from glmconv.convert import prepare
+
+    for name, src, root in converted:
+        ckpt = str(Path(root) / "release")
+        plan = prepare(src, Path(root) / "unused").plan
+        common = dist_checkpointing.load_common_state_dict(ckpt)
+        assert (common["checkpoint_version"], common["iteration"]) == (3.0, 0), name
+        t = plan.config.text
+        args = common["args"]
+        assert (args.num_layers, args.hidden_size, args.num_experts) == (
+            t["num_hidden_layers"], t["hidden_size"], t["n_routed_experts"]), name
+        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
+        meta = dist_checkpointing.load_tensors_metadata(ckpt)
+        want = mh.reference_mcore(src)
+        assert sorted(meta) == sorted(want), name
+        for key, t_ in want.items():
+            assert (tuple(meta[key].global_shape), meta[key].dtype) == (tuple(t_.shape), t_.dtype), key
