@@ -23,13 +23,14 @@ from cli.sizes import parse_size
               help="Worker processes on this machine (under torchrun, one per rank instead).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR (only once the new one is verified).")
+@click.option("--check-finite", is_flag=True, help="Refuse NaN/Inf in any Megatron tensor, naming the first one.")
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: str, fp8: bool,
-           workers: int, as_json: bool, force: bool) -> None:
+           workers: int, as_json: bool, force: bool, check_finite: bool) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
     from glmconv.export import ExportOptions, export as run, prepare
 
     job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=parse_size(max_shard_size))
-    summary = run(job, ExportOptions(workers=workers, progress=not as_json), force=force)
+    summary = run(job, ExportOptions(workers=workers, progress=not as_json, check_finite=check_finite), force=force)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

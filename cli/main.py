@@ -17,8 +17,13 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except GlmconvError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
+
+
+def one_line(text: str) -> str:
+    """The message as one printable line: newlines and control characters (names read from files) escaped."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @click.group(cls=_Group)

@@ -33,13 +33,13 @@ from glmconv import audit as audit_mod
 from glmconv.config import GlmConfig, load_config
 from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, shares
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
-from glmconv.io.dcp_metadata import DcpCheckpoint, inspect_torch_dist
+from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
 from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import StackExperts
-from glmconv.runner import (broadcast, check_output, cleanup, collective_error, fresh_staging, gather, progress,
-                            publish, run_ranks, staging_dir, try_, try_none)
+from glmconv.runner import (broadcast, cleanup, collective_error, fresh_staging, gather, progress, publish,
+                            run_on_output, staging_dir, try_, try_none)
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +78,7 @@ class ExportOptions:
     workers: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
+    check_finite: bool = False  # refuse a NaN/Inf in any Megatron tensor read
 
 
 # ---- deciding the plan -------------------------------------------------------------------------------
@@ -85,12 +86,15 @@ class ExportOptions:
 def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
             fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportJob:
     """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch)."""
-    from glmconv.io.common_state import read_common_state
+    from glmconv.io.common_state import COMMON_STATE_KEY, read_common_state
 
     if max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     src_p = Path(src)
     ck = inspect_torch_dist(src_p)
+    if ck.common_state is None:
+        raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
+                              f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
     common = read_common_state(ck.iter_dir)
     cfg_path = Path(config) if config is not None else _config_path(src_p, ck)
     cfg = load_config(cfg_path)
@@ -339,12 +343,12 @@ def rank_dir(stage: Path, rank: int) -> Path:
 
 
 def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Any,
-              chunk_bytes: int) -> ShareResult:
+              chunk_bytes: int, check_finite: bool = False) -> ShareResult:
     """Export one worker's mappings into its own shards (bounded by one mapping step plus one shard buffer)."""
     from glmconv.io.dcp_reader import DcpReader
     from glmconv.io.hf_writer import ShardWriter
 
-    reader = DcpReader(job.src)
+    reader = DcpReader(job.src, check_finite=check_finite)
     stats, consumed = Fp8Stats(), []
     if not share:
         return ShareResult(rank, {}, 0, [], 0, stats)
@@ -430,9 +434,8 @@ def _is_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
 
 def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
-    check_output(job.out, force)
     start = time.monotonic()
-    summary = run_ranks(run_rank, (job, opts), opts.workers, "export")
+    summary = run_on_output(job.out, force, run_rank, (job, opts), opts.workers, "export")
     return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
 
 
@@ -447,7 +450,7 @@ def run_rank(job: ExportJob, opts: ExportOptions, rank: int, world: int, group: 
     label = f"export [{rank}/{world}]" if world > 1 else "export"
     with progress(label, sum(m.mcore_bytes for m in share), sum(len(m.hf) for m in share),
                   opts.progress and rank == 0) as prog:
-        outcome = try_(lambda: run_share(job, share, rank, stage, prog, opts.chunk_bytes))
+        outcome = try_(lambda: run_share(job, share, rank, stage, prog, opts.chunk_bytes, opts.check_finite))
     results = gather(group, outcome, world)
     verdict: Any = None
     if rank == 0:

@@ -31,7 +31,8 @@ def check_output(out: Path, force: bool) -> None:
         raise GlmconvError(f"{out}: already exists and is not empty; pass --force to replace it")
     parent = out.resolve().parent
     if not parent.is_dir():
-        raise GlmconvError(f"{parent}: output parent directory does not exist")
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise GlmconvError(f"{parent}: output parent directory {what}")
     if not os.access(parent, os.W_OK):
         raise GlmconvError(f"{parent}: not writable")
 
@@ -122,6 +123,24 @@ def torchrun_env() -> tuple[int, int] | None:
     """(rank, world size) when launched by torchrun with more than one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return (int(os.environ["RANK"]), world) if world > 1 and "RANK" in os.environ else None
+
+
+def run_on_output(out: Path, force: bool, fn: RankFn, args: tuple[Any, ...], workers: int,
+                  what: str) -> dict[str, Any]:
+    """Check OUT_DIR, then `run_ranks` while holding OUT_DIR's exclusive lock (`glmconv.lock`).
+
+    The launching process takes the lock (its `--workers` children run inside it); under torchrun rank 0
+    does, and a refusal there ends the job (torchrun stops the other ranks).
+    """
+    from contextlib import nullcontext
+
+    from glmconv.lock import OutputLock
+
+    check_output(out, force)
+    env = torchrun_env()
+    with OutputLock(out) if env is None or env[0] == 0 else nullcontext():
+        check_output(out, force)  # again, under the lock: another run may have published OUT since
+        return run_ranks(fn, args, workers, what)
 
 
 def run_ranks(fn: RankFn, args: tuple[Any, ...], workers: int, what: str) -> dict[str, Any]:

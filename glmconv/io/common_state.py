@@ -118,7 +118,7 @@ def load_common_state(data: bytes, *, source: str) -> dict[str, Any]:
         with torch.serialization.safe_globals([*SAFE_CLASSES, *_OPAQUE]):
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        found = re.search(r"unsupported global:?\s+(?:GLOBAL\s+)?([\w.]+)", str(exc), re.IGNORECASE)  # torch 2.6 / 2.13
         if found:
             raise CheckpointError(f"{source}: common state holds the disallowed global {found.group(1)}; "
                                   "refusing to unpickle it") from None

@@ -131,7 +131,7 @@ def _check_storage(metadata: Any, iter_dir: Path) -> None:
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = str(getattr(info, "relative_path", ""))
-        if not rel or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+        if not rel or "\0" in rel or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
             raise CheckpointError(f"{DCP_METADATA_NAME}: data file {rel!r} is outside the checkpoint directory")
         needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(needed.items()):

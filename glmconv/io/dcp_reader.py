@@ -29,8 +29,9 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 class DcpReader:
     """Random access to the tensors of one torch_dist checkpoint (tracker root or iteration directory)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, check_finite: bool = False) -> None:
         self.ckpt: DcpCheckpoint = inspect_torch_dist(path)  # tracker, metadata.json, data files present
+        self._check_finite = check_finite
         metadata = safe_load(self.ckpt.iter_dir / DCP_METADATA_NAME)
         self._entries: dict[str, Any] = {k: v for k, v in metadata.state_dict_metadata.items()
                                          if k in self.ckpt.tensors}
@@ -70,6 +71,10 @@ class DcpReader:
             _region(out, box, origin).copy_(_region(data, box, tuple(int(o) for o in chunk.offsets)))
             boxes.append(box)
         _check_cover(name, boxes, (stop - start, *size[1:]) if size else (), start)
+        if self._check_finite:
+            from glmconv.io.hf_reader import require_finite
+
+            require_finite(out, name, str(self.iter_dir), start)
         return out
 
     def drop_cache(self) -> None:

@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -278,7 +279,9 @@ class DcpWriter:
                 os.replace(self.ckpt_dir / tmp, self.ckpt_dir / final)
         except CheckpointException as exc:  # a BaseException: DCP wraps the real error of each rank
             first = next(iter(exc.failures.values()), (exc, None))[0]
-            raise CheckpointError(f"{self.ckpt_dir / final}: write failed ({first})") from None
+            need = sum(c.nbytes for c in chunks) + sum(len(b.getvalue()) for b in objects.values())
+            why = _why(first, self.ckpt_dir, need)
+            raise CheckpointError(f"{self.ckpt_dir / final}: write failed ({why})") from None
         except OSError as exc:
             raise CheckpointError(f"{self.ckpt_dir / final}: write failed ({exc.strerror or exc})") from None
         assert storage.metadata is not None
@@ -334,6 +337,20 @@ class DcpWriter:
     def _raise(error: str | None) -> None:
         if error:
             raise CheckpointError(error)
+
+
+def _why(exc: BaseException, where: Path, need: int) -> str:
+    """One line on why a group write failed; torch's zip writer reports a full disk only as a short write."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = None
+    if free is not None and free < need:
+        return f"No space left on device: {free:,} bytes free, the group needs {need:,}"
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _serialize(obj: Any) -> io.BytesIO:

@@ -113,6 +113,8 @@ def _weight_map(root: Path) -> tuple[str | None, dict[str, str] | None]:
 
 def shard_path(root: Path, name: str) -> Path:
     """Resolve a shard name from the index, refusing anything that leaves the checkpoint directory."""
+    if "\0" in name:
+        raise CheckpointError(f"{INDEX_NAME}: shard {name!r} is not a valid file name (it holds a NUL byte)")
     pure = PurePosixPath(name)
     if not name or pure.is_absolute() or Path(name).is_absolute() or ".." in pure.parts or "\\" in name:
         raise CheckpointError(f"{INDEX_NAME}: shard {name!r} is outside the checkpoint directory")

@@ -13,11 +13,31 @@ if TYPE_CHECKING:
     import torch
 
 
+def require_finite(t: torch.Tensor, name: str, where: str, row0: int = 0) -> None:
+    """--check-finite: a NaN or Inf is a CheckpointError naming the tensor and its first bad index."""
+    import torch
+
+    if not (t.is_floating_point() or t.is_complex()):
+        return
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return
+    flat = int(bad.reshape(-1).nonzero()[0, 0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape)] if t.dim() else []
+    value = t.reshape(-1)[flat].item()
+    if index:
+        index[0] += row0
+    n = int(bad.sum())
+    raise CheckpointError(f"{name} ({where}): non-finite value {value} at index {index} ({n} non-finite "
+                          f"value{'s' * (n != 1)} in the tensor); --check-finite refuses NaN/Inf weights")
+
+
 class HfTensorSource:
     """Reads named tensors from safetensors shards on demand; keeps each shard open once (mmap)."""
 
-    def __init__(self, files: dict[str, Path]) -> None:
+    def __init__(self, files: dict[str, Path], *, check_finite: bool = False) -> None:
         self._files = files
+        self._check_finite = check_finite
         self._stack = ExitStack()
         self._open: dict[Path, Any] = {}
 
@@ -61,5 +81,9 @@ class HfTensorSource:
             scale = names.scale_name(name)
             if scale not in self._files:
                 raise CheckpointError(f"{name}: FP8 weight without its {scale}")
-            return dequantize_fp8_blocks(t, self.raw(scale), out_dtype=out_dtype)
-        return t if t.dtype == out_dtype else t.to(out_dtype)
+            t = dequantize_fp8_blocks(t, self.raw(scale), out_dtype=out_dtype)
+        elif t.dtype != out_dtype:
+            t = t.to(out_dtype)
+        if self._check_finite:
+            require_finite(t, name, self._files[name].name)
+        return t

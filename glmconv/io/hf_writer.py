@@ -92,7 +92,12 @@ class ShardWriter:
         from safetensors.torch import save_file
 
         self._shards += 1
-        save_file(self._buffer, str(self.out_dir / _PENDING.format(self._shards)), metadata={"format": "pt"})
+        path = self.out_dir / _PENDING.format(self._shards)
+        try:
+            save_file(self._buffer, str(path), metadata={"format": "pt"})
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (ENOSPC, EIO, ...)
+            why = str(exc).strip().splitlines()
+            raise CheckpointError(f"{path}: write failed ({why[0] if why else type(exc).__name__})") from None
         for name in self._buffer:
             self._shard_of[name] = self._shards
         self._buffer = {}

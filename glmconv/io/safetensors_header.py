@@ -53,6 +53,8 @@ def read_header(path: str | Path) -> SafetensorsHeader:
         raise CheckpointError(f"{p.name}: cannot read ({exc.strerror or exc})") from None
     header = _parse_json(p, raw)
     metadata = _metadata(p, header.pop(METADATA_KEY, None))
+    for text in (*header, *metadata, *metadata.values()):
+        _check_unicode(p, text)
     entries = {name: _entry(p, name, value) for name, value in header.items()}
     _check_layout(p, entries, size - 8 - n)
     return SafetensorsHeader(path=p, entries=entries, metadata=metadata, data_start=8 + n)
@@ -77,6 +79,14 @@ def _parse_json(p: Path, raw: bytes) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{p.name}: corrupt header: expected a JSON object, got {type(header).__name__}")
     return header
+
+
+def _check_unicode(p: Path, text: str) -> None:
+    """JSON may escape a lone surrogate (`\\ud800`); Python accepts it, the safetensors library does not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{p.name}: corrupt header: {text!r} is not valid Unicode (a lone surrogate)") from None
 
 
 def _metadata(p: Path, value: Any) -> dict[str, str]:
@@ -111,7 +121,12 @@ def _entry(p: Path, name: str, value: Any) -> HeaderEntry:
 
 
 def _corrupt(p: Path, name: str, what: str) -> NoReturn:
-    raise CheckpointError(f"{p.name}: corrupt header: tensor {name}: {what}")
+    raise CheckpointError(f"{p.name}: corrupt header: tensor {_show(name)}: {what}")
+
+
+def _show(name: str) -> str:
+    """A tensor name for a one-line message: quoted and escaped when it holds newlines or control characters."""
+    return name if name.isprintable() else repr(name)
 
 
 def _check_layout(p: Path, entries: dict[str, HeaderEntry], data_len: int) -> None:
@@ -120,7 +135,7 @@ def _check_layout(p: Path, entries: dict[str, HeaderEntry], data_len: int) -> No
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.begin != pos:
             what = "overlaps the previous tensor" if e.begin < pos else f"leaves a gap of {e.begin - pos} bytes"
-            raise CheckpointError(f"{p.name}: corrupt header: tensor {e.name} at data offset {e.begin} {what} "
+            raise CheckpointError(f"{p.name}: corrupt header: tensor {_show(e.name)} at data offset {e.begin} {what} "
                                   f"(expected offset {pos})")
         pos = e.end
     if pos > data_len:
