@@ -98,6 +98,16 @@ def test_conventions_defaults_and_overrides() -> None:
     assert issubclass(ConventionError, GlmconvError)
 
 
+def test_every_text_rule_has_a_unique_role() -> None:
+    from glmconv.config import parse_config
+    from glmconv.fixtures.presets import preset_config
+    from glmconv.models.weights import role_index
+    from glmconv.plan import build_plan
+
+    plan = build_plan(parse_config(preset_config("cut8")), mtp=False, vision=False)
+    assert len(role_index(plan.mappings)) == len(plan.mappings)
+
+
 # ---- serve vs transformers ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -209,10 +219,8 @@ def test_each_divergence_first_shows_where_expected(preset: str, override: str, 
 
 def test_learned_contraction_needs_hc_head_tensors(ckpts: Any) -> None:
     _, mc = ckpts("tiny")
-    model = _train(mc, Conventions.serve().with_overrides(["output_contraction=learned"]))
-    x = model.embed(_ids(5))
     with pytest.raises(GlmconvError, match="hc_head_fn, hc_head_base and hc_head_scale"):
-        model.head(x)
+        _train(mc, Conventions.serve().with_overrides(["output_contraction=learned"]))  # refused before any layer
 
 
 # ---- streaming, dtypes, sources -------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def test_pieces_match_transformers() -> None:
                                    m.forget_gate.dt_bias, _params(cfg)), m.forget_gate(x[None])[0])
     z = torch.randn(40, 3 * cfg.linear_num_heads * cfg.linear_head_dim, generator=g)
     want = causal_conv1d_fn(z.t()[None], m.conv1d.weight.squeeze(1), activation="silu")[0].t()
-    assert torch.equal(short_conv(z, m.conv1d.weight, cu(40)), want)
+    assert rel(short_conv(z, m.conv1d.weight, cu(40)), want) <= 1e-6  # multiply-adds vs conv1d: rounding only
     assert torch.equal(l2norm(z), hf_l2norm(z))
 
 

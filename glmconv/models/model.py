@@ -40,7 +40,10 @@ class GlmModel:
             raise GlmconvError(f"model dtype {dtype}: choose torch.float32 or torch.bfloat16")
         self.config, self.weights, self.conventions = config, weights, conventions
         self.dtype, self.device = dtype, torch.device(device)
-        self._limit = swiglu_limit(conventions.swiglu_clamp)
+        self._limit = swiglu_limit(conventions.swiglu_clamp, float(config.text.get("swiglu_limit", 10.0)))
+        if conventions.output_contraction == "learned" and weights.hc_head() is None:
+            raise GlmconvError("output_contraction=learned needs the hc_head_fn, hc_head_base and hc_head_scale "
+                               "tensors, which this checkpoint does not have (GLM-5.3-Flash contracts by mean)")
         self._params(config.text)
         self._attn: tuple[int, AttentionWeights] | None = None
         self._mlp: tuple[int, MlpWeights] | None = None
@@ -51,14 +54,17 @@ class GlmModel:
     def _params(self, t: dict[str, Any]) -> None:
         self.eps = float(t["rms_norm_eps"])
         self.hc = HcParams(t["hc_mult"], self.eps, float(t.get("hc_eps", 1e-6)), int(t.get("hc_sinkhorn_iters", 20)))
-        bound = t.get("linear_lower_bound", (t.get("linear_attn_config") or {}).get("gate_lower_bound", -5.0))
+        lac = t.get("linear_attn_config") or {}
+        bound = lac.get("gate_lower_bound", t.get("linear_lower_bound", -5.0))  # transformers' precedence
+        if bound is None and lac.get("safe_gate", True):
+            bound = -5.0
         if bound is None:
             raise GlmconvError("linear_lower_bound is null: only the safe-gate KDA (GLM-5.3) is implemented")
         self.kda_p = KdaParams(t["linear_num_heads"], t["linear_head_dim"], float(bound), self.eps)
         self.dsa_p = DsaParams(t["num_attention_heads"], t["qk_nope_head_dim"], t["v_head_dim"], self.eps)
         self.kpool_p = KpoolParams(t["index_n_heads"], t["index_head_dim"], t["index_topk"], t["index_kpool"],
                                    bool(t.get("index_kpool_always_select_tail", True)))
-        self.router_p = RouterParams(t["num_experts_per_tok"], float(t.get("routed_scaling_factor", 1.0)),
+        self.router_p = RouterParams(t["num_experts_per_tok"], float(t.get("routed_scaling_factor", 2.5)),
                                      int(t.get("n_group") or 1), int(t.get("topk_group") or 1),
                                      bool(t.get("norm_topk_prob", True)))
 
@@ -178,9 +184,6 @@ class GlmModel:
     def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor, HcSite | None]:
         if self._head is None:
             hc_head = self.weights.hc_head()
-            if self.conventions.output_contraction == "learned" and hc_head is None:
-                raise GlmconvError("output_contraction=learned needs the hc_head_fn, hc_head_base and hc_head_scale "
-                                   "tensors, which this checkpoint does not have (GLM-5.3-Flash contracts by mean)")
             self._head = (self._cast(self.weights.final_norm()), self._cast(self.weights.lm_head()),
                           self._prepare(hc_head) if hc_head is not None else None)
         return self._head

@@ -86,14 +86,24 @@ class MlpWeights:
     moe: MoeWeights | None = None
 
 
+def role_index(mappings: list[Mapping]) -> dict[tuple[int | None, str], Mapping]:
+    """(layer, rule role) -> mapping; a role must name one mapping per layer."""
+    index: dict[tuple[int | None, str], Mapping] = {}
+    for m in mappings:
+        key = (m.layer, m.rule.role)
+        if not m.rule.role or key in index:
+            raise AssertionError(f"rule {m.rule.hf[0]}: role {m.rule.role!r} is empty or not unique in its layer")
+        index[key] = m
+    return index
+
+
 class WeightSource(ABC):
     """Role lookups over the plan; subclasses read tensors in their side's native layout."""
 
     def __init__(self, config: GlmConfig, text_prefix: str | None = None) -> None:
         self.config = config
         kw = {} if text_prefix is None else {"text_prefix": text_prefix}
-        plan = build_plan(config, mtp=False, vision=False, **kw)
-        self._roles: dict[tuple[int | None, str], Mapping] = {(m.layer, m.rule.role): m for m in plan.mappings}
+        self._roles = role_index(build_plan(config, mtp=False, vision=False, **kw).mappings)
 
     def mapping(self, layer: int | None, role: str) -> Mapping:
         m = self._roles.get((layer, role))

@@ -65,14 +65,16 @@ def segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
 def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Causal depthwise conv + SiLU per sequence: x [T, C], weight [C, 1, W] -> [T, C] in x.dtype.
 
-    Computed in the weight's dtype (fp32 in the release), like transformers' `causal_conv1d_fn`.
+    y_t = sum_j w[:, j] * x_(t - W + 1 + j), computed in the weight's dtype (fp32 in the release, as
+    transformers' `causal_conv1d_fn`) as plain multiply-adds: no cuDNN, so no TF32 on a GPU.
     """
-    w = weight.reshape(weight.shape[0], 1, -1)
+    w = weight.reshape(weight.shape[0], -1)
+    width = w.shape[1]
     out = torch.empty_like(x)
     for s, e in segments(cu_seqlens):
-        seg = x[s:e].t().unsqueeze(0).to(w.dtype)
-        y = F.conv1d(seg, w, padding=w.shape[-1] - 1, groups=w.shape[0])[..., : e - s]
-        out[s:e] = F.silu(y)[0].t().to(x.dtype)
+        seg = F.pad(x[s:e].to(w.dtype), (0, 0, width - 1, 0))
+        y = sum(seg[j:j + e - s] * w[:, j] for j in range(width))
+        out[s:e] = F.silu(y).to(x.dtype)
     return out
 
 

@@ -32,11 +32,11 @@ class RouterParams:
     norm_topk_prob: bool = True
 
 
-def swiglu_limit(clamp: str) -> float | None:
-    """The clamp limit a convention value stands for (None = no clamp)."""
+def swiglu_limit(clamp: str, config_limit: float = SWIGLU_LIMIT) -> float | None:
+    """The clamp limit a convention value stands for: None for `off`, else the config's swiglu_limit (10)."""
     if clamp not in CLAMPS:
         raise GlmconvError(f"unknown SwiGLU clamp {clamp!r} (choose from {', '.join(CLAMPS)})")
-    return None if clamp == "off" else SWIGLU_LIMIT
+    return None if clamp == "off" else config_limit
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
