@@ -1,0 +1,553 @@
+"""The bad-input matrix: every broken input gets one `error:` line, a non-zero exit, an untouched input, no output.
+
+Each case copies a fixture, breaks the copy in one way, runs the command where the breakage matters (convert
+for HF inputs, export for torch_dist inputs, audit-names where it reads the file too) through click's CliRunner
+in this process, and checks:
+
+* stderr is exactly one line, `error: ...`, matching the case's pattern (it names the tensor or file and what
+  was expected); no traceback anywhere, and the command did not die of an exception;
+* the exit code is 2 (bad input; audit-names exits 1 only for audit findings, which these are not);
+* every input file has the sha256 it had before;
+* nothing was published: the directory holding OUT lists exactly what it did before (no OUT, no staging
+  directory, no lock file); where OUT existed it is byte for byte unchanged.
+
+docs/errors.md is this table in prose. Output locations that refuse writes: we run as root, so permission bits
+stop nothing; a read-only tmpfs (`mount -o ro`) and a full one (`mount -o size=200k`) are real ones. Where
+mounting is not allowed the test says so and falls back: a path under /sys (sysfs refuses new files even to
+root) and a simulated ENOSPC from the writer.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import pickle
+import re
+import shutil
+import struct
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from cli.main import cli
+from glmconv import convert as convert_mod
+from glmconv.config import load_config
+from glmconv.io.common_state import COMMON_STATE_KEY
+from glmconv.io.dcp_writer import DCP_METADATA_FILE, RELEASE, TRACKER_FILE
+from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME
+from glmconv.io.safe_unpickle import safe_load
+from test_export import _rewrite as rewrite_torch_dist
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+TEXT = "model.language_model."
+DOWN0 = TEXT + "layers.0.mlp.down_proj.weight"  # BF16 [64, 160]; FP8 in the FP8 fixture
+Q_B3 = TEXT + "layers.3.self_attn.q_b_proj.weight"  # FP8 in the FP8 fixture
+EMBED = TEXT + "embed_tokens.weight"
+EXPERTS_FC2 = "decoder.layers.3.mlp.experts.experts.linear_fc2.weight"  # [8, 64, 32] in Megatron
+
+
+# ---- checking a run ----------------------------------------------------------------------------------
+
+def sha256_tree(*roots: Path) -> dict[str, str]:
+    """sha256 of every file under `roots` (symlinks followed, so a link's target counts too)."""
+    out = {}
+    for root in roots:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for p in files:
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def listing(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    stderr: str
+    stdout: str
+
+
+def invoke(args: list[str]) -> Outcome:
+    result = CliRunner().invoke(cli, args)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        import traceback
+
+        tb = "".join(traceback.format_exception(*result.exc_info))  # type: ignore[misc]
+        pytest.fail(f"`glmconv {' '.join(args)}` died of an exception instead of an error line:\n{tb}")
+    return Outcome(result.exit_code, result.stderr, result.stdout)
+
+
+def assert_refused(args: list[str], inputs: list[Path], out: Path, pattern: str, exit_code: int = 2) -> str:
+    """Run `glmconv ARGS` and check the contract; returns the error line."""
+    before_inputs = sha256_tree(*inputs)
+    parent = out.parent
+    before_parent = listing(parent)
+    before_out = sha256_tree(out) if out.exists() else None
+    got = invoke(args)
+    assert "Traceback" not in got.stderr + got.stdout, got.stderr
+    lines = got.stderr.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"stderr is not one error line: {got.stderr!r}"
+    line = lines[0]
+    assert re.search(pattern, line), f"{line!r} does not match {pattern!r}"
+    assert got.exit_code == exit_code, (got.exit_code, line)
+    assert sha256_tree(*inputs) == before_inputs, "the input was modified"
+    assert listing(parent) == before_parent, f"left behind in {parent}: {set(listing(parent)) ^ set(before_parent)}"
+    if before_out is not None:
+        assert sha256_tree(out) == before_out, "an existing OUT was modified"
+    return line
+
+
+# ---- breaking an HF checkpoint -----------------------------------------------------------------------
+
+def weight_map(src: Path) -> dict[str, str]:
+    return json.loads((src / INDEX_NAME).read_text())["weight_map"]
+
+
+def write_index(src: Path, wm: dict[str, str]) -> None:
+    index = json.loads((src / INDEX_NAME).read_text())
+    index["weight_map"] = wm
+    (src / INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+
+def edit_shard(src: Path, shard: str, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Rewrite one shard with its tensors edited (the index is left to the caller)."""
+    path = src / shard
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    save_file(edit(tensors), str(path), metadata=meta)
+
+
+def edit_tensor(src: Path, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    edit_shard(src, weight_map(src)[name], lambda ts: {**ts, name: fn(ts[name]).contiguous()})
+
+
+def drop_tensor(src: Path, name: str) -> None:
+    wm = weight_map(src)
+    shard = wm.pop(name)
+    edit_shard(src, shard, lambda ts: {k: v for k, v in ts.items() if k != name})
+    write_index(src, wm)
+
+
+def add_tensor(src: Path, name: str, t: torch.Tensor, shard: str | None = None, index: bool = True) -> None:
+    wm = weight_map(src)
+    shard = shard or sorted(set(wm.values()))[-1]
+    edit_shard(src, shard, lambda ts: {**ts, name: t})
+    if index:
+        wm[name] = shard
+        write_index(src, wm)
+
+
+def shard_names(src: Path) -> list[str]:
+    return sorted(set(weight_map(src).values()))
+
+
+def edit_config(src: Path, fn: Callable[[dict], dict | None]) -> None:
+    cfg = json.loads((src / CONFIG_NAME).read_text())
+    cfg = fn(cfg) or cfg
+    (src / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+
+
+def set_text(**kv: object) -> Callable[[dict], None]:
+    return lambda cfg: cfg["text_config"].update(kv)
+
+
+def cut_config_layers(src: Path, n: int) -> None:
+    (src / CONFIG_NAME).write_text(json.dumps(load_config(src).cut(n).to_json(), indent=2))
+
+
+def overwrite_header(src: Path, shard: str, fn: Callable[[bytes], bytes]) -> None:
+    path = src / shard
+    path.write_bytes(fn(path.read_bytes()))
+
+
+def garbage_header(data: bytes) -> bytes:
+    n = int.from_bytes(data[:8], "little")
+    return data[:8] + b"\xff{not json" + b"x" * (n - 11) + data[8 + n:]
+
+
+def absurd_length(data: bytes) -> bytes:
+    return struct.pack("<Q", 2**40) + data[8:]
+
+
+def set_first(value: float, index: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[index] = value
+        return t
+    return fn
+
+
+def fp8_nan_code(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(torch.uint8)[2, 9] = 0x7F  # e4m3fn NaN
+    return t
+
+
+# ---- breaking a torch_dist checkpoint ----------------------------------------------------------------
+
+def edit_metadata(mc: Path, fn: Callable[[object], None]) -> None:
+    path = mc / RELEASE / DCP_METADATA_FILE
+    md = safe_load(path)
+    fn(md)
+    path.write_bytes(pickle.dumps(md))
+
+
+def drop_common_state(md: object) -> None:
+    del md.state_dict_metadata[COMMON_STATE_KEY]  # type: ignore[attr-defined]
+    md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != COMMON_STATE_KEY}  # type: ignore
+
+
+def first_distcp(mc: Path) -> Path:
+    return sorted((mc / RELEASE).glob("*.distcp"))[0]
+
+
+def set_mcore(name: str, value: float, index: tuple[int, ...]) -> Callable[[dict], dict]:
+    def edit(ts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ts[name] = ts[name].clone()
+        ts[name][index] = value
+        return ts
+    return edit
+
+
+# ---- the matrix --------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """`source` is copied to `tmp/src`, `breaks(src, tmp)` breaks it and returns extra CLI arguments."""
+
+    id: str
+    command: str
+    source: str  # "tiny", "tiny-fp8" (HF) or "mc" (tiny converted to torch_dist)
+    breaks: Callable[[Path, Path], list[str] | None]
+    pattern: str
+    extra_inputs: list[str] = field(default_factory=list)  # files under tmp that must stay unchanged too
+
+
+def _q(s: str) -> str:
+    return re.escape(s)
+
+
+def _shard(i: int) -> str:
+    return f"model-0000{i}-of-00004.safetensors"
+
+
+def _outside(src: Path, tmp: Path) -> str:
+    shutil.copyfile(src / _shard(2), tmp / "outside.safetensors")
+    return str(tmp / "outside.safetensors")
+
+
+def _index_outside(src: Path, tmp: Path) -> None:
+    _outside(src, tmp)
+    write_index(src, {k: ("../outside.safetensors" if v == _shard(2) else v) for k, v in weight_map(src).items()})
+
+
+def _index_absolute(src: Path, tmp: Path) -> None:
+    target = _outside(src, tmp)
+    write_index(src, {k: (target if v == _shard(2) else v) for k, v in weight_map(src).items()})
+
+
+def _symlink_escape(src: Path, tmp: Path) -> None:
+    target = _outside(src, tmp)
+    (src / _shard(2)).unlink()
+    (src / _shard(2)).symlink_to(target)
+
+
+def _duplicate(src: Path, tmp: Path) -> None:
+    wm = weight_map(src)
+    other = next(s for s in shard_names(src) if s != wm[EMBED])
+    with safe_open(str(src / wm[EMBED]), framework="pt") as f:
+        t = f.get_tensor(EMBED)
+    add_tensor(src, EMBED, t, shard=other, index=False)
+
+
+def _wrong_shape(src: Path, tmp: Path) -> None:
+    edit_tensor(src, DOWN0, lambda t: t[:, :128])
+
+
+def _wrong_dtype(src: Path, tmp: Path) -> None:
+    edit_tensor(src, DOWN0, lambda t: t.to(torch.float16))
+
+
+def _scale_shape(src: Path, tmp: Path) -> None:
+    edit_tensor(src, Q_B3 + "_scale_inv", lambda t: torch.ones(t.shape[0] + 1, t.shape[1]))
+
+
+def _empty(src: Path, tmp: Path) -> None:
+    shutil.rmtree(src)
+    src.mkdir()
+
+
+def _missing_distcp(mc: Path, tmp: Path) -> None:
+    first_distcp(mc).unlink()
+
+
+def _truncate(p: Path, keep: int) -> None:
+    p.write_bytes(p.read_bytes()[:keep])
+
+
+def _truncated_distcp(mc: Path, tmp: Path) -> None:
+    p = first_distcp(mc)
+    p.write_bytes(p.read_bytes()[:-64])
+
+
+HF_CASES = [
+    Case("missing-shard", "convert", "tiny", lambda s, t: (s / _shard(2)).unlink(),
+         _q(f"{_shard(2)}: shard listed in {INDEX_NAME} is missing")),
+    Case("truncated-shard", "convert", "tiny", lambda s, t: overwrite_header(s, _shard(3), lambda d: d[:-100]),
+         _q(f"{_shard(3)}: truncated: header says ") + r"\d+ bytes of data, file has \d+"),
+    Case("header-not-json", "convert", "tiny", lambda s, t: overwrite_header(s, _shard(1), garbage_header),
+         _q(f"{_shard(1)}: corrupt header: not valid UTF-8 JSON")),
+    Case("header-absurd-length", "convert", "tiny", lambda s, t: overwrite_header(s, _shard(1), absurd_length),
+         _q(f"{_shard(1)}: corrupt header: header length {2**40} exceeds 100 MB")),
+    Case("index-names-file-outside", "convert", "tiny", _index_outside,
+         _q(f"{INDEX_NAME}: shard '../outside.safetensors' is outside the checkpoint directory"),
+         ["outside.safetensors"]),
+    Case("index-names-absolute-path", "convert", "tiny", _index_absolute,
+         _q(f"{INDEX_NAME}: shard '/") + r".*outside\.safetensors' is outside the checkpoint directory",
+         ["outside.safetensors"]),
+    Case("symlinked-shard-escapes", "convert", "tiny", _symlink_escape,
+         _q(f"{INDEX_NAME}: shard '{_shard(2)}' resolves to ") + r".*outside\.safetensors, outside the checkpoint",
+         ["outside.safetensors"]),
+    Case("index-not-json", "convert", "tiny", lambda s, t: (s / INDEX_NAME).write_text('{"weight_map": {'),
+         _q(f"{INDEX_NAME}: not valid JSON, truncated or corrupt")),
+    Case("duplicated-tensor", "convert", "tiny", _duplicate,
+         _q(f"{EMBED} (") + r"model-0000\d-of-00004\.safetensors\): duplicate: expected stored once, found stored "
+         r"twice: in model-0000\d-of-00004\.safetensors and model-0000\d-of-00004\.safetensors"),
+    Case("tensor-missing", "convert", "tiny", lambda s, t: drop_tensor(s, DOWN0),
+         _q(f"{DOWN0}: missing: expected BF16[64, 160], found absent")),
+    Case("tensor-unexpected", "convert", "tiny",
+         lambda s, t: add_tensor(s, TEXT + "layers.0.mystery.weight", torch.zeros(2, 3, dtype=torch.bfloat16)),
+         _q(f"{TEXT}layers.0.mystery.weight (") + r"model-0000\d-of-00004\.safetensors\): unexpected: expected not "
+         r"in the plan, found BF16\[2, 3\]"),
+    Case("tensor-name-with-newline", "convert", "tiny",
+         lambda s, t: add_tensor(s, "evil\nerror: forged line", torch.zeros(1, dtype=torch.bfloat16)),
+         _q("evil\\nerror: forged line (") + r".*unexpected: expected not in the plan"),
+    Case("wrong-shape", "convert", "tiny", _wrong_shape,
+         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): shape: expected \[64, 160\], found \[64, 128\]"),
+    Case("wrong-dtype", "convert", "tiny", _wrong_dtype,
+         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): dtype: expected BF16, found F16"),
+    Case("fp8-weight-without-scale", "convert", "tiny-fp8", lambda s, t: drop_tensor(s, Q_B3 + "_scale_inv"),
+         _q(f"{Q_B3} (") + r"model-0000\d-of-00004\.safetensors\): fp8-scale-missing: expected "
+         + _q(f"{Q_B3}_scale_inv F32[1, 1], found absent")),
+    Case("fp8-scale-wrong-shape", "convert", "tiny-fp8", _scale_shape,
+         _q(f"{Q_B3}_scale_inv (") + r"model-0000\d-of-00004\.safetensors\): scale-shape: expected \[1, 1\], "
+         r"found \[2, 1\]"),
+    Case("wrong-model-type", "convert", "tiny", lambda s, t: edit_config(s, lambda c: c.update(model_type="llama")),
+         r"config\.json: model_type 'llama' is not glm5_next \(GLM-5\.3-Flash\)$"),
+    Case("no-config", "convert", "tiny", lambda s, t: (s / CONFIG_NAME).unlink(),
+         r"src: no config\.json \(not an HF checkpoint directory\)$"),
+    Case("config-more-experts-than-checkpoint", "convert", "tiny",
+         lambda s, t: edit_config(s, set_text(n_routed_experts=16)),
+         _q(f"{TEXT}layers.2.mlp.gate.weight (") + r"model-0000\d-of-00004\.safetensors\): shape: expected \[16, 64\], "
+         r"found \[8, 64\] \(and \d+ more; run `glmconv audit-names .*src`\)"),
+    Case("config-fewer-layers-than-checkpoint", "convert", "tiny", lambda s, t: cut_config_layers(s, 3),
+         _q(f"{TEXT}layers.3.") + r"\S+ \(model-0000\d-of-00004\.safetensors\): unexpected: expected not in the plan,"
+         r" found .* \(and \d+ more; run `glmconv audit-names"),
+    Case("config-vocab-differs", "convert", "tiny", lambda s, t: edit_config(s, set_text(vocab_size=640)),
+         _q(f"{EMBED} (") + r"model-0000\d-of-00004\.safetensors\): shape: expected \[640, 64\], found \[512, 64\] "
+         r"\(and 1 more"),
+    Case("nan-weight-check-finite", "convert", "tiny",
+         lambda s, t: (edit_tensor(s, DOWN0, set_first(float("nan"), (3, 17))), ["--check-finite"])[1],
+         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): non-finite value nan at index \[3, 17\] "
+         r"\(1 non-finite value in the tensor\); --check-finite refuses NaN/Inf weights"),
+    Case("nan-fp8-code-check-finite", "convert", "tiny-fp8",
+         lambda s, t: (edit_tensor(s, DOWN0, fp8_nan_code), ["--check-finite"])[1],
+         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): non-finite value nan at index \[2, 9\]"),
+    Case("empty-directory", "convert", "tiny", _empty, r"src: empty directory$"),
+    Case("no-such-directory", "convert", "tiny", lambda s, t: shutil.rmtree(s), r"src: no such file or directory$"),
+]
+
+MCORE_CASES = [
+    Case("tracker-points-nowhere", "export", "mc", lambda m, t: (m / TRACKER_FILE).write_text("7"),
+         _q(f"{TRACKER_FILE}: points to iter_0000007, which is missing")),
+    Case("tracker-garbage", "export", "mc", lambda m, t: (m / TRACKER_FILE).write_text("latest\n"),
+         _q(f"{TRACKER_FILE}: expected an iteration number or 'release', got 'latest'")),
+    Case("distcp-data-file-missing", "export", "mc", _missing_distcp,
+         r"__0_0\.distcp: data file listed in \.metadata is missing$"),
+    Case("distcp-data-file-truncated", "export", "mc", _truncated_distcp,
+         r"__0_0\.distcp: truncated: metadata needs \d+ bytes, file has \d+$"),
+    Case("dcp-metadata-missing", "export", "mc", lambda m, t: (m / RELEASE / DCP_METADATA_FILE).unlink(),
+         _q(f"{RELEASE}/{DCP_METADATA_FILE}: missing (checkpoint incomplete?)")),
+    Case("dcp-metadata-truncated", "export", "mc",
+         lambda m, t: _truncate(m / RELEASE / DCP_METADATA_FILE, 99),
+         _q(f"{DCP_METADATA_FILE}: corrupt or truncated pickle")),
+    Case("common-state-missing", "export", "mc", lambda m, t: edit_metadata(m, drop_common_state),
+         r"release: common state missing: no common\.pt and no " + _q(COMMON_STATE_KEY) + r" entry in \.metadata"),
+    Case("mcore-config-missing", "export", "mc", lambda m, t: (m / CONFIG_NAME).unlink(),
+         r"src: torch_dist checkpoint has no config\.json next to it; pass --config CONFIG$"),
+    Case("mcore-config-vs-checkpoint-layers", "export", "mc", lambda m, t: cut_config_layers(m, 3),
+         r"decoder\.layers\.3\.\S+: in .*release but not in the export plan \(\d+ tensors are not in the plan\)$"),
+    Case("inf-weight-check-finite", "export", "mc",
+         lambda m, t: (rewrite_torch_dist(m, t / "edited", set_mcore(EXPERTS_FC2, float("inf"), (5, 3, 7))),
+                       shutil.rmtree(m), (t / "edited").rename(m), ["--check-finite"])[3],
+         _q(f"{EXPERTS_FC2} (") + r".*release\): non-finite value inf at index \[5, 3, 7\]"),
+    Case("empty-directory", "export", "mc", _empty,
+         _q(f"src: not a torch_dist checkpoint (no {TRACKER_FILE} or metadata.json)")),
+]
+
+AUDIT_CASES = [  # audit-names exits 2 (not 1) when it cannot read its input at all
+    Case("header-not-json", "audit-names", "tiny", lambda s, t: overwrite_header(s, _shard(1), garbage_header),
+         _q(f"{_shard(1)}: corrupt header: not valid UTF-8 JSON")),
+    Case("symlinked-shard-escapes", "audit-names", "tiny", _symlink_escape,
+         _q(f"{INDEX_NAME}: shard '{_shard(2)}' resolves to ") + r".*, outside the checkpoint directory",
+         ["outside.safetensors"]),
+    Case("empty-directory", "audit-names", "tiny", _empty, r"src: empty directory$"),
+    Case("dcp-metadata-truncated", "audit-names", "mc",
+         lambda m, t: _truncate(m / RELEASE / DCP_METADATA_FILE, 99),
+         _q(f"{DCP_METADATA_FILE}: corrupt or truncated pickle")),
+]
+
+
+@pytest.fixture(scope="module")
+def mc_ckpt(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bad-input") / "mc"
+    convert_mod.convert(convert_mod.prepare(tiny_ckpt, out), convert_mod.RunOptions(progress=False))
+    return out
+
+
+@pytest.fixture
+def sources(tiny_ckpt: Path, tiny_fp8_ckpt: Path, mc_ckpt: Path) -> dict[str, Path]:
+    return {"tiny": tiny_ckpt, "tiny-fp8": tiny_fp8_ckpt, "mc": mc_ckpt}
+
+
+def _run_case(case: Case, sources: dict[str, Path], tmp_path: Path) -> str:
+    src = tmp_path / "src"
+    shutil.copytree(sources[case.source], src)
+    extra = case.breaks(src, tmp_path)
+    extra = extra if isinstance(extra, list) else []  # a lambda's side effect may return a byte count
+    out = tmp_path / "out"
+    args = [case.command, str(src)] + ([str(out)] if case.command != "audit-names" else []) + extra
+    inputs = [src] if src.exists() else []
+    inputs += [tmp_path / f for f in case.extra_inputs]
+    return assert_refused(args, inputs, out, case.pattern)
+
+
+@pytest.mark.parametrize("case", HF_CASES + MCORE_CASES + AUDIT_CASES,
+                         ids=lambda c: f"{c.command}:{c.id}")
+def test_bad_input_is_one_error_line_and_nothing_published(case: Case, sources: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    _run_case(case, sources, tmp_path)
+
+
+def test_nan_passes_without_check_finite(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """--check-finite is opt-in: without it a NaN weight converts like any other value."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    edit_tensor(src, DOWN0, set_first(float("nan"), (3, 17)))
+    got = invoke(["convert", str(src), str(tmp_path / "out"), "--json"])
+    assert got.exit_code == 0, got.stderr
+
+
+# ---- output locations that refuse writes -------------------------------------------------------------
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path | None]]:
+    """`mount_tmpfs("size=200k")` mounts a tmpfs under tmp_path; None where mounting is not allowed."""
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path | None:
+        d = tmp_path / f"mnt{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True)
+        if r.returncode != 0:
+            return None
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _input(case_source: str, sources: dict[str, Path]) -> tuple[str, Path]:
+    return ("convert", sources["tiny"]) if case_source == "tiny" else ("export", sources["mc"])
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
+def test_read_only_output_location(source: str, sources: dict[str, Path], mount_tmpfs: Callable,
+                                   tmp_path: Path) -> None:
+    """A read-only filesystem (a real `mount -o ro` tmpfs): refused before anything is written."""
+    command, src = _input(source, sources)
+    mnt = mount_tmpfs("ro,size=1m")
+    if mnt is None:
+        pytest.skip("cannot mount a tmpfs here; test_output_under_sysfs covers an unwritable location")
+    line = assert_refused([command, str(src), str(mnt / "out")], [src], mnt / "out",
+                          _q(f"{mnt}: not writable"))
+    assert "error: " in line
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
+def test_output_under_sysfs(source: str, sources: dict[str, Path], tmp_path: Path) -> None:
+    """Root passes every permission check, but sysfs refuses new files even to root: the lock file cannot be made."""
+    command, src = _input(source, sources)
+    parent = Path("/sys")
+    assert_refused([command, str(src), str(parent / "glmconv-test-out")], [src], parent / "glmconv-test-out",
+                   r"/sys: (not writable|cannot create the lock file glmconv-test-out\.glmconv-lock \(.+\); is the "
+                   r"output location writable\?)$")
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
+def test_output_parent_is_a_file(source: str, sources: dict[str, Path], tmp_path: Path) -> None:
+    command, src = _input(source, sources)
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" / "out"
+    assert_refused([command, str(src), str(out)], [src, tmp_path / "a-file"], tmp_path / "sentinel",
+                   _q(f"{tmp_path / 'a-file'}: output parent directory is not a directory"))
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
+def test_output_is_a_file(source: str, sources: dict[str, Path], tmp_path: Path) -> None:
+    command, src = _input(source, sources)
+    (tmp_path / "out").write_text("not a directory")
+    assert_refused([command, str(src), str(tmp_path / "out"), "--force"], [src], tmp_path / "out",
+                   _q(f"{tmp_path / 'out'}: exists and is not a directory"))
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
+def test_full_output_location(source: str, sources: dict[str, Path], mount_tmpfs: Callable,
+                              monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """ENOSPC part way through (a real 200 KB tmpfs; the outputs are ~1.2 MB): one line, staging removed."""
+    command, src = _input(source, sources)
+    mnt = mount_tmpfs("size=200k")
+    if mnt is None:  # simulate: the writer's first write fails with ENOSPC
+        mnt = tmp_path / "full"
+        mnt.mkdir()
+        _simulate_enospc(monkeypatch)
+    line = assert_refused([command, str(src), str(mnt / "out")], [src], mnt / "out",
+                          r"(No space left on device|\[Errno 28\])")
+    assert str(mnt / "out") in line
+    assert listing(mnt) == []
+
+
+def _simulate_enospc(monkeypatch: pytest.MonkeyPatch) -> None:
+    import glmconv.io.dcp_writer as dw
+    import glmconv.io.hf_writer as hw
+
+    def full(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dw.dcp, "save", full)
+    monkeypatch.setattr(hw.ShardWriter, "_flush", full)
+
+
+def test_existing_output_is_untouched_when_input_is_bad(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """With --force over a published OUT, a bad input leaves the old OUT exactly as it was."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    out = tmp_path / "out"
+    assert invoke(["convert", str(src), str(out), "--json"]).exit_code == 0
+    edit_tensor(src, DOWN0, set_first(float("inf"), (0, 0)))
+    assert_refused(["convert", str(src), str(out), "--force", "--check-finite"], [src], out,
+                   _q(f"{DOWN0} (") + r".*non-finite value inf at index \[0, 0\]")
