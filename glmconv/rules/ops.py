@@ -6,14 +6,22 @@ back (`backward`), and infers the Megatron shapes from the HF shapes without tou
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from glmconv.io.byte_copy import Piece
 
 if TYPE_CHECKING:  # torch is imported lazily: planning and auditing names never need it
     import torch
 
 Shape = tuple[int, ...]
+Layout = list[list[Piece]]
+
+
+def _nbytes(shape: Shape, itemsize: int) -> int:
+    return math.prod(shape) * itemsize
 
 
 class Transform(ABC):
@@ -31,6 +39,14 @@ class Transform(ABC):
     def backward(self, mcore: list[torch.Tensor], hf_shapes: list[Shape]) -> list[torch.Tensor]:
         """Megatron tensors -> HF tensors of `hf_shapes`."""
 
+    def forward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        """Each Megatron tensor's bytes as pieces of the HF tensors' bytes; None where bytes are not just moved."""
+        return None
+
+    def backward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        """Each HF tensor's bytes as pieces of the Megatron tensors' bytes; None where bytes are not just moved."""
+        return None
+
 
 @dataclass(frozen=True)
 class Rename(Transform):
@@ -44,6 +60,12 @@ class Rename(Transform):
 
     def backward(self, mcore: list[torch.Tensor], hf_shapes: list[Shape]) -> list[torch.Tensor]:
         return list(mcore)
+
+    def forward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        return [[Piece(i, 0, _nbytes(s, itemsize))] for i, s in enumerate(hf_shapes)]
+
+    def backward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        return self.forward_layout(hf_shapes, itemsize, n_mcore)
 
 
 @dataclass(frozen=True)
@@ -67,6 +89,17 @@ class Concat(Transform):
 
         return list(torch.split(mcore[0], [s[self.dim] for s in hf_shapes], dim=self.dim))
 
+    def forward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        if any(math.prod(s[:self.dim]) != 1 for s in hf_shapes):
+            return None  # interleaved rows: not a byte concatenation
+        return [[Piece(i, 0, _nbytes(s, itemsize)) for i, s in enumerate(hf_shapes)]]
+
+    def backward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        if any(math.prod(s[:self.dim]) != 1 for s in hf_shapes):
+            return None
+        sizes = [_nbytes(s, itemsize) for s in hf_shapes]
+        return [[Piece(0, sum(sizes[:i]), n)] for i, n in enumerate(sizes)]
+
 
 @dataclass(frozen=True)
 class SplitVector(Transform):
@@ -85,6 +118,12 @@ class SplitVector(Transform):
         import torch
 
         return [torch.cat(mcore)]
+
+    def forward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        return [[Piece(0, i * itemsize, itemsize)] for i in range(n_mcore)]
+
+    def backward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        return [[Piece(i, 0, itemsize) for i in range(n_mcore)]]
 
 
 @dataclass(frozen=True)
@@ -112,3 +151,11 @@ class StackExperts(Transform):
         stacked = mcore[0]
         parts = stacked.chunk(self.parts, dim=1)
         return [expert for part in parts for expert in part.unbind(0)]
+
+    def forward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        experts, n = len(hf_shapes) // self.parts, _nbytes(hf_shapes[0], itemsize)
+        return [[Piece(p * experts + e, 0, n) for e in range(experts) for p in range(self.parts)]]
+
+    def backward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
+        experts, n = len(hf_shapes) // self.parts, _nbytes(hf_shapes[0], itemsize)
+        return [[Piece(0, (e * self.parts + p) * n, n)] for p in range(self.parts) for e in range(experts)]
