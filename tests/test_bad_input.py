@@ -538,8 +538,9 @@ def _simulate_enospc(monkeypatch: pytest.MonkeyPatch) -> None:
     def full(*a: object, **k: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(dw.dcp, "save", full)
+    monkeypatch.setattr(dw, "_write_group_file", full)
     monkeypatch.setattr(hw.ShardWriter, "_flush", full)
+    monkeypatch.setattr(hw.PlannedShardWriter, "_open_shard", full)
 
 
 def test_existing_output_is_untouched_when_input_is_bad(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """`glmconv export` killed with SIGKILL mid-run never leaves something transformers would load in OUT.
 
-The export runs in a subprocess whose shard writes are slowed (a sleep before each shard flush, injected by
+The export runs in a subprocess whose shard writes are slowed (a sleep before each shard is started, injected by
 the test's wrapper, not by glmconv), so that kills at fixed delays after the run took its lock land while
 shards are being written. A last kill lands inside publish, after an old OUT was moved aside and before the
 new one is moved in (the one window where OUT does not exist). After each kill: OUT is absent (no index, no
@@ -31,16 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARD = "100KB"  # the tiny fixture (1.19 MB) becomes 12+ shards
 FLUSH_S = 0.3  # per shard: 3.6 s or more of writing
 
-# `glmconv export ...` with a sleep before every shard flush; argv[1] is the sleep.
+# `glmconv export ...` with a sleep before every shard is started; argv[1] is the sleep.
 SLOW = """
 import sys, time
 import glmconv.io.hf_writer as hf_writer
 pause = float(sys.argv.pop(1))
-flush = hf_writer.ShardWriter._flush
-def slow_flush(self):
+open_shard = hf_writer.PlannedShardWriter._open_shard
+def slow_open_shard(self, no):
     time.sleep(pause)
-    flush(self)
-hf_writer.ShardWriter._flush = slow_flush
+    open_shard(self, no)
+hf_writer.PlannedShardWriter._open_shard = slow_open_shard
 from cli.main import main
 sys.argv[0] = "glmconv"
 main()

@@ -5,6 +5,12 @@ DCP stores every chunk as `torch.save(tensor)` at (offset, length) of a `.distcp
 narrows it). This reader does the same for exactly the chunks a request overlaps, so memory stays at the
 request plus one chunk. `.metadata` is read through the allow-listed unpickler; chunks may split any dim
 (megatron's own saver splits TP shards along dim 0 or 1 and experts along the expert axis).
+
+`byte_extents` is the zero-copy way in: it finds where a chunk's raw bytes lie in its `.distcp` file (the
+stored, uncompressed zip record `<archive>/data/<key>` of the item's torch.save archive), so that a caller can
+have the kernel copy them. It only answers when the archive is exactly what it expects -- one stored record of
+exactly the chunk's bytes, little-endian, the pickle a plain contiguous tensor over the whole storage -- and
+answers None otherwise: the caller then reads through `read` (torch.load), which reports any real damage.
 """
 
 from __future__ import annotations
@@ -13,10 +19,15 @@ import io
 import math
 import pickle
 import re
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
+from glmconv.io.byte_copy import Extent
 from glmconv.io.dcp_metadata import DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
 from glmconv.io.safe_unpickle import safe_load
 
@@ -37,6 +48,7 @@ class DcpReader:
                                          if k in self.ckpt.tensors}
         self._storage: dict[Any, Any] = dict(metadata.storage_data or {})
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
+        self._raw: dict[tuple[str, tuple[int, ...]], Extent | None] = {}
         self.bytes_read = 0
 
     @property
@@ -76,6 +88,64 @@ class DcpReader:
 
             require_finite(out, name, str(self.iter_dir), start)
         return out
+
+    def byte_extents(self, name: str, begin: int, end: int) -> list[Extent] | None:
+        """Where bytes [begin, end) of the global tensor `name` (C order) lie in the data files, in order.
+
+        None when that cannot be said for certain: chunks split along a dim other than 0, chunks that do not
+        tile the rows, or an item whose raw bytes `raw_extent` cannot locate. Rows past `end` (e.g. vocabulary
+        padding) are never touched. Nothing is counted in `bytes_read`: the caller counts what it copies.
+        """
+        entry = self._entry(name)
+        size = self.shape(name)
+        itemsize = entry.properties.dtype.itemsize
+        rows, row_bytes = (size[0], math.prod(size[1:]) * itemsize) if size else (1, itemsize)
+        if not 0 <= begin <= end <= rows * row_bytes:
+            raise CheckpointError(f"{name}: bytes {begin}..{end} outside its {rows * row_bytes}")
+        chunks = sorted(entry.chunks, key=lambda c: tuple(int(o) for o in c.offsets))
+        out: list[Extent] = []
+        row = 0
+        for chunk in chunks:
+            off, sz = [int(o) for o in chunk.offsets], [int(z) for z in chunk.sizes]
+            if size and (off[1:] != [0] * (len(size) - 1) or tuple(sz[1:]) != size[1:] or off[0] != row):
+                return None  # not whole rows, or a gap/overlap: the torch.load path decides
+            n = sz[0] if size else 1
+            lo, hi = row * row_bytes, (row + n) * row_bytes
+            row += n
+            a, b = max(begin, lo), min(end, hi)
+            if a >= b:
+                continue
+            raw = self.raw_extent(name, chunk)
+            if raw is None:
+                return None
+            out.append(Extent(raw.path, raw.offset + a - lo, b - a))
+        if row != rows:
+            return None
+        return out
+
+    def raw_extent(self, name: str, chunk: Any) -> Extent | None:
+        """The file bytes holding exactly `chunk`'s data (C order), or None when the item is not as expected."""
+        key = (name, tuple(int(o) for o in chunk.offsets))
+        if key not in self._raw:
+            self._raw[key] = self._locate(name, chunk)
+        return self._raw[key]
+
+    def _locate(self, name: str, chunk: Any) -> Extent | None:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self._storage.get(MetadataIndex(name, chunk.offsets))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return None
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or PurePosixPath(rel).name != rel or not (self.iter_dir / rel).is_file():
+            return None
+        dtype = self._entry(name).properties.dtype
+        sizes = tuple(int(z) for z in chunk.sizes)
+        try:
+            return locate_tensor_data(self.iter_dir / rel, int(info.offset), int(info.length), dtype, sizes)
+        except (OSError, ValueError, EOFError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError, KeyError,
+                TypeError, AttributeError, IndexError):
+            return None
 
     def drop_cache(self) -> None:
         """Forget the last chunk read (kept so that row-by-row reads of one chunk load it once)."""
@@ -210,3 +280,134 @@ def _line(exc: BaseException) -> str:
         return "refused by the weights-only unpickler: " + (found.group(1) or found.group(2)).strip()
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+# ---- raw data of a torch.save archive ----------------------------------------------------------------
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
+_LOCAL_SIGNATURE = 0x04034B50
+_MAX_PICKLE = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Storage:
+    dtype: Any
+    key: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorRecord:
+    storage: _Storage
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def locate_tensor_data(path: Path, offset: int, length: int, dtype: Any, sizes: tuple[int, ...]) -> Extent | None:
+    """The extent of `path` holding the raw data of the torch.save archive at [offset, offset + length), when the
+    archive is one plain contiguous `dtype` tensor of `sizes` stored without compression; None otherwise.
+
+    Raises OSError / zipfile.BadZipFile / pickle.UnpicklingError (and the like) on unreadable archives.
+    """
+    nbytes = math.prod(sizes) * dtype.itemsize
+    with open(path, "rb") as fh:
+        with zipfile.ZipFile(_Slice(fh, offset, length)) as z:
+            infos = {i.filename: i for i in z.infolist()}
+        pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pickles) != 1:
+            return None
+        prefix = pickles[0][:-len("/data.pkl")]
+        order = infos.get(f"{prefix}/byteorder")
+        if order is not None and _record(fh, offset, length, order, 16) != b"little":
+            return None
+        record = _describe(_record(fh, offset, length, infos[pickles[0]], _MAX_PICKLE))
+        if record is None:
+            return None
+        st = record.storage
+        if (st.dtype != dtype or st.numel != math.prod(sizes) or record.offset != 0 or record.size != sizes
+                or record.stride != _contiguous(sizes)):
+            return None
+        data = infos.get(f"{prefix}/data/{st.key}")
+        if data is None or data.file_size != nbytes:
+            return None
+        start = _record_start(fh, offset, length, data)
+        return None if start is None else Extent(path, start, nbytes)
+
+
+def _record_start(fh: Any, offset: int, length: int, info: zipfile.ZipInfo) -> int | None:
+    """Absolute file offset of a stored record's data: after its local header, its name and its extra field."""
+    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size or info.flag_bits & 1:
+        return None  # compressed or encrypted
+    fh.seek(offset + info.header_offset)
+    head = fh.read(_LOCAL_HEADER.size)
+    if len(head) != _LOCAL_HEADER.size:
+        return None
+    sig, _, flags, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+    if sig != _LOCAL_SIGNATURE or method != zipfile.ZIP_STORED or flags & 1:
+        return None
+    if fh.read(name_len) != info.filename.encode("utf-8" if flags & 0x800 else "cp437"):
+        return None
+    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if start + info.file_size > length:
+        return None
+    return offset + start
+
+
+def _record(fh: Any, offset: int, length: int, info: zipfile.ZipInfo, limit: int) -> bytes | None:
+    """A small stored record's bytes (no CRC check: torch.load does none, and writers may leave it 0)."""
+    if info.file_size > limit:
+        return None
+    start = _record_start(fh, offset, length, info)
+    if start is None:
+        return None
+    fh.seek(start)
+    data = fh.read(info.file_size)
+    return data if len(data) == info.file_size else None
+
+
+def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for s in reversed(sizes):
+        strides.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def _describe(data: bytes | None) -> _TensorRecord | None:
+    """What a torch.save pickle of one tensor says, read without building anything but our own records."""
+    if data is None:
+        return None
+    out = _TensorPickle(io.BytesIO(data)).load()
+    return out if isinstance(out, _TensorRecord) else None
+
+
+def _rebuild_record(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorRecord:
+    if not isinstance(storage, _Storage):
+        raise pickle.UnpicklingError("tensor without a storage")
+    return _TensorRecord(storage, int(storage_offset), tuple(int(x) for x in size), tuple(int(x) for x in stride))
+
+
+class _StorageType:
+    def __init__(self, name: str) -> None:
+        from torch.storage import _get_dtype_from_pickle_storage_type
+
+        self.dtype = _get_dtype_from_pickle_storage_type(name)
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Understands exactly `_rebuild_tensor_v2(persistent storage, offset, size, stride, ...)`; refuses the rest."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_record
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and name.endswith("Storage") and name != "UntypedStorage":
+            return _StorageType(name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        return _Storage(pid[1].dtype, str(pid[2]), int(pid[4]))

@@ -1,20 +1,56 @@
-"""Streaming sharded safetensors writer: memory bounded by one shard, HF file names and index at the end."""
+"""Sharded safetensors writers: HF file names and index at the end.
+
+`ShardWriter` buffers up to one shard (for callers that do not know their tensors in advance: fixtures, tests).
+`PlannedShardWriter` is handed every tensor's name, dtype and shape up front, so it decides shard membership
+and each shard's header before any data arrives, and then streams each tensor's bytes straight to its place
+in the file: memory is one tensor (whatever the caller holds), not one shard.
+
+Byte layout of a `PlannedShardWriter` shard (the one `safetensors.torch.save_file` writes for the same
+tensors, byte for byte; tests/test_hf_writer.py compares the two): 8-byte little-endian header length, the
+compact JSON header (`__metadata__` = {"format": "pt"} first, then one entry per tensor), padded with spaces
+to a multiple of 8, then the data. Like safetensors, the header (and the data) list tensors by dtype --
+widest first, in safetensors' own `Dtype` order -- then by name; the shard *membership* follows the plan's
+order (a new shard starts where the next tensor would overflow `max_shard_bytes`, and a tensor larger than
+the limit gets a shard of its own, as `ShardWriter` does). Tensors must arrive in the plan's order, each
+once and with exactly its planned bytes; each is written at its planned offset (`pwrite`, or a kernel copy
+after a seek), so arrival order and header order may differ without buffering anything.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from glmconv.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
 
+    from glmconv.io.byte_copy import Extent, FileCopier
+
 INDEX_NAME = "model.safetensors.index.json"
 _PENDING = "shard-{:05d}.safetensors.partial"
 _FINAL = "model-{:05d}-of-{:05d}.safetensors"
+
+# safetensors' `Dtype` enum in declaration order (its derived Ord); save_file sorts tensors by dtype,
+# highest first, then by name. Checked against safetensors 0.8 by tests/test_hf_writer.py.
+_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
+                "F64", "I64", "U64")
+_DTYPE_RANK = {d: i for i, d in enumerate(_DTYPE_ORDER)}
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "C64": 8, "F64": 8, "I64": 8, "U64": 8}
+_TORCH_CODES = {"torch.bool": "BOOL", "torch.uint8": "U8", "torch.int8": "I8", "torch.float8_e5m2": "F8_E5M2",
+                "torch.float8_e4m3fn": "F8_E4M3", "torch.int16": "I16", "torch.uint16": "U16",
+                "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.int32": "I32", "torch.uint32": "U32",
+                "torch.float32": "F32", "torch.complex64": "C64", "torch.float64": "F64", "torch.int64": "I64",
+                "torch.uint64": "U64"}
+_MAX_WRITE = 1 << 30  # bytes per pwrite call
 
 
 class ShardWriter:
@@ -102,3 +138,232 @@ class ShardWriter:
             self._shard_of[name] = self._shards
         self._buffer = {}
         self._buffer_bytes = 0
+
+
+# ---- planned, streaming ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor a `PlannedShardWriter` will receive: name, safetensors dtype code, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ITEMSIZE:
+            raise CheckpointError(f"{self.name}: dtype {self.dtype} cannot be written to safetensors")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+
+
+def plan_shards(tensors: Iterable[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Split `tensors` (in order) into shards the way `ShardWriter.add` does: a new shard starts where the next
+    tensor would overflow `max_shard_bytes`; a tensor larger than the limit ends up alone in its shard."""
+    if max_shard_bytes < 1:
+        raise CheckpointError(f"max shard size must be positive, got {max_shard_bytes}")
+    shards: list[list[PlannedTensor]] = []
+    size = 0
+    for t in tensors:
+        if not shards or (shards[-1] and size + t.nbytes > max_shard_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def shard_header(tensors: Iterable[PlannedTensor]) -> tuple[bytes, dict[str, int]]:
+    """The shard's first bytes (length prefix + padded JSON header) and each tensor's absolute file offset."""
+    order = sorted(tensors, key=lambda t: (-_DTYPE_RANK[t.dtype], t.name))
+    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    rel: dict[str, int] = {}
+    pos = 0
+    for t in order:
+        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        rel[t.name] = pos
+        pos += t.nbytes
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    return head, {name: len(head) + off for name, off in rel.items()}
+
+
+class PlannedShardWriter:
+    """Writes planned tensors into safetensors shards as they come: header first, then each tensor's bytes.
+
+    `write(name, tensor)` and `copy(name, extents, copier)` take the planned tensors in plan order; anything
+    else -- a tensor out of order, unplanned, twice, or with other bytes, dtype or shape than planned -- is a
+    CheckpointError naming it, and the writer deletes every pending shard it made (so does any failed write).
+    Shards are written under pending names; `close()` checks that every planned tensor came, renames them to
+    `model-0000i-of-0000N.safetensors` and writes `model.safetensors.index.json`.
+    """
+
+    def __init__(self, out_dir: str | Path, tensors: Iterable[PlannedTensor], max_shard_bytes: int) -> None:
+        planned = list(tensors)
+        seen: set[str] = set()
+        for t in planned:
+            if t.name in seen:
+                raise CheckpointError(f"{t.name}: planned twice")
+            seen.add(t.name)
+        self.out_dir = Path(out_dir)
+        self._shards = plan_shards(planned, max_shard_bytes)
+        self._order = [t for shard in self._shards for t in shard]
+        self._shard_no = {t.name: i for i, shard in enumerate(self._shards, 1) for t in shard}
+        self._position = {t.name: i for i, t in enumerate(self._order)}
+        self._last_of = {shard[-1].name for shard in self._shards}
+        self.total_size = sum(t.nbytes for t in planned)
+        self._next = 0  # index into _order of the tensor expected next
+        self._fd: int | None = None
+        self._offsets: dict[str, int] = {}
+        self._shard_size = 0
+        self._opened = 0
+        self._closed = False
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> PlannedShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    @property
+    def shards(self) -> int:
+        return len(self._shards)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The next planned tensor, from memory."""
+        t = self._expect(name)
+        try:
+            got = _TORCH_CODES.get(str(tensor.dtype), str(tensor.dtype))
+            if got != t.dtype or tuple(tensor.shape) != t.shape:
+                raise CheckpointError(f"{name}: {got} {list(tensor.shape)} written, planned {t.dtype} {list(t.shape)}")
+            data = tensor.detach().contiguous().reshape(-1).view(_u8()).numpy()
+            self._check_size(t, data.nbytes)
+            fd, pos, view = self._fd_for(t), self._offsets[name], memoryview(data).cast("B")
+            while view:
+                n = os.pwrite(fd, view[:_MAX_WRITE], pos)
+                view, pos = view[n:], pos + n
+            self._done(t)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def copy(self, name: str, extents: list[Extent], copier: FileCopier) -> int:
+        """The next planned tensor, as byte ranges of files (copied by the kernel where it can)."""
+        t = self._expect(name)
+        try:
+            self._check_size(t, sum(e.length for e in extents))
+            fd = self._fd_for(t)
+            os.lseek(fd, self._offsets[name], os.SEEK_SET)
+            copied = copier.copy(extents, fd)
+            self._check_size(t, copied)
+            self._done(t)
+        except BaseException as exc:
+            self._fail(exc)
+        return copied
+
+    def close(self) -> dict[str, str]:
+        """Check that every planned tensor was written, name the shards, write the index; the weight map."""
+        if self._closed:
+            raise CheckpointError("PlannedShardWriter is closed")
+        if self._next < len(self._order):
+            missing = self._order[self._next]
+            more = len(self._order) - self._next - 1
+            self.abort()
+            raise CheckpointError(f"{missing.name}: planned for {self.out_dir} but never written"
+                                  + (f" (and {more} more)" if more else ""))
+        if not self._order:
+            self.abort()
+            raise CheckpointError("no tensors were written")
+        self._closed = True
+        count = len(self._shards)
+        final = {i: _FINAL.format(i, count) for i in range(1, count + 1)}
+        try:
+            for i, fname in final.items():
+                os.replace(self.out_dir / _PENDING.format(i), self.out_dir / fname)
+            weight_map = {n: final[i] for n, i in sorted(self._shard_no.items())}
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+            (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        except OSError as exc:
+            raise CheckpointError(f"{self.out_dir}: cannot name the shards ({exc.strerror or exc})") from None
+        return weight_map
+
+    def abort(self) -> None:
+        """Close the open shard and delete every pending shard this writer made."""
+        self._closed = True
+        self._close_fd()
+        for i in range(1, self._opened + 1):
+            (self.out_dir / _PENDING.format(i)).unlink(missing_ok=True)
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _expect(self, name: str) -> PlannedTensor:
+        if self._closed:
+            raise CheckpointError(f"{name}: PlannedShardWriter is closed")
+        if self._next < len(self._order) and self._order[self._next].name == name:
+            return self._order[self._next]
+        if name not in self._position:
+            why = f"{name}: not planned for {self.out_dir}"
+        elif self._position[name] < self._next:
+            why = f"{name}: written twice"
+        else:
+            want = self._order[self._next].name if self._next < len(self._order) else "nothing"
+            why = f"{name}: out of order ({want} is planned next)"
+        self.abort()
+        raise CheckpointError(why)
+
+    @staticmethod
+    def _check_size(t: PlannedTensor, nbytes: int) -> None:
+        if nbytes != t.nbytes:
+            raise CheckpointError(f"{t.name}: {nbytes} bytes written, planned {t.nbytes} ({t.dtype} {list(t.shape)})")
+
+    def _fd_for(self, t: PlannedTensor) -> int:
+        """The open shard `t` belongs to; opens it (writing its header) at its first tensor."""
+        no = self._shard_no[t.name]
+        if no != self._opened:
+            self._close_fd()
+            self._open_shard(no)
+        assert self._fd is not None
+        return self._fd
+
+    def _open_shard(self, no: int) -> None:
+        head, self._offsets = shard_header(self._shards[no - 1])
+        self._shard_size = len(head) + sum(t.nbytes for t in self._shards[no - 1])
+        path = self.out_dir / _PENDING.format(no)
+        self._opened = no
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        view = memoryview(head)
+        while view:
+            view = view[os.pwrite(self._fd, view, len(head) - len(view)):]
+
+    def _done(self, t: PlannedTensor) -> None:
+        self._next += 1
+        if t.name in self._last_of and self._fd is not None:
+            size = os.fstat(self._fd).st_size
+            if size != self._shard_size:
+                raise CheckpointError(f"{self.out_dir / _PENDING.format(self._opened)}: {size} bytes after its last "
+                                      f"tensor, planned {self._shard_size}")
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def _fail(self, exc: BaseException) -> NoReturn:
+        self.abort()
+        if isinstance(exc, OSError):
+            path = self.out_dir / _PENDING.format(max(self._opened, 1))
+            raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from None
+        raise exc
+
+
+def _u8() -> torch.dtype:
+    import torch
+
+    return torch.uint8
