@@ -128,6 +128,70 @@ def test_cut8_round_trip_is_byte_identical(cut8_ckpt: Path, tmp_path: Path) -> N
     assert set(_index(out)["weight_map"].values()) == {p.name for p in out.glob("model-*.safetensors")}
 
 
+# ---- zero-copy: byte-pure mappings copied file to file --------------------------------------------------
+
+def _export_with(mc: Path, out: Path, **opts: Any) -> dict[str, Any]:
+    job = export_mod.prepare(mc, out, max_shard_bytes=SMALL_SHARDS)
+    return export_mod.export(job, export_mod.ExportOptions(progress=False, **opts))
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_every_tiny_mapping_is_byte_pure_and_located(tiny_mc: Path) -> None:
+    job = export_mod.prepare(tiny_mc, tiny_mc.parent / "unused")
+    reader = DcpReader(tiny_mc)
+    routed = [m for m in job.plan.mappings if export_mod.byte_route(m, reader, job.dtypes) is not None]
+    assert len(routed) == len(job.plan.mappings) == 169
+    assert sum(m.mcore_bytes for m in routed) == 1_189_840
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_fp8_ckpt"])
+def test_zero_copy_and_torch_load_paths_write_identical_files(fixture: str, request: pytest.FixtureRequest,
+                                                              tmp_path: Path) -> None:
+    src = request.getfixturevalue(fixture)
+    mc = _convert(src, tmp_path / "mc")
+    fast = _export_with(mc, tmp_path / "fast", zero_copy=True)
+    slow = _export_with(mc, tmp_path / "slow", zero_copy=False)
+    assert _files(tmp_path / "fast") == _files(tmp_path / "slow")
+    assert fast["bytes_out"] == slow["bytes_out"] and fast["shards"] == slow["shards"] >= 4
+    if fixture == "tiny_ckpt":
+        assert _raw(tmp_path / "fast") == _raw(src) and fast["bytes_in"] == slow["bytes_in"] == 1_189_840
+
+
+def test_zero_copy_is_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(export_mod.ZERO_COPY_ENV, raising=False)
+    assert export_mod.ExportOptions().zero_copy is True
+    monkeypatch.setenv(export_mod.ZERO_COPY_ENV, "0")
+    assert export_mod.ExportOptions().zero_copy is False
+
+
+def test_an_item_the_reader_cannot_locate_is_read_through_torch_load(tiny_ckpt: Path, tiny_mc: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    job = export_mod.prepare(tiny_mc, tmp_path / "unused")
+    first = job.plan.mappings[0].mcore[0].name
+    locate, read = DcpReader.raw_extent, DcpReader.read
+    loaded: list[str] = []
+    monkeypatch.setattr(DcpReader, "raw_extent",
+                        lambda self, name, chunk: None if name == first else locate(self, name, chunk))
+    monkeypatch.setattr(DcpReader, "read", lambda self, name, rows=None: loaded.append(name) or read(self, name, rows))
+    _export_with(tiny_mc, tmp_path / "hf")
+    assert loaded == [first]
+    assert _raw(tmp_path / "hf") == _raw(tiny_ckpt)
+
+
+def test_check_finite_reads_every_tensor_through_torch_load(tiny_ckpt: Path, tiny_mc: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*a: object) -> None:
+        raise AssertionError("byte_route called with --check-finite")
+
+    monkeypatch.setattr(export_mod, "byte_route", never)
+    _export_with(tiny_mc, tmp_path / "hf", check_finite=True)
+    assert _raw(tmp_path / "hf") == _raw(tiny_ckpt)
+
+
 def test_plain_requantisation_keeps_codes_but_not_scales(tiny_fp8_ckpt: Path) -> None:
     """The measurement behind export's FP8 design: amax/448 of the dequantised bf16 recovers no scale.
 
