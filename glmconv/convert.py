@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv import audit as audit_mod
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules.ops import StackExperts
@@ -100,27 +101,68 @@ def _step_bytes(m: Mapping, chunk_bytes: int) -> int:
 
 
 def mapping_chunks(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Chunk]:
-    """The Megatron tensors of one mapping; stacked experts come as dim-0 chunks, never whole."""
+    """The Megatron tensors of one mapping; stacked experts come as dim-0 chunks, never whole.
+
+    Where the mapping only moves bytes (same dtype on both sides, no check to make on the values), the
+    chunks are `FileTensor`s: the writer copies the source bytes file to file without reading them.
+    """
     from glmconv.io.dcp_writer import TORCH_DTYPES, Chunk
 
-    out_dtypes = [TORCH_DTYPES[t.dtype] for t in m.mcore]
+    out_dtype = TORCH_DTYPES[m.mcore[0].dtype]
+    layout = byte_layout(m, source)
     if isinstance(m.rule.transform, StackExperts):
-        yield from _expert_chunks(m, source, chunk_bytes, out_dtypes[0])
+        yield from _expert_chunks(m, source, chunk_bytes, out_dtype, layout)
         return
-    hf = [source.weight(t.name, out_dtypes[0]) for t in m.hf]
+    if layout is not None:
+        extents = [source.entry(t.name)[1] for t in m.hf]
+        for spec, pieces in zip(m.mcore, layout):
+            yield Chunk(spec.name, _file_tensor(spec.shape, out_dtype, pieces, extents))
+        return
+    hf = [source.weight(t.name, out_dtype) for t in m.hf]
     for spec, tensor in zip(m.mcore, m.rule.transform.forward(hf, len(m.mcore))):
         yield Chunk(spec.name, tensor.contiguous())
 
 
-def _expert_chunks(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype) -> Iterator[Chunk]:
+def byte_layout(m: Mapping, source: Any) -> list[list[Piece]] | None:
+    """The transform's byte layout when this mapping is a pure byte move on this source, else None."""
+    from glmconv.plan import DTYPE_BYTES
+
+    dtype = m.mcore[0].dtype
+    if source.check_finite or any(s for s in m.scales) or any(t.dtype != dtype for t in m.mcore):
+        return None
+    entries = [source.entry(t.name)[0] for t in m.hf]
+    if any(e.dtype != dtype for e in entries):
+        return None
+    return m.rule.transform.forward_layout([e.shape for e in entries], DTYPE_BYTES[dtype], len(m.mcore))
+
+
+def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], extents: list[Extent]) -> Any:
+    import torch
+
+    from glmconv.io.byte_copy import Extent
+    from glmconv.io.torch_save import FileTensor
+
+    return FileTensor(torch.Size(shape), dtype, tuple(
+        Extent(extents[p.source].path, extents[p.source].offset + p.offset, p.length) for p in pieces))
+
+
+def _expert_chunks(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
+                   layout: list[list[Piece]] | None) -> Iterator[Chunk]:
     from glmconv.io.dcp_writer import Chunk
 
     spec = m.mcore[0]
     experts = spec.shape[0]
-    per = max(1, min(experts, chunk_bytes // max(1, spec.nbytes // experts)))
+    row_bytes = spec.nbytes // experts
+    per = max(1, min(experts, chunk_bytes // max(1, row_bytes)))
     parts = m.rule.transform.parts  # type: ignore[attr-defined]
+    extents = [source.entry(t.name)[1] for t in m.hf] if layout is not None else []
     for start in range(0, experts, per):
         rows = range(start, min(experts, start + per))
+        if layout is not None:
+            shape = (len(rows), *spec.shape[1:])
+            pieces = take(layout[0], start * row_bytes, rows.stop * row_bytes)
+            yield Chunk(spec.name, _file_tensor(shape, dtype, pieces, extents), row=start, shape=spec.shape)
+            continue
         hf = [source.weight(m.hf[p * experts + e].name, dtype) for p in range(parts) for e in rows]
         (chunk,) = m.rule.transform.forward(hf, 1)
         yield Chunk(spec.name, chunk.contiguous(), row=start, shape=spec.shape)

@@ -109,6 +109,26 @@ def test_two_workers_write_the_same_tensors_as_one(sources: dict[str, Path], con
         mh.assert_same(name, two[name], t)
 
 
+def test_byte_moves_are_copied_by_the_kernel_and_equal_the_computed_path(
+        sources: dict[str, Path], converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renames, dim-0 concats, splits and stacked experts of a BF16 source never pass through memory."""
+    import os
+
+    import glmconv.convert as conv
+
+    copied: list[int] = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: copied.append(real(*a)) or copied[-1])
+    run_convert(sources["cut8"], tmp_path / "fast")
+    assert sum(copied) >= 0.95 * source_bytes(sources["cut8"])  # all but the few F32-kept tensors stored BF16
+    monkeypatch.setattr(conv, "byte_layout", lambda m, source: None)
+    run_convert(sources["cut8"], tmp_path / "computed")
+    fast, computed = mh.read_dcp(tmp_path / "fast"), mh.read_dcp(tmp_path / "computed")
+    assert sorted(fast) == sorted(computed)
+    for name, t in computed.items():
+        mh.assert_same(name, fast[name], t)
+
+
 # ---- the output directory -----------------------------------------------------------------------------
 
 def test_tracker_says_release_and_sidecars_sit_in_the_root(sources: dict[str, Path],

@@ -41,13 +41,13 @@ GATED = """
 import os, sys, time
 import glmconv.io.hf_reader as hf_reader
 gate = sys.argv.pop(1)
-weight = hf_reader.HfTensorSource.weight
+entry = hf_reader.HfTensorSource.entry  # every tensor read or copied is located first
 def gated(self, *a, **k):
     deadline = time.monotonic() + 120
     while not os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return weight(self, *a, **k)
-hf_reader.HfTensorSource.weight = gated
+    return entry(self, *a, **k)
+hf_reader.HfTensorSource.entry = gated
 from cli.main import main
 sys.argv[0] = "glmconv"
 main()
@@ -140,10 +140,10 @@ def test_second_convert_while_the_first_is_running(tiny_ckpt: Path, tmp_path: Pa
 def test_lock_is_removed_when_the_run_fails(tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import glmconv.io.hf_reader as hf_reader
 
-    def broken(self, name, dtype):
+    def broken(self, name):
         raise GlmconvError(f"{name}: simulated read failure")
 
-    monkeypatch.setattr(hf_reader.HfTensorSource, "weight", broken)
+    monkeypatch.setattr(hf_reader.HfTensorSource, "entry", broken)
     res = CliRunner().invoke(cli, ["convert", str(tiny_ckpt), str(tmp_path / "out")])
     assert res.exit_code == 2 and "simulated read failure" in res.stderr
     assert list(tmp_path.iterdir()) == []

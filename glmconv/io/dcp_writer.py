@@ -1,9 +1,9 @@
 """Write a Megatron-core torch_dist checkpoint of GLOBAL tensors with torch.distributed.checkpoint (DCP).
 
 Design (docs/torch_dist.md has the evidence): DCP cannot append to a checkpoint, so every group of
-tensors is one `dcp.save(no_dist=True)` call with our own planner, which writes exactly one data file
-`__{rank}_{i}.distcp`; the group's metadata is kept (a few hundred bytes per tensor) and the tensors are
-released. At `finish()` the ranks' metadata are gathered on the coordinator, merged with DCP's own
+tensors is written as one data file `__{rank}_{i}.distcp` laid out exactly as `dcp.save` lays it out (one
+torch.save archive per item, see `torch_save`; tensors already in files are copied by the kernel); the
+group's metadata is kept (a few hundred bytes per tensor) and the tensors are released. At `finish()` the ranks' metadata are gathered on the coordinator, merged with DCP's own
 classes, checked (every tensor tiled exactly once, as planned) and written as `.metadata` by DCP's
 `FileSystemWriter.finish`; then `metadata.json`, and the tracker file last. Peak memory is one group.
 """
@@ -18,7 +18,6 @@ import os
 import pickle
 import re
 import shutil
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter, Metadata, SavePlan, SavePlanner, WriteItem
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint import FileSystemWriter, Metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -38,11 +34,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from glmconv.errors import CheckpointError
+from glmconv.io.byte_copy import FileCopier
 from glmconv.io.common_state import COMMON_STATE_KEY
+from glmconv.io.dtypes import TORCH_DTYPES  # noqa: F401 - re-exported
+from glmconv.io.torch_save import FileTensor, _write_all, save_tensor
 from glmconv.rules.names import sharded_object_key  # noqa: F401 - re-exported for writers of objects
 
 if TYPE_CHECKING:
@@ -53,11 +51,6 @@ RELEASE = "release"
 CONFIG_FILE = "metadata.json"
 DCP_METADATA_FILE = ".metadata"
 BACKEND_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 _OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
 _Entry = TensorStorageMetadata | BytesStorageMetadata
 _Part = tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo], str | None]
@@ -68,7 +61,7 @@ class Chunk:
     """Rows [row, row + len(tensor)) along dim 0 of the global tensor `name` of `shape` (None: whole)."""
 
     name: str
-    tensor: torch.Tensor
+    tensor: torch.Tensor | FileTensor
     row: int = 0
     shape: tuple[int, ...] | None = None
 
@@ -103,58 +96,35 @@ def empty_extra_state() -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
 
 
-class _GroupPlanner(SavePlanner):
-    """Plans one group: whole tensors, dim-0 chunks of global tensors, and pre-serialized objects."""
-
-    def __init__(self, chunks: list[Chunk], objects: dict[str, io.BytesIO]) -> None:
-        self._tensors = {(c.name, tuple(c.offsets)): c.tensor.detach().contiguous() for c in chunks}
-        self._chunks, self._objects = chunks, objects
-
-    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        pass
-
-    def create_local_plan(self) -> SavePlan:
-        items = [_tensor_item(c) for c in self._chunks]
-        items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self._objects]
-        return SavePlan(items)
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        return create_default_global_save_plan(all_plans)
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        return new_plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        if write_item.type == WriteItemType.BYTE_IO:
-            return self._objects[write_item.index.fqn]
-        return self._tensors[(write_item.index.fqn, tuple(write_item.index.offset))]
+def _tensor_entry(c: Chunk) -> TensorStorageMetadata:
+    """DCP's metadata of one chunk, as `dcp.save` would record it for a contiguous CPU tensor."""
+    return TensorStorageMetadata(
+        properties=TensorProperties(dtype=c.tensor.dtype), size=torch.Size(c.global_shape),
+        chunks=[ChunkStorageMetadata(offsets=c.offsets, sizes=torch.Size(c.tensor.shape))])
 
 
-def _tensor_item(c: Chunk) -> WriteItem:
-    offsets, whole = c.offsets, c.shape is None or tuple(c.shape) == tuple(c.tensor.shape)
-    return WriteItem(
-        index=MetadataIndex(c.name, offsets),
-        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
-        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=c.tensor.shape),
-                                    properties=TensorProperties.create_from_tensor(c.tensor),
-                                    size=torch.Size(c.global_shape)),
-    )
-
-
-class _GroupStorage(FileSystemWriter):
-    """FileSystemWriter that writes one data file under `prefix` and hands back metadata instead of `.metadata`."""
-
-    def __init__(self, path: str, prefix: str, sync_files: bool) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1)
-        self._prefix = prefix
-        self.metadata: Metadata | None = None
-        self.results: list[WriteResult] = []
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=_StoragePrefix(self._prefix)) for p in plans]
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.metadata, self.results = metadata, [r for rs in results for r in rs]
+def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapping[str, io.BytesIO],
+                      sync: bool) -> tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo]]:
+    """One DCP data file as `dcp.save` lays it out (objects, then one torch.save archive per chunk)."""
+    md: dict[str, _Entry] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    pos = 0
+    with open(path, "wb", buffering=0) as f, FileCopier() as copier:
+        for key, buf in objects.items():
+            data = buf.getbuffer()
+            _write_all(f.fileno(), data)
+            md[key], storage[MetadataIndex(key)] = BytesStorageMetadata(), _StorageInfo(final, pos, data.nbytes)
+            pos += data.nbytes
+        for c in chunks:
+            n = save_tensor(f.fileno(), c.tensor, copier)
+            storage[MetadataIndex(c.name, c.offsets)] = _StorageInfo(final, pos, n)
+            pos += n
+            error = _merge(md, {}, {c.name: _tensor_entry(c)}, {})
+            if error:
+                raise CheckpointError(error)
+        if sync:
+            os.fsync(f.fileno())
+    return md, storage
 
 
 class DcpWriter:
@@ -266,29 +236,23 @@ class DcpWriter:
     def _save_group(self, chunks: list[Chunk], objects: dict[str, io.BytesIO]) -> None:
         if not chunks and not objects:
             return
-        final = f"__{self.rank}_{self._groups}.distcp"
-        storage = _GroupStorage(str(self.ckpt_dir), f".part{final}.", self._sync)
         if self._done:
             raise CheckpointError(f"{self.ckpt_dir}: already finished; nothing more can be written")
+        final = f"__{self.rank}_{self._groups}.distcp"
+        tmp = self.ckpt_dir / f".part{final}"
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save({}, storage_writer=storage, planner=_GroupPlanner(chunks, objects), no_dist=True)
-            infos = {r.index: r.storage_data for r in storage.results}
-            for tmp in {i.relative_path for i in infos.values()}:
-                os.replace(self.ckpt_dir / tmp, self.ckpt_dir / final)
-        except CheckpointException as exc:  # a BaseException: DCP wraps the real error of each rank
-            first = next(iter(exc.failures.values()), (exc, None))[0]
+            md, infos = _write_group_file(tmp, final, chunks, objects, self._sync)
+            os.replace(tmp, self.ckpt_dir / final)
+        except CheckpointError:
+            tmp.unlink(missing_ok=True)
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch.save wraps a failed write in a RuntimeError
+            tmp.unlink(missing_ok=True)
             need = sum(c.nbytes for c in chunks) + sum(len(b.getvalue()) for b in objects.values())
-            why = _why(first, self.ckpt_dir, need)
+            why = _why(exc, self.ckpt_dir, need)
             raise CheckpointError(f"{self.ckpt_dir / final}: write failed ({why})") from None
-        except OSError as exc:
-            raise CheckpointError(f"{self.ckpt_dir / final}: write failed ({exc.strerror or exc})") from None
-        assert storage.metadata is not None
-        renamed = {k: dataclasses.replace(v, relative_path=final) for k, v in infos.items()}
         self._groups += 1
-        error = _merge(self._md, self._storage, storage.metadata.state_dict_metadata, renamed)
-        self._raise(error)
+        self._raise(_merge(self._md, self._storage, md, infos))
 
     def _publish(self, parts: list[_Part]) -> str | None:
         md: dict[str, _Entry] = {}

@@ -1,12 +1,13 @@
-"""Lazy HF tensor source: one memory-mapped tensor at a time, FP8 blocks dequantised on the way out."""
+"""Lazy HF tensor source: one tensor at a time, read with pread; FP8 blocks dequantised on the way out."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
+from glmconv.io.byte_copy import Extent, read_into
+from glmconv.io.safetensors_header import HeaderEntry, SafetensorsHeader, read_header
 from glmconv.rules import names
 
 if TYPE_CHECKING:
@@ -33,13 +34,16 @@ def require_finite(t: torch.Tensor, name: str, where: str, row0: int = 0) -> Non
 
 
 class HfTensorSource:
-    """Reads named tensors from safetensors shards on demand; keeps each shard open once (mmap)."""
+    """Reads named tensors from safetensors shards on demand with pread (no mmap: RSS is what is held).
+
+    Shard headers are read (and validated) once per shard; `extents` tells where a tensor's bytes sit so
+    that a writer can copy them file to file without reading them at all.
+    """
 
     def __init__(self, files: dict[str, Path], *, check_finite: bool = False) -> None:
         self._files = files
         self._check_finite = check_finite
-        self._stack = ExitStack()
-        self._open: dict[Path, Any] = {}
+        self._headers: dict[Path, SafetensorsHeader] = {}
 
     def __enter__(self) -> HfTensorSource:
         return self
@@ -48,27 +52,38 @@ class HfTensorSource:
         self.close()
 
     def close(self) -> None:
-        self._stack.close()
-        self._open.clear()
+        self._headers.clear()
 
-    def raw(self, name: str) -> torch.Tensor:
-        """The tensor exactly as stored."""
-        from safetensors import safe_open
+    @property
+    def check_finite(self) -> bool:
+        return self._check_finite
 
+    def entry(self, name: str) -> tuple[HeaderEntry, Extent]:
+        """The tensor's header entry and the file bytes that hold it."""
         path = self._files.get(name)
         if path is None:
             raise CheckpointError(f"{name}: not in the checkpoint")
-        handle = self._open.get(path)
-        if handle is None:
-            try:
-                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"{path.name}: cannot open ({exc})") from None
-            self._open[path] = handle
-        try:
-            return handle.get_tensor(name)
-        except Exception as exc:
-            raise CheckpointError(f"{name} in {path.name}: cannot read ({exc})") from None
+        header = self._headers.get(path)
+        if header is None:
+            header = self._headers[path] = read_header(path)
+        e = header.entries.get(name)
+        if e is None:
+            raise CheckpointError(f"{name}: not in {path.name} (the index says it is)")
+        return e, Extent(path, header.data_start + e.begin, e.end - e.begin)
+
+    def stored_dtype(self, name: str) -> str:
+        return self.entry(name)[0].dtype
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor exactly as stored."""
+        import torch
+
+        from glmconv.io.dtypes import TORCH_DTYPES
+
+        e, extent = self.entry(name)
+        out = torch.empty(extent.length, dtype=torch.uint8)
+        read_into([extent], memoryview(out.numpy()))
+        return out.view(TORCH_DTYPES[e.dtype]).reshape(e.shape)
 
     def weight(self, name: str, out_dtype: torch.dtype) -> torch.Tensor:
         """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks."""

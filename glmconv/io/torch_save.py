@@ -1,0 +1,145 @@
+"""One tensor as a torch.save archive (what a DCP data file holds per item), written straight to a file.
+
+torch itself writes the archive (pickle, zip records, alignment), so torch.load reads it on any version;
+two things are changed: no zip CRC-32 (torch.load never checks it; computing it halves the write speed),
+and a `FileTensor`, whose bytes already sit in source files, is never read into memory: torch is handed
+an untouched placeholder of the right size, and when its data record arrives the kernel copies the
+source extents into the file instead (`copy_file_range`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from glmconv.errors import CheckpointError
+from glmconv.io.byte_copy import Extent, FileCopier
+
+_SMALL = 1 << 16  # writes below this are gathered and flushed together
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """A contiguous tensor whose bytes are `extents` of files, in order; quacks like a tensor where needed."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    extents: tuple[Extent, ...]
+
+    def __post_init__(self) -> None:
+        if sum(e.length for e in self.extents) != self.nbytes:
+            raise CheckpointError(f"extents hold {sum(e.length for e in self.extents)} bytes, a "
+                                  f"{list(self.shape)} {self.dtype} tensor needs {self.nbytes}")
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.element_size()
+
+    def materialize(self) -> torch.Tensor:
+        """The tensor in memory (tests, and callers that must look at the values)."""
+        from glmconv.io.byte_copy import read_into
+
+        out = torch.empty(self.nbytes, dtype=torch.uint8)
+        read_into(self.extents, memoryview(out.numpy()))
+        return out.view(self.dtype).reshape(self.shape)
+
+
+@contextlib.contextmanager
+def no_crc32() -> Iterator[None]:
+    """torch.save without the zip CRC-32 over every byte (torch.load does not verify it)."""
+    from torch.utils.serialization import config as serialization_config
+
+    config = serialization_config.save
+    old = config.compute_crc32
+    config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.compute_crc32 = old
+
+
+class _FdSink(io.RawIOBase):
+    """The file torch.save writes into: small records gathered, the placeholder's record copied from files."""
+
+    def __init__(self, fd: int, copier: FileCopier, placeholder: tuple[int, int, tuple[Extent, ...]] | None) -> None:
+        super().__init__()
+        self._fd, self._copier = fd, copier
+        self._placeholder = placeholder  # (address, nbytes, extents)
+        self._pending = bytearray()
+        self.written = 0
+        self.substituted = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.written
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if self._placeholder is not None and n == self._placeholder[1] and n and _address(view) == self._placeholder[0]:
+            self._flush_pending()
+            self._copier.copy(self._placeholder[2], self._fd)
+            self.substituted += 1
+        elif n < _SMALL:
+            self._pending += view
+        else:
+            self._flush_pending()
+            _write_all(self._fd, view)
+        self.written += n
+        return n
+
+    def flush(self) -> None:
+        self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            _write_all(self._fd, self._pending)
+            self._pending = bytearray()
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def save_tensor(fd: int, tensor: torch.Tensor | FileTensor, copier: FileCopier) -> int:
+    """Append `tensor` as a torch.save archive at `fd`'s position; returns the archive's length in bytes."""
+    if isinstance(tensor, FileTensor):
+        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype)  # never touched: no memory is faulted in
+        sink = _FdSink(fd, copier, (placeholder.data_ptr(), tensor.nbytes, tensor.extents))
+        data: torch.Tensor = placeholder
+    else:
+        sink = _FdSink(fd, copier, None)
+        data = tensor.detach().contiguous()
+    with no_crc32():
+        torch.save(data, sink)
+    sink.flush()
+    if isinstance(tensor, FileTensor) and tensor.nbytes and sink.substituted != 1:
+        # torch changed how it writes storages: refuse rather than write the placeholder's garbage
+        raise CheckpointError(f"internal: torch.save wrote the {list(tensor.shape)} {tensor.dtype} data record "
+                              f"{sink.substituted} times where 1 was expected; this torch version is unsupported")
+    return sink.written
