@@ -80,6 +80,17 @@ def test_300x200_dequant_matches_a_per_block_loop_exactly():
     assert back[256:].shape == (44, 200) and back[:, 128:].shape == (300, 72)
 
 
+def test_block_aligned_dequant_matches_a_per_block_loop_exactly():
+    """256x384: the in-place block-view path (the release's shapes are multiples of 128)."""
+    q, s = quantize_fp8_blocks(_weights(256, 384, seed=5))
+    back = dequantize_fp8_blocks(q, s, out_dtype=torch.float32)
+    for i in range(2):
+        for j in range(3):
+            rows, cols = slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128)
+            assert torch.equal(back[rows, cols], q[rows, cols].float() * s[i, j])
+    assert torch.equal(dequantize_fp8_blocks(q, s), back.bfloat16())
+
+
 def test_fp32_dequant_is_one_correctly_rounded_multiply():
     q, s = quantize_fp8_blocks(_weights(300, 200, seed=4))
     exact = q.double() * _block_scales(s, 300, 200, 128).double()  # 4 x 24 significant bits: exact in f64
