@@ -25,7 +25,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, Self
 
 from glmconv.errors import CheckpointError
 
@@ -53,7 +53,26 @@ _TORCH_CODES = {"torch.bool": "BOOL", "torch.uint8": "U8", "torch.int8": "I8", "
 _MAX_WRITE = 1 << 30  # bytes per pwrite call
 
 
-class ShardWriter:
+class _Closing:
+    """A writer used as a context: `close()` on success, `abort()` (delete what was written) on an error."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def close(self) -> object:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class ShardWriter(_Closing):
     """Buffers tensors up to `max_shard_bytes`, flushes each shard to disk, names them all on `close()`.
 
     Shard count is unknown until the end, so shards are written under pending names and renamed to
@@ -73,15 +92,6 @@ class ShardWriter:
         self._shards = 0
         self.total_size = 0
         self._closed = False
-
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue one tensor; flushes the current shard first if this one would overflow it."""
@@ -191,7 +201,7 @@ def shard_header(tensors: Iterable[PlannedTensor]) -> tuple[bytes, dict[str, int
     return head, {name: len(head) + off for name, off in rel.items()}
 
 
-class PlannedShardWriter:
+class PlannedShardWriter(_Closing):
     """Writes planned tensors into safetensors shards as they come: header first, then each tensor's bytes.
 
     `write(name, tensor)` and `copy(name, extents, copier)` take the planned tensors in plan order; anything
@@ -222,15 +232,6 @@ class PlannedShardWriter:
         self._opened = 0
         self._closed = False
         self.out_dir.mkdir(parents=True, exist_ok=True)
-
-    def __enter__(self) -> PlannedShardWriter:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     @property
     def shards(self) -> int:
