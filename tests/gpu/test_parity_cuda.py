@@ -1,0 +1,90 @@
+"""The serve and train models on CUDA: same answers as on CPU, and the parity gate holds there too.
+
+Skips cleanly without CUDA. On the GPU machine the fixtures can be handed in pre-made (the generator needs
+transformers' Glm5Next classes): GLMCONV_GPU_FIXTURES=DIR with DIR/hf-tiny (HF) and DIR/mc-tiny (converted).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TOKENS, SEQUENCES = 128, 2  # past the tiny fixture's index_topk, so the kpool indexer really selects
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    given = os.environ.get("GLMCONV_GPU_FIXTURES")
+    if given:
+        return Path(given) / "hf-tiny", Path(given) / "mc-tiny"
+    from glmconv.convert import RunOptions, convert, prepare
+    from glmconv.fixtures.generate import make_fixture
+
+    d = tmp_path_factory.mktemp("gpu")
+    make_fixture(d / "hf-tiny", "tiny", seed=0)
+    convert(prepare(d / "hf-tiny", d / "mc-tiny"), RunOptions(progress=False))
+    return d / "hf-tiny", d / "mc-tiny"
+
+
+@pytest.fixture(autouse=True)
+def no_tf32() -> None:
+    """fp32 means fp32: TF32 matmuls/convs would cost 1e-3 and hide what the test is about."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _logits(hf: Path, device: str, dtype: torch.dtype) -> torch.Tensor:
+    from glmconv.config import load_config
+    from glmconv.models.conventions import Conventions
+    from glmconv.models.model import GlmModel
+    from glmconv.models.weights import HfWeights
+    from glmconv.parity.inputs import random_batch
+
+    config = load_config(hf)
+    batch = random_batch(config.dim("vocab_size"), TOKENS, SEQUENCES, 0).to(device)
+    model = GlmModel(config, HfWeights(hf), Conventions.serve(), dtype=dtype, device=device)
+    with torch.no_grad():
+        return model.forward(batch.ids, batch.cu_seqlens).double().cpu()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_fp32_serve_model_on_cuda_matches_cpu(tiny_pair: tuple[Path, Path]) -> None:
+    cpu, cuda = _logits(tiny_pair[0], "cpu", torch.float32), _logits(tiny_pair[0], "cuda", torch.float32)
+    assert _rel(cuda, cpu) < 1e-5
+
+
+def test_bf16_serve_model_on_cuda_is_as_close_to_fp32_as_bf16_on_cpu(tiny_pair: tuple[Path, Path]) -> None:
+    """Whole-model bf16 logits drift ~7e-2 from fp32 on CPU (4 layers, random weights); CUDA must not be worse."""
+    ref = _logits(tiny_pair[0], "cpu", torch.float32)
+    cpu, cuda = _rel(_logits(tiny_pair[0], "cpu", torch.bfloat16), ref), _rel(_logits(tiny_pair[0], "cuda", torch.bfloat16), ref)
+    print(f"\nbf16 logits rel err vs fp32: cpu {cpu:.3e}, cuda {cuda:.3e}")
+    assert 1e-3 < cuda < 1.5 * cpu
+
+
+def _parity(tiny_pair: tuple[Path, Path], **kw: object) -> dict:
+    from glmconv.parity import ParityOptions, run_parity
+
+    hf, mc = tiny_pair
+    return run_parity(ParityOptions(hf_dir=hf, mcore_dir=mc, tokens=TOKENS, sequences=SEQUENCES, device="cuda",
+                                    progress=False, **kw))  # type: ignore[arg-type]
+
+
+def test_aligned_parity_on_cuda_is_fp32_noise(tiny_pair: tuple[Path, Path]) -> None:
+    r = _parity(tiny_pair, train_conventions="serve")
+    assert r["first_divergence"] is None
+    assert max(rec["rel_err"] for rec in r["layers"]) < 1e-5
+    assert r["logits"]["top1_agreement"] == 1.0 and r["logits"]["logprob_abs_diff"]["max"] < 1e-4
+
+
+def test_hc_mix_bf16_on_cuda_is_named_at_layer_0_attention(tiny_pair: tuple[Path, Path]) -> None:
+    r = _parity(tiny_pair, train_conventions="serve", overrides=("hc_mix=bf16",))
+    assert r["first_divergence"] is not None
+    assert (r["first_divergence"]["layer"], r["first_divergence"]["sub_block"]) == (0, "attention")
