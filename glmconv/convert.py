@@ -89,9 +89,26 @@ def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:
 
 
 def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int) -> int:
-    """Upper bound of tensor memory one worker holds: a write group plus the inputs of one mapping step."""
-    step = max((_step_bytes(m, chunk_bytes) for m in mappings), default=0)
-    return group_bytes + 2 * step
+    """Upper bound of tensor memory one worker holds: a write group plus the inputs of one mapping step.
+
+    Mappings that only move bytes are copied file to file and hold no tensor memory; the rest count.
+    """
+    computed = [m for m in mappings if not moves_bytes(m)]
+    step = max((_step_bytes(m, chunk_bytes) for m in computed), default=0)
+    return min(group_bytes, sum(m.mcore_bytes for m in computed)) + 2 * step
+
+
+def moves_bytes(m: Mapping) -> bool:
+    """The plan says this mapping is a pure byte move (same dtype both sides, no FP8, a byte layout)."""
+    from glmconv.plan import DTYPE_BYTES
+
+    dtype = m.mcore[0].dtype
+    if any(s for s in m.scales) or any(t.dtype != dtype for t in m.mcore):
+        return False
+    if any(t.dtype != dtype or t.alt_dtype for t in m.hf):
+        return False  # a tensor that may be stored in another dtype is cast, in memory
+    shapes = [tuple(t.shape) for t in m.hf]
+    return m.rule.transform.forward_layout(shapes, DTYPE_BYTES[dtype], len(m.mcore)) is not None
 
 
 def _step_bytes(m: Mapping, chunk_bytes: int) -> int:
