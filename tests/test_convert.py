@@ -218,7 +218,7 @@ def test_dry_run_peak_counts_only_what_is_computed_in_memory(sources: dict[str, 
 
     (bf16,), (fp8,) = workers("cut8"), workers("tiny-fp8")
     assert bf16["peak_bytes_estimate"] < 0.3 * bf16["bytes_in"]  # the F32-kept set is ~20% of bytes at cut8 dims
-    assert fp8["peak_bytes_estimate"] > 10**6
+    assert fp8["peak_bytes_estimate"] > 0.5 * fp8["bytes_in"]  # dequantised BF16 is held, one group at a time
 
 
 def test_audit_names_against_the_output_is_clean(sources: dict[str, Path], converted: dict[str, Path]) -> None:
