@@ -15,25 +15,11 @@ from glmconv.audit import audit
 from glmconv.config import DSA, KDA, MOE, parse_config
 from glmconv.fixtures import FixtureError, make_fixture, preset_config
 from glmconv.fixtures import bench
-from glmconv.io.hf_writer import INDEX_NAME
 from glmconv.plan import FP8, build_plan
 from glmconv.rules import names
+import hf_helpers as hf
 
 SIZE = 20 * 10**6
-
-
-def _index(path: Path) -> dict:
-    return json.loads((path / INDEX_NAME).read_text())
-
-
-def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    out = {}
-    for shard in sorted(set(_index(path)["weight_map"].values())):
-        with safe_open(str(path / shard), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +36,7 @@ def bench_fp8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_size_is_within_ten_percent_and_there_are_several_shards(which, request):
     path = request.getfixturevalue(which)
     on_disk = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    assert abs(_index(path)["metadata"]["total_size"] - SIZE) <= 0.1 * SIZE
+    assert abs(hf.index(path)["metadata"]["total_size"] - SIZE) <= 0.1 * SIZE
     assert abs(on_disk - SIZE) <= 0.1 * SIZE
     assert len(list(path.glob("*.safetensors"))) >= 3
 
@@ -62,7 +48,7 @@ def test_audit_is_clean_and_layout_is_the_plan(which, fp8, request):
     assert report.ok, report.findings[:3]
     cfg = json.loads((path / "config.json").read_text())
     plan = build_plan(parse_config(cfg), fp8=fp8)
-    headers = _headers(path)
+    headers = hf.headers(path)
     assert headers == {n: (t.shape, t.dtype) for n, t in plan.hf_index.items()}
     assert all(n.startswith((names.HF_TEXT_PREFIX, names.HF_VISUAL_PREFIX, "lm_head.")) for n in headers)
     assert (sum(1 for _, d in headers.values() if d == FP8) > 0) == fp8

@@ -20,29 +20,16 @@ from glmconv.io.hf_writer import INDEX_NAME, ShardWriter
 from glmconv.plan import FP8, build_plan, fp8_scale_shape
 from glmconv.rules import names
 from glmconv.rules.table import MTP, VISION
+import hf_helpers as hf
 
 
 def _config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def _index(path: Path) -> dict:
-    return json.loads((path / INDEX_NAME).read_text())
-
-
-def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    out = {}
-    for shard in sorted(set(_index(path)["weight_map"].values())):
-        with safe_open(str(path / shard), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
-    return out
-
-
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     out = {}
-    for shard in sorted(set(_index(path)["weight_map"].values())):
+    for shard in sorted(set(hf.index(path)["weight_map"].values())):
         with safe_open(str(path / shard), framework="pt") as f:
             out.update({name: f.get_tensor(name) for name in f.keys()})
     return out
@@ -95,22 +82,22 @@ def test_unknown_preset_is_a_one_line_error():
 
 def test_tiny_names_shapes_dtypes_equal_the_plan(tiny_ckpt):
     plan = _plan(tiny_ckpt, fp8=False)
-    assert _headers(tiny_ckpt) == {n: (t.shape, t.dtype) for n, t in plan.hf_index.items()}
+    assert hf.headers(tiny_ckpt) == {n: (t.shape, t.dtype) for n, t in plan.hf_index.items()}
 
 
 def test_tiny_fp8_names_shapes_dtypes_equal_the_fp8_plan(tiny_fp8_ckpt):
     plan = _plan(tiny_fp8_ckpt, fp8=True)
-    headers = _headers(tiny_fp8_ckpt)
+    headers = hf.headers(tiny_fp8_ckpt)
     assert headers == {n: (t.shape, t.dtype) for n, t in plan.hf_index.items()}
     assert sum(1 for _, d in headers.values() if d == FP8) > 0
 
 
 def test_cut8_names_shapes_dtypes_equal_the_plan(cut8_ckpt):
-    assert _headers(cut8_ckpt) == {n: (t.shape, t.dtype) for n, t in _plan(cut8_ckpt, False).hf_index.items()}
+    assert hf.headers(cut8_ckpt) == {n: (t.shape, t.dtype) for n, t in _plan(cut8_ckpt, False).hf_index.items()}
 
 
 def test_index_maps_every_tensor_to_its_shard_and_totals_its_bytes(tiny_ckpt):
-    index = _index(tiny_ckpt)
+    index = hf.index(tiny_ckpt)
     shards = sorted(p.name for p in tiny_ckpt.glob("*.safetensors"))
     assert 2 <= len(shards) <= 4
     assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
@@ -137,12 +124,12 @@ def test_mtp_layer_tensors_sit_at_index_num_hidden_layers_without_hc(tiny_ckpt):
     mtp = [m for m in plan.mappings if m.layer == n]
     assert {m.part for m in mtp} == {"layer", MTP} and not any(m.rule.hc for m in mtp)
     expected = {t.name for m in mtp for t in m.hf}
-    in_file = {k for k in _headers(tiny_ckpt) if names.hf_layer_index(k, names.HF_TEXT_PREFIX) == n}
+    in_file = {k for k in hf.headers(tiny_ckpt) if names.hf_layer_index(k, names.HF_TEXT_PREFIX) == n}
     assert in_file == expected and len(expected) > 20
 
 
 def test_vision_tensors_are_present_in_bf16(tiny_ckpt):
-    headers = _headers(tiny_ckpt)
+    headers = hf.headers(tiny_ckpt)
     vision = {n for n in headers if n.startswith(names.HF_VISUAL_PREFIX)}
     plan_vision = {t.name for m in _plan(tiny_ckpt, False).mappings if m.part == VISION for t in m.hf}
     assert vision == plan_vision and len(vision) == 11 + 2 * 14
@@ -154,7 +141,7 @@ def test_cut8_has_dsa_at_layers_3_and_7_and_mtp(cut8_ckpt):
     assert [i for i, t in enumerate(plan.config.attn_types) if t == DSA] == [3, 7]
     dsa_layers = {m.layer for m in plan.mappings if m.rule.attn == DSA}
     assert dsa_layers == {3, 7, 8}
-    headers = _headers(cut8_ckpt)
+    headers = hf.headers(cut8_ckpt)
     assert all(t.name in headers for m in plan.mappings if m.rule.attn == DSA for t in m.hf)
     assert plan.config.mlp_types == ("dense",) * 3 + ("moe",) * 5
 
@@ -305,7 +292,7 @@ def test_shard_writer_bounds_shards_and_writes_the_index(tmp_path):
         w.add("b", torch.zeros(10))  # 80
         w.add("c", torch.zeros(10))  # 120 > 100: new shard
         w.add("big", torch.zeros(50))  # 200 bytes: its own shard
-    index = _index(tmp_path)
+    index = hf.index(tmp_path)
     assert index["metadata"]["total_size"] == 40 * 3 + 200
     files = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
     assert index["weight_map"] == {"a": files[0], "b": files[0], "c": files[1], "big": files[2]}
@@ -338,9 +325,9 @@ def test_cli_make_prints_a_json_summary(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["path"] == str(tmp_path / "f") and (out["preset"], out["fp8"], out["seed"]) == ("tiny", True, 3)
-    assert out["tensors"] == len(_headers(tmp_path / "f"))
+    assert out["tensors"] == len(hf.headers(tmp_path / "f"))
     assert out["shards"] == len(list((tmp_path / "f").glob("*.safetensors")))
-    assert out["bytes"] == _index(tmp_path / "f")["metadata"]["total_size"]
+    assert out["bytes"] == hf.index(tmp_path / "f")["metadata"]["total_size"]
 
 
 def test_cli_make_prints_one_line(tmp_path):

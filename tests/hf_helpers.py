@@ -1,0 +1,25 @@
+"""Reading an HF checkpoint in tests with safetensors itself (never through glmconv's own readers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def index(path: Path) -> dict:
+    return json.loads((path / INDEX_NAME).read_text())
+
+
+def headers(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype) of every tensor in every shard the index names."""
+    out = {}
+    for shard in sorted(set(index(path)["weight_map"].values())):
+        with safe_open(str(path / shard), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
