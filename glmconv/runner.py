@@ -173,12 +173,26 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str) -> dict[st
         for p in procs:
             p.start()
         outcomes = _collect(results, procs)
+    dead = [f"rank {r} {_how(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode]
+    if dead:  # first: the survivors' errors are only the echo of a lost peer
+        raise GlmconvError(f"a {what} worker died ({', '.join(dead)}); nothing published")
     errors = [o for o in outcomes if isinstance(o, str)]
     if errors:
         raise GlmconvError(errors[0])
-    if any(p.exitcode for p in procs) or not outcomes:
-        raise GlmconvError(f"a {what} worker died (exit codes {[p.exitcode for p in procs]}); nothing published")
+    if not any(isinstance(o, dict) for o in outcomes):
+        raise GlmconvError(f"no {what} worker reported a result; nothing published")
     return next(o for o in outcomes if isinstance(o, dict))
+
+
+def _how(exitcode: int) -> str:
+    import signal
+
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _collect(results: Any, procs: list[Any]) -> list[Any]:
@@ -207,5 +221,11 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
         results.put(fn(*args, rank, world, dist.group.WORLD))
     except GlmconvError as exc:
         results.put(str(exc))
+    except Exception as exc:  # noqa: BLE001 - e.g. gloo losing a killed peer: one line, the parent decides
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        results.put(f"rank {rank}: {type(exc).__name__}: {line}")
     finally:
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the group may already be broken by a lost peer
+            pass
