@@ -21,8 +21,11 @@ ROWS_PER_KIND = 20
 @click.option("--config", "config", type=click.Path(path_type=str), default=None,
               help="config.json for torch_dist checkpoints (default: the config.json next to them).")
 @click.option("--fp8/--no-fp8", default=None, help="Expect the FP8 release layout (default: detect; emit: off).")
-@click.option("--mtp/--no-mtp", default=None, help="Expect the MTP layer (default: detect; emit: on).")
-@click.option("--vision/--no-vision", default=None, help="Expect the vision tower (default: detect; emit: on).")
+@click.option("--mtp/--no-mtp", default=None,
+              help="Expect the MTP layer (default: detect; emit: on). With --against it describes DST: SRC is "
+                   "audited as it is and the part left out is not compared.")
+@click.option("--vision/--no-vision", default=None,
+              help="Expect the vision tower (default: detect; emit: on). With --against, as --mtp.")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Cut the config to N layers; a deeper checkpoint is audited on its first N (no MTP).")
 @click.option("--accept-flat-prefix", is_flag=True, help="Accept text tensors under the flat `model.` prefix.")

@@ -6,6 +6,8 @@ torch_dist checkpoint is read.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,14 +337,20 @@ def _present_keys(s: Side) -> set[tuple[str, ...]]:
     return {_key(m) for m in s.plan.mappings if any(t.name in s.tensors for t in _side_specs(s, m))}
 
 
-def cross_check(a: Side, b: Side, side_b: str, *, shapes: bool = True) -> list[Finding]:
-    """Every mapping that `a` holds has its counterpart on `b` (and, with `shapes`, the shapes `a` implies)."""
+def cross_check(a: Side, b: Side, side_b: str, *, shapes: bool = True,
+                left_out: frozenset[str] = frozenset()) -> list[Finding]:
+    """Every mapping that `a` holds has its counterpart on `b` (and, with `shapes`, the shapes `a` implies).
+
+    Mappings of the parts in `left_out` ("mtp", "vision") are not compared.
+    """
     assert a.plan is not None and b.plan is not None
     b_maps = {_key(m): m for m in b.plan.mappings}
     b_full = _full_plan(b)
     out: list[Finding] = []
     for key in sorted(_present_keys(a)):
         m_a = a.plan.mapping_of_mcore[key[0]]
+        if m_a.optional_part(a.config.num_layers) in left_out:
+            continue
         m_b = b_maps.get(key)
         if m_b is None:
             out.extend(_absent_counterpart(a, b, m_a, b_full.get(key), side_b))
@@ -407,17 +415,22 @@ def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | Non
     """Audit SRC against the plan its config implies; with `against`, also both sides through the mapping."""
     opts = Options(fp8=fp8, mtp=mtp, vision=vision, layers=layers, accept_flat_prefix=accept_flat_prefix,
                    config=config)
-    a = load_side(src, opts, "src")
-    plan_side(a, opts)
-    findings = [*a.findings, *compare_side(a, opts, "src")]
+    # with --against, --no-mtp / --no-vision describe the output: SRC is audited as it is, and the parts
+    # left out are not compared (what `convert --no-mtp` does to a checkpoint that has the MTP layer)
+    src_opts = opts if against is None else dataclasses.replace(opts, mtp=None, vision=None)
+    a = load_side(src, src_opts, "src")
+    plan_side(a, src_opts)
+    findings = [*a.findings, *compare_side(a, src_opts, "src")]
     plans = {"src": a.plan_options()}
     b = None
     if against is not None:
+        left_out = frozenset(part for part, keep in (("mtp", mtp), ("vision", vision)) if keep is False)
         b = load_side(against, opts, "against")
         plan_side(b, opts)
         plans["against"] = b.plan_options()
         findings += [*b.findings, *compare_side(b, opts, "against"), *config_findings(a, b, "against")]
-        findings += [*cross_check(a, b, "against"), *cross_check(b, a, "src", shapes=False)]
+        findings += [*cross_check(a, b, "against", left_out=left_out),
+                     *cross_check(b, a, "src", shapes=False, left_out=left_out)]
     return AuditReport(src=str(src), against=None if against is None else str(against),
                        tensors=len(a.expected()), against_tensors=None if b is None else len(b.expected()),
                        findings=_dedupe(findings), plans=plans)

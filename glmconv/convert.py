@@ -65,16 +65,11 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
     plan = build_plan(full.config, fp8=full.fp8, mtp=full.mtp and mtp, vision=full.vision and vision,
                       text_prefix=full.text_prefix)
     left_out = {part: sum(len(m.hf) + sum(1 for s in m.scales if s) for m in full.mappings
-                          if _part(m, full.config.num_layers) == part)
+                          if m.optional_part(full.config.num_layers) == part)
                 for part, keep in (("mtp", plan.mtp), ("vision", plan.vision)) if getattr(full, part) and not keep}
     ck = inspect_hf_checkpoint(src_p)
     files = {n: shard_path(src_p, t.file) for n, t in ck.tensors.items()}
     return ConvertJob(src=src_p, out=out_p, plan=plan, files=files, left_out=left_out)
-
-
-def _part(m: Mapping, num_layers: int) -> str:
-    """The optional part a mapping belongs to: the MTP layer's decoder-layer rules have scope "layer"."""
-    return "mtp" if m.layer is not None and m.layer >= num_layers else m.part
 
 
 def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:

@@ -47,6 +47,10 @@ class Mapping:
     layer: int | None  # HF layer index (MTP layers count after the decoder), None for global/vision
     part: str  # "global", "layer", "mtp" or "vision"
 
+    def optional_part(self, num_layers: int) -> str:
+        """The part a mapping can be left out with: the MTP layer's decoder-layer rules have scope "layer"."""
+        return "mtp" if self.layer is not None and self.layer >= num_layers else self.part
+
     @property
     def hf_bytes(self) -> int:
         return sum(t.nbytes for t in self.hf) + sum(s.nbytes for s in self.scales if s)

@@ -189,6 +189,11 @@ def test_left_out_part_is_absent_and_the_summary_says_so(part: str, prefix: str,
     assert manifest["left_out"] == {part: len(hf_part)} and manifest[part] is False
     audit = CliRunner().invoke(cli, ["audit-names", str(out)])  # the output against its own (reduced) plan
     assert audit.exit_code == 0, audit.output
+    both = CliRunner().invoke(cli, ["audit-names", str(src), "--against", str(out), option, "--json"])
+    assert both.exit_code == 0, both.output  # the flag describes the output; the part is left out of the comparison
+    unflagged = json.loads(CliRunner().invoke(cli, ["audit-names", str(src), "--against", str(out), "--json"]).output)
+    assert {(f["kind"], f["side"]) for f in unflagged["findings"]} == {("missing", "against")}
+    assert len(unflagged["findings"]) == len(mh.reference_mcore(src)) - len(got)  # each left-out tensor, by name
 
 
 def test_dry_run_json_reports_each_worker_and_writes_nothing(sources: dict[str, Path], tmp_path: Path) -> None:
