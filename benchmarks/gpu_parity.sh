@@ -25,4 +25,21 @@ for fx in tiny cut8; do
     done
   done
 done
-cat "$OUT/timings.txt"; tail -15 "$OUT/gpu-tests.txt"
+python3 - "$OUT" > "$OUT/summary.tsv" <<'PYEOF'
+import glob, json, os, sys
+print("run\tfirst_divergence\tmax_rel_err\ttop1\tlogprob_max\tkl\texpert_min\ttopk_min\trun_s")
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "parity-*.json"))):
+    try:
+        r = json.load(open(p))
+    except (OSError, ValueError) as exc:
+        print(f"{p}\tunreadable: {exc}")
+        continue
+    fd, layers, g = r["first_divergence"], r["layers"], r["logits"]
+    ex = min(x.get("expert_overlap", 1.0) for x in layers)
+    tk = min(x.get("topk_overlap", 1.0) for x in layers)
+    first = (fd["layer"], fd["sub_block"], round(fd["value"], 5)) if fd else None
+    print(f"{os.path.basename(p)[7:-5]}\t{first}\t{max(x['rel_err'] for x in layers):.3e}\t{g['top1_agreement']:.4f}"
+          f"\t{g['logprob_abs_diff']['max']:.3e}\t{g['kl']:.3e}\t{ex:.3f}\t{tk:.3f}\t{r['elapsed_s']}")
+PYEOF
+tar czf "$OUT/parity-json.tgz" -C "$OUT" $(cd "$OUT" && ls parity-*) && rm -f "$OUT"/parity-*.json "$OUT"/parity-*.err
+cat "$OUT/timings.txt" "$OUT/summary.tsv"; tail -15 "$OUT/gpu-tests.txt"
