@@ -117,7 +117,7 @@ class FileCopier:
                 raise CheckpointError(f"{e.path}: ends before byte {offset} (truncated while being read?)")
             offset, left = offset + n, left - n
         for chunk in _pread_chunks(src, e.path, offset, left):
-            _write_all(dst_fd, chunk)
+            write_all(dst_fd, chunk)
 
 
 def _pread_chunks(fd: int, path: Path, offset: int, length: int) -> Iterator[bytes]:
@@ -129,7 +129,8 @@ def _pread_chunks(fd: int, path: Path, offset: int, length: int) -> Iterator[byt
         offset, length = offset + len(data), length - len(data)
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """os.write until every byte is out (a write may be short on a pipe, a signal or a nearly full disk)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]

@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from glmconv.errors import CheckpointError
-from glmconv.io.byte_copy import FileCopier
+from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.common_state import COMMON_STATE_KEY
 from glmconv.io.dtypes import TORCH_DTYPES  # noqa: F401 - re-exported
-from glmconv.io.torch_save import FileTensor, _write_all, save_tensor
+from glmconv.io.torch_save import FileTensor, save_tensor
 from glmconv.rules.names import sharded_object_key  # noqa: F401 - re-exported for writers of objects
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapp
     with open(path, "wb", buffering=0) as f, FileCopier() as copier:
         for key, buf in objects.items():
             data = buf.getbuffer()
-            _write_all(f.fileno(), data)
+            write_all(f.fileno(), data)
             md[key], storage[MetadataIndex(key)] = BytesStorageMetadata(), _StorageInfo(final, pos, data.nbytes)
             pos += data.nbytes
         for c in chunks:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from glmconv.errors import CheckpointError
-from glmconv.io.byte_copy import Extent, FileCopier
+from glmconv.io.byte_copy import Extent, FileCopier, write_all
 
 _SMALL = 1 << 16  # writes below this are gathered and flushed together
 
@@ -103,7 +102,7 @@ class _FdSink(io.RawIOBase):
             self._pending += view
         else:
             self._flush_pending()
-            _write_all(self._fd, view)
+            write_all(self._fd, view)
         self.written += n
         return n
 
@@ -112,18 +111,12 @@ class _FdSink(io.RawIOBase):
 
     def _flush_pending(self) -> None:
         if self._pending:
-            _write_all(self._fd, self._pending)
+            write_all(self._fd, self._pending)
             self._pending = bytearray()
 
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
-def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def save_tensor(fd: int, tensor: torch.Tensor | FileTensor, copier: FileCopier) -> int:
