@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Self
 
 from glmconv.errors import CheckpointError
+from glmconv.io.dcp_metadata import torch_dtype_code
+from glmconv.io.safetensors_header import DTYPE_SIZES
 
 if TYPE_CHECKING:
     import torch
@@ -43,14 +45,7 @@ _FINAL = "model-{:05d}-of-{:05d}.safetensors"
 _DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
                 "F64", "I64", "U64")
 _DTYPE_RANK = {d: i for i, d in enumerate(_DTYPE_ORDER)}
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-             "I32": 4, "U32": 4, "F32": 4, "C64": 8, "F64": 8, "I64": 8, "U64": 8}
-_TORCH_CODES = {"torch.bool": "BOOL", "torch.uint8": "U8", "torch.int8": "I8", "torch.float8_e5m2": "F8_E5M2",
-                "torch.float8_e4m3fn": "F8_E4M3", "torch.int16": "I16", "torch.uint16": "U16",
-                "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.int32": "I32", "torch.uint32": "U32",
-                "torch.float32": "F32", "torch.complex64": "C64", "torch.float64": "F64", "torch.int64": "I64",
-                "torch.uint64": "U64"}
-_MAX_WRITE = 1 << 30  # bytes per pwrite call
+_ITEMSIZE = {d: DTYPE_SIZES[d] for d in _DTYPE_ORDER if d in DTYPE_SIZES}  # what can be written
 
 
 class _Closing:
@@ -241,15 +236,12 @@ class PlannedShardWriter(_Closing):
         """The next planned tensor, from memory."""
         t = self._expect(name)
         try:
-            got = _TORCH_CODES.get(str(tensor.dtype), str(tensor.dtype))
+            got = _dtype_code(tensor)
             if got != t.dtype or tuple(tensor.shape) != t.shape:
                 raise CheckpointError(f"{name}: {got} {list(tensor.shape)} written, planned {t.dtype} {list(t.shape)}")
             data = tensor.detach().contiguous().reshape(-1).view(_u8()).numpy()
             self._check_size(t, data.nbytes)
-            fd, pos, view = self._fd_for(t), self._offsets[name], memoryview(data).cast("B")
-            while view:
-                n = os.pwrite(fd, view[:_MAX_WRITE], pos)
-                view, pos = view[n:], pos + n
+            _pwrite_all(self._fd_for(t), memoryview(data).cast("B"), self._offsets[name])
             self._done(t)
         except BaseException as exc:
             self._fail(exc)
@@ -338,9 +330,7 @@ class PlannedShardWriter(_Closing):
         path = self.out_dir / _PENDING.format(no)
         self._opened = no
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        view = memoryview(head)
-        while view:
-            view = view[os.pwrite(self._fd, view, len(head) - len(view)):]
+        _pwrite_all(self._fd, head, 0)
 
     def _done(self, t: PlannedTensor) -> None:
         self._next += 1
@@ -362,6 +352,20 @@ class PlannedShardWriter(_Closing):
             path = self.out_dir / _PENDING.format(max(self._opened, 1))
             raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from None
         raise exc
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, pos: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
+
+
+def _dtype_code(tensor: torch.Tensor) -> str:
+    try:
+        return torch_dtype_code(tensor.dtype)
+    except CheckpointError:
+        return str(tensor.dtype)  # reported as a mismatch with the planned dtype
 
 
 def _u8() -> torch.dtype:
