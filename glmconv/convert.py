@@ -12,7 +12,7 @@ from glmconv import audit as audit_mod
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
-from glmconv.plan import Mapping, Plan, build_plan
+from glmconv.plan import Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules.ops import StackExperts
 from glmconv.runner import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
     STAGING_SUFFIX, cleanup, collective_error, fresh_staging, gather, progress, publish, run_on_output, staging_dir,
@@ -94,16 +94,8 @@ def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int) -> i
 
 
 def moves_bytes(m: Mapping) -> bool:
-    """The plan says this mapping is a pure byte move (same dtype both sides, no FP8, a byte layout)."""
-    from glmconv.plan import DTYPE_BYTES
-
-    dtype = m.mcore[0].dtype
-    if any(s for s in m.scales) or any(t.dtype != dtype for t in m.mcore):
-        return False
-    if any(t.dtype != dtype or t.alt_dtype for t in m.hf):
-        return False  # a tensor that may be stored in another dtype is cast, in memory
-    shapes = [tuple(t.shape) for t in m.hf]
-    return m.rule.transform.forward_layout(shapes, DTYPE_BYTES[dtype], len(m.mcore)) is not None
+    """The plan says this mapping is a pure byte move (F32-kept tensors may be stored BF16: not counted as one)."""
+    return m.byte_layout([None if t.alt_dtype else t.dtype for t in m.hf]) is not None
 
 
 def _step_bytes(m: Mapping, chunk_bytes: int) -> int:
@@ -137,15 +129,14 @@ def mapping_chunks(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Chunk]
 
 def byte_layout(m: Mapping, source: Any) -> list[list[Piece]] | None:
     """The transform's byte layout when this mapping is a pure byte move on this source, else None."""
-    from glmconv.plan import DTYPE_BYTES
+    return None if source.check_finite else m.byte_layout([source.stored_dtype(t.name) for t in m.hf])
 
-    dtype = m.mcore[0].dtype
-    if source.check_finite or any(s for s in m.scales) or any(t.dtype != dtype for t in m.mcore):
-        return None
-    entries = [source.entry(t.name)[0] for t in m.hf]
-    if any(e.dtype != dtype for e in entries):
-        return None
-    return m.rule.transform.forward_layout([e.shape for e in entries], DTYPE_BYTES[dtype], len(m.mcore))
+
+def expert_rows(spec: TensorSpec, chunk_bytes: int) -> list[range]:
+    """A stacked [E, ...] tensor's experts in steps of at most `chunk_bytes` (one expert at least)."""
+    experts = spec.shape[0]
+    per = max(1, min(experts, chunk_bytes // max(1, spec.nbytes // experts)))
+    return [range(start, min(experts, start + per)) for start in range(0, experts, per)]
 
 
 def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], extents: list[Extent]) -> Any:
@@ -165,19 +156,17 @@ def _expert_chunks(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype
     spec = m.mcore[0]
     experts = spec.shape[0]
     row_bytes = spec.nbytes // experts
-    per = max(1, min(experts, chunk_bytes // max(1, row_bytes)))
     parts = m.rule.transform.parts  # type: ignore[attr-defined]
     extents = [source.entry(t.name)[1] for t in m.hf] if layout is not None else []
-    for start in range(0, experts, per):
-        rows = range(start, min(experts, start + per))
+    for rows in expert_rows(spec, chunk_bytes):
         if layout is not None:
             shape = (len(rows), *spec.shape[1:])
-            pieces = take(layout[0], start * row_bytes, rows.stop * row_bytes)
-            yield Chunk(spec.name, _file_tensor(shape, dtype, pieces, extents), row=start, shape=spec.shape)
+            pieces = take(layout[0], rows.start * row_bytes, rows.stop * row_bytes)
+            yield Chunk(spec.name, _file_tensor(shape, dtype, pieces, extents), row=rows.start, shape=spec.shape)
             continue
         hf = [source.weight(m.hf[p * experts + e].name, dtype) for p in range(parts) for e in rows]
         (chunk,) = m.rule.transform.forward(hf, 1)
-        yield Chunk(spec.name, chunk.contiguous(), row=start, shape=spec.shape)
+        yield Chunk(spec.name, chunk.contiguous(), row=rows.start, shape=spec.shape)
 
 
 @dataclass

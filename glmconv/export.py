@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv import audit as audit_mod
 from glmconv.config import GlmConfig, load_config
-from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, shares
+from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, expert_rows, shares
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
 from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
-from glmconv.plan import DTYPE_BYTES, FP8, Mapping, Plan, TensorSpec, build_plan
+from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import StackExperts
 from glmconv.runner import (broadcast, cleanup, collective_error, fresh_staging, gather, progress, publish,
@@ -250,15 +250,10 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
 
 def _expert_chunks(m: Mapping, chunk_bytes: int) -> list[tuple[range, list[int]]]:
     """Stacked experts a few at a time: each step's expert rows and the HF tensors (indices) it yields, in order."""
-    spec = m.mcore[0]
-    experts = spec.shape[0]
-    per = max(1, min(experts, chunk_bytes // max(1, spec.nbytes // experts)))
+    experts = m.mcore[0].shape[0]
     parts = m.rule.transform.parts  # type: ignore[attr-defined]
-    steps = []
-    for start in range(0, experts, per):
-        rows = range(start, min(experts, start + per))
-        steps.append((rows, [p * experts + e for p in range(parts) for e in rows]))
-    return steps
+    return [(rows, [p * experts + e for p in range(parts) for e in rows])
+            for rows in expert_rows(m.mcore[0], chunk_bytes)]
 
 
 def _expert_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], chunk_bytes: int,
@@ -294,13 +289,7 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
     Only where no value changes: every Megatron tensor has the dtype every HF tensor is written as (no cast,
     no FP8), the transform describes its bytes (`backward_layout`) and the reader can locate every byte range.
     """
-    dtype = {t.dtype for t in m.mcore}
-    if len(dtype) != 1 or any(s is not None for s in m.scales):
-        return None
-    (code,) = dtype
-    if any(dtypes.get(t.name, t.dtype) != code for t in m.hf) or code not in DTYPE_BYTES:
-        return None
-    layout = m.rule.transform.backward_layout([t.shape for t in m.hf], DTYPE_BYTES[code], len(m.mcore))
+    layout = m.byte_layout([dtypes.get(t.name, t.dtype) for t in m.hf], backward=True)
     if layout is None or len(layout) != len(m.hf):
         return None
     route: dict[str, list[Extent]] = {}

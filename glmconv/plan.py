@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from glmconv.config import DSA, MOE, GlmConfig
 from glmconv.rules import names
 from glmconv.rules.table import BF16, F32, FP8_BLOCK, GLOBAL, LAYER, MTP, RULES, VISION, Rule
+
+if TYPE_CHECKING:
+    from glmconv.rules.ops import Layout
 
 FP8 = "F8_E4M3"
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, FP8: 1, "F8_E5M2": 1, "F64": 8, "I64": 8, "I32": 4, "I8": 1,
@@ -50,6 +53,19 @@ class Mapping:
     def optional_part(self, num_layers: int) -> str:
         """The part a mapping can be left out with: the MTP layer's decoder-layer rules have scope "layer"."""
         return "mtp" if self.layer is not None and self.layer >= num_layers else self.part
+
+    def byte_layout(self, hf_dtypes: Sequence[str | None], *, backward: bool = False) -> Layout | None:
+        """The transform's byte layout when this mapping only moves bytes, else None.
+
+        `hf_dtypes`: the HF side's dtypes as stored (convert) or as written (export), None where unknown.
+        Bytes only move when both sides have one dtype and there is no FP8 scale.
+        """
+        dtype = self.mcore[0].dtype
+        if (any(s for s in self.scales) or dtype not in DTYPE_BYTES or any(t.dtype != dtype for t in self.mcore)
+                or any(d != dtype for d in hf_dtypes)):
+            return None
+        layout = self.rule.transform.backward_layout if backward else self.rule.transform.forward_layout
+        return layout([t.shape for t in self.hf], DTYPE_BYTES[dtype], len(self.mcore))
 
     @property
     def hf_bytes(self) -> int:
