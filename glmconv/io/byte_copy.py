@@ -67,7 +67,7 @@ def merge(extents: Iterable[Extent]) -> list[Extent]:
 
 
 class FileCopier:
-    """Appends extents to an open destination; keeps each source file open once for the copier's life."""
+    """Copies extents to an open file or into memory; keeps each source file open once for the copier's life."""
 
     def __init__(self) -> None:
         self._stack = ExitStack()
@@ -91,6 +91,20 @@ class FileCopier:
             self._copy_one(e, dst_fd)
             total += e.length
         return total
+
+    def read_into(self, extents: Iterable[Extent], out: memoryview) -> None:
+        """Fill `out` (a writable byte buffer) with the extents' bytes, in order: one copy, no mmap."""
+        pos = 0
+        for e in merge(extents):
+            fd, done = self._fd(e.path), 0
+            while done < e.length:
+                n = os.preadv(fd, [out[pos + done:pos + e.length]], e.offset + done)
+                if n == 0:
+                    raise CheckpointError(f"{e.path}: ends before byte {e.offset + done} (truncated?)")
+                done += n
+            pos += e.length
+        if pos != len(out):
+            raise CheckpointError(f"read {pos} bytes into a buffer of {len(out)}")
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -138,23 +152,5 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
 
 def read_into(extents: Iterable[Extent], out: memoryview) -> None:
     """Fill `out` (a writable byte buffer) with the extents' bytes, in order: one copy, no mmap."""
-    pos = 0
-    with ExitStack() as stack:
-        fds: dict[Path, int] = {}
-        for e in merge(extents):
-            fd = fds.get(e.path)
-            if fd is None:
-                try:
-                    fd = fds[e.path] = os.open(e.path, os.O_RDONLY)
-                except OSError as exc:
-                    raise CheckpointError(f"{e.path}: cannot open ({exc.strerror or exc})") from None
-                stack.callback(os.close, fd)
-            done = 0
-            while done < e.length:
-                n = os.preadv(fd, [out[pos + done:pos + e.length]], e.offset + done)
-                if n == 0:
-                    raise CheckpointError(f"{e.path}: ends before byte {e.offset + done} (truncated?)")
-                done += n
-            pos += e.length
-    if pos != len(out):
-        raise CheckpointError(f"read {pos} bytes into a buffer of {len(out)}")
+    with FileCopier() as files:
+        files.read_into(extents, out)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
-from glmconv.io.byte_copy import Extent, read_into
+from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.safetensors_header import HeaderEntry, SafetensorsHeader, read_header
 from glmconv.rules import names
 
@@ -36,14 +36,15 @@ def require_finite(t: torch.Tensor, name: str, where: str, row0: int = 0) -> Non
 class HfTensorSource:
     """Reads named tensors from safetensors shards on demand with pread (no mmap: RSS is what is held).
 
-    Shard headers are read (and validated) once per shard; `extents` tells where a tensor's bytes sit so
-    that a writer can copy them file to file without reading them at all.
+    Shard headers are read (and validated) once per shard, and each shard is opened once; `entry` tells
+    where a tensor's bytes sit so that a writer can copy them file to file without reading them at all.
     """
 
     def __init__(self, files: dict[str, Path], *, check_finite: bool = False) -> None:
         self._files = files
         self._check_finite = check_finite
         self._headers: dict[Path, SafetensorsHeader] = {}
+        self._shards = FileCopier()
 
     def __enter__(self) -> HfTensorSource:
         return self
@@ -53,6 +54,7 @@ class HfTensorSource:
 
     def close(self) -> None:
         self._headers.clear()
+        self._shards.close()
 
     @property
     def check_finite(self) -> bool:
@@ -82,7 +84,7 @@ class HfTensorSource:
 
         e, extent = self.entry(name)
         out = torch.empty(extent.length, dtype=torch.uint8)
-        read_into([extent], memoryview(out.numpy()))
+        self._shards.read_into([extent], memoryview(out.numpy()))
         return out.view(TORCH_DTYPES[e.dtype]).reshape(e.shape)
 
     def weight(self, name: str, out_dtype: torch.dtype) -> torch.Tensor:
