@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from glmconv.errors import CheckpointError
-from glmconv.io.byte_copy import Extent, FileCopier, write_all
+from glmconv.io.byte_copy import Extent, FileCopier, read_into, write_all
 
 _SMALL = 1 << 16  # writes below this are gathered and flushed together
 
@@ -45,7 +45,7 @@ class FileTensor:
         return math.prod(self.shape)
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -53,8 +53,6 @@ class FileTensor:
 
     def materialize(self) -> torch.Tensor:
         """The tensor in memory (tests, and callers that must look at the values)."""
-        from glmconv.io.byte_copy import read_into
-
         out = torch.empty(self.nbytes, dtype=torch.uint8)
         read_into(self.extents, memoryview(out.numpy()))
         return out.view(self.dtype).reshape(self.shape)
