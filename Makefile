@@ -19,6 +19,7 @@ $(STAMP): setup.cfg setup.py requirements-dev.txt
 		transformers==5.23.0 safetensors click rich
 	$(VPY) -m pip install -q tilelang==0.1.15 "apache-tvm-ffi>=0.1.11,<0.1.13" "z3-solver>=4.13.0,<4.15.5" \
 		torch-c-dlpack-ext cloudpickle ml-dtypes tqdm
+	$(VPY) -m pip install -q fla-core==0.6.0 flash-linear-attention==0.6.0 einops
 	$(VPY) -m pip install -q -r requirements-dev.txt
 	$(VPY) -m pip install -q --no-deps --ignore-requires-python -e .
 	touch $(STAMP)
@@ -37,7 +38,7 @@ bench: env
 	bash benchmarks/run.sh
 
 gpu-wheels:
-	bash ../shared/gpu/stage-wheels.sh
+	bash scripts/stage-wheels.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
