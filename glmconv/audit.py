@@ -115,12 +115,14 @@ class AuditReport:
 
 def detect_kind(path: Path) -> str:
     """config.json file, HF checkpoint dir, or torch_dist dir."""
+    from glmconv.io.checkpoint_files import check_checkpoint_dir
     from glmconv.io.dcp_metadata import is_torch_dist
 
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_file():
         return CONFIG
+    check_checkpoint_dir(path)
     if is_torch_dist(path):
         return MCORE
     if is_hf_checkpoint(path) or (path / CONFIG_NAME).is_file():
@@ -173,18 +175,19 @@ def _load_mcore(p: Path, opts: Options, side: str) -> Side:
     return s
 
 
-def mcore_config_candidates(p: Path, iter_dir: Path) -> list[Path]:
-    """Where convert leaves the config of a torch_dist checkpoint."""
-    return [p / CONFIG_NAME, iter_dir / CONFIG_NAME, iter_dir.parent / CONFIG_NAME]
+def mcore_config_path(p: Path, iter_dir: Path) -> Path:
+    """Where convert leaves the config of a torch_dist checkpoint: beside the tracker or in the iteration dir."""
+    from glmconv.io.checkpoint_files import optional_file
+
+    for folder in (p, iter_dir, iter_dir.parent):
+        found = optional_file(folder, CONFIG_NAME)
+        if found is not None:
+            return found
+    raise CheckpointError(f"{p}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
 
 
 def _mcore_config_path(p: Path, iter_dir: Path, opts: Options) -> Path:
-    if opts.config is not None:
-        return Path(opts.config)
-    for cand in mcore_config_candidates(p, iter_dir):
-        if cand.is_file():
-            return cand
-    raise CheckpointError(f"{p}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
+    return Path(opts.config) if opts.config is not None else mcore_config_path(p, iter_dir)
 
 
 def _cut(config: GlmConfig, opts: Options) -> GlmConfig:

@@ -19,6 +19,7 @@ from typing import Any
 
 from glmconv.config import MOE, GlmConfig
 from glmconv.errors import CheckpointError
+from glmconv.io.checkpoint_files import optional_file
 
 # `ShardedObject("common_state", None, (1,), (0,)).unique_key` in megatron-core 0.19.2.
 COMMON_STATE_KEY = "common_state/shard_0_1"
@@ -135,8 +136,8 @@ def load_common_state(data: bytes, *, source: str) -> dict[str, Any]:
 def read_common_state(ckpt_dir: str | Path) -> dict[str, Any]:
     """The common state of a torch_dist checkpoint directory: legacy `common.pt` first, as megatron does."""
     d = Path(ckpt_dir)
-    legacy = d / LEGACY_COMMON_FILE
-    if legacy.is_file():
+    legacy = optional_file(d, LEGACY_COMMON_FILE)
+    if legacy is not None:
         return load_common_state(legacy.read_bytes(), source=str(legacy))
     from glmconv.io.dcp_writer import read_bytes_entry
 

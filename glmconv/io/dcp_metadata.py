@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from glmconv.errors import CheckpointError
+from glmconv.io.checkpoint_files import check_checkpoint_dir, inside, optional_file, require_file
 from glmconv.io.safe_unpickle import safe_load
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -52,22 +53,21 @@ def is_torch_dist(path: Path) -> bool:
 
 def resolve_iter_dir(path: str | Path) -> tuple[Path, str]:
     """Follow the tracker file to `iter_{:07d}` / `release`; an iteration dir is accepted as is."""
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"{p}: no such directory")
-    tracker = p / TRACKER_NAME
-    if not tracker.is_file():
-        if (p / MCORE_METADATA_NAME).is_file():
+    p = check_checkpoint_dir(Path(path))
+    tracker = optional_file(p, TRACKER_NAME)
+    if tracker is None:
+        if optional_file(p, MCORE_METADATA_NAME) is not None:
             return p, p.name
         raise CheckpointError(f"{p}: not a torch_dist checkpoint (no {TRACKER_NAME} or {MCORE_METADATA_NAME})")
-    text = tracker.read_text(errors="replace").strip()
+    with open(tracker, "rb") as fh:  # an iteration number or "release": a few bytes, whatever the file's size
+        text = fh.read(64).decode("utf-8", "replace").strip()
     if text == "release":
         sub = "release"
     elif text.isdigit():
         sub = f"iter_{int(text):07d}"
     else:
         raise CheckpointError(f"{TRACKER_NAME}: expected an iteration number or 'release', got {text[:40]!r}")
-    if not (p / sub).is_dir():
+    if not inside(p, sub).is_dir():
         raise CheckpointError(f"{TRACKER_NAME}: points to {sub}, which is missing")
     return p / sub, text
 
@@ -76,22 +76,20 @@ def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
     """Read the tensor list of a torch_dist checkpoint without loading any tensor data."""
     iter_dir, iteration = resolve_iter_dir(path)
     _check_backend(iter_dir)
-    meta_path = iter_dir / DCP_METADATA_NAME
-    if not meta_path.is_file():
-        raise CheckpointError(f"{iter_dir.name}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")
+    meta_path = require_file(iter_dir, DCP_METADATA_NAME,
+                             f"{iter_dir.name}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")
     metadata = safe_load(meta_path)
     tensors, objects = _entries(metadata, meta_path)
     _check_storage(metadata, iter_dir)
-    common = COMMON_PT_NAME if (iter_dir / COMMON_PT_NAME).is_file() else next(
+    common = COMMON_PT_NAME if optional_file(iter_dir, COMMON_PT_NAME) is not None else next(
         (o for o in objects if o.split("/", 1)[0] == COMMON_STATE_KEY), None)
     return DcpCheckpoint(root=Path(path), iter_dir=iter_dir, iteration=iteration, tensors=tensors,
                          objects=objects, common_state=common)
 
 
 def _check_backend(iter_dir: Path) -> None:
-    path = iter_dir / MCORE_METADATA_NAME
-    if not path.is_file():
-        raise CheckpointError(f"{iter_dir.name}/{MCORE_METADATA_NAME}: missing (not a Megatron dist checkpoint)")
+    path = require_file(iter_dir, MCORE_METADATA_NAME,
+                        f"{iter_dir.name}/{MCORE_METADATA_NAME}: missing (not a Megatron dist checkpoint)")
     try:
         data: Any = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -131,14 +129,10 @@ def _check_storage(metadata: Any, iter_dir: Path) -> None:
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = str(getattr(info, "relative_path", ""))
-        if not rel or "\0" in rel or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
-            raise CheckpointError(f"{DCP_METADATA_NAME}: data file {rel!r} is outside the checkpoint directory")
+        inside(iter_dir, rel, f"{DCP_METADATA_NAME}: data file")
         needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(needed.items()):
-        path = (iter_dir / rel).resolve()
-        if not path.is_relative_to(iter_dir.resolve()):
-            raise CheckpointError(f"{rel}: data file resolves to {path}, outside the checkpoint directory")
-        if not path.is_file():
-            raise CheckpointError(f"{rel}: data file listed in {DCP_METADATA_NAME} is missing")
+        path = require_file(iter_dir, rel, f"{rel}: data file listed in {DCP_METADATA_NAME} is missing",
+                            f"{DCP_METADATA_NAME}: data file")
         if os.path.getsize(path) < end:
             raise CheckpointError(f"{rel}: truncated: metadata needs {end} bytes, file has {os.path.getsize(path)}")

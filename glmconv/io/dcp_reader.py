@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
+from glmconv.io.checkpoint_files import require_file
 from glmconv.io.dcp_metadata import DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
 from glmconv.io.safe_unpickle import safe_load
 
@@ -136,13 +137,11 @@ class DcpReader:
         info = self._storage.get(MetadataIndex(name, chunk.offsets))
         if info is None or getattr(info, "transform_descriptors", None):
             return None
-        rel = str(getattr(info, "relative_path", ""))
-        if not rel or PurePosixPath(rel).name != rel or not (self.iter_dir / rel).is_file():
-            return None
+        path = self._data_file(name, info)
         dtype = self._entry(name).properties.dtype
         sizes = tuple(int(z) for z in chunk.sizes)
         try:
-            return locate_tensor_data(self.iter_dir / rel, int(info.offset), int(info.length), dtype, sizes)
+            return locate_tensor_data(path, int(info.offset), int(info.length), dtype, sizes)
         except (OSError, ValueError, EOFError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError, KeyError,
                 TypeError, AttributeError, IndexError):
             return None
@@ -208,10 +207,8 @@ class DcpReader:
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{rel}: {name} is stored with transforms {list(info.transform_descriptors)} "
                                   "(compressed checkpoints are not supported)")
-        path = self.iter_dir / rel
-        if not path.is_file():
-            raise CheckpointError(f"{rel}: data file of {name} is missing from {self.iter_dir}")
-        return path
+        return require_file(self.iter_dir, rel, f"{rel}: data file of {name} is missing from {self.iter_dir}",
+                            f"{name}: data file")
 
 
 class _Slice(io.RawIOBase):

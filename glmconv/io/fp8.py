@@ -68,6 +68,22 @@ def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int
     return w.to(out_dtype)
 
 
+def check_scales(scale_inv: torch.Tensor, name: str) -> None:
+    """Refuse a zero, negative, subnormal or non-finite block scale: it would zero or sign-flip a block silently.
+
+    The release's scales are block amax / 448 of real weights: positive normal float32 values.
+    """
+    ok = torch.isfinite(scale_inv) & (scale_inv >= torch.finfo(torch.float32).tiny)
+    if bool(ok.all()):
+        return
+    bad = (~ok).nonzero()
+    block = [int(i) for i in bad[0]]
+    value = float(scale_inv[tuple(block)])
+    more = f" ({len(bad)} such blocks)" if len(bad) > 1 else ""
+    raise Fp8FormatError(f"{name}: block {block} has scale {value!r}; expected a positive, finite, normal float32 "
+                         f"(block amax / 448){more}")
+
+
 def _check_block(block: int) -> None:
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise Fp8FormatError(f"block size must be a positive integer, got {block!r}")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError
+from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file, require_file
 from glmconv.io.safetensors_header import read_header
 from glmconv.rules.names import detect_text_prefix
 
@@ -62,7 +63,7 @@ class HfCheckpoint:
 
 def is_hf_checkpoint(path: Path) -> bool:
     """A directory that looks like an HF checkpoint (config + index or safetensors)."""
-    return path.is_dir() and ((path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()
+    return path.is_dir() and ((path / INDEX_NAME).exists() or (path / SINGLE_NAME).exists()
                               or any(path.glob("*.safetensors")))
 
 
@@ -70,9 +71,7 @@ def inspect_hf_checkpoint(path: str | Path, *, strict: bool = True) -> HfCheckpo
     """Read config, index and shard headers; with `strict`, index/shard disagreements raise too."""
     root = Path(path)
     _check_dir(root)
-    if not (root / CONFIG_NAME).is_file():
-        raise CheckpointError(f"{root}: no {CONFIG_NAME} (not an HF checkpoint directory)")
-    config = load_config(root / CONFIG_NAME)
+    config = load_config(require_file(root, CONFIG_NAME, f"{root}: no {CONFIG_NAME} (not an HF checkpoint directory)"))
     index_file, weight_map = _weight_map(root)
     tensors, problems = _read_shards(root, weight_map, index_file)
     if strict and problems:
@@ -84,19 +83,16 @@ def inspect_hf_checkpoint(path: str | Path, *, strict: bool = True) -> HfCheckpo
 
 
 def _check_dir(root: Path) -> None:
-    if not root.exists():
-        raise CheckpointError(f"{root}: no such directory")
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory")
+    check_checkpoint_dir(root)
     if not any(root.iterdir()):
         raise CheckpointError(f"{root}: empty directory")
 
 
 def _weight_map(root: Path) -> tuple[str | None, dict[str, str] | None]:
     """The index's weight_map, or (None, None) for a single `model.safetensors` checkpoint."""
-    index = root / INDEX_NAME
-    if not index.is_file():
-        if (root / SINGLE_NAME).is_file():
+    index = optional_file(root, INDEX_NAME)
+    if index is None:
+        if optional_file(root, SINGLE_NAME) is not None:
             return None, None
         raise CheckpointError(f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}")
     try:
@@ -115,15 +111,7 @@ def shard_path(root: Path, name: str) -> Path:
     """Resolve a shard name from the index, refusing anything that leaves the checkpoint directory."""
     if "\0" in name:
         raise CheckpointError(f"{INDEX_NAME}: shard {name!r} is not a valid file name (it holds a NUL byte)")
-    pure = PurePosixPath(name)
-    if not name or pure.is_absolute() or Path(name).is_absolute() or ".." in pure.parts or "\\" in name:
-        raise CheckpointError(f"{INDEX_NAME}: shard {name!r} is outside the checkpoint directory")
-    resolved = (root / name).resolve()
-    if not resolved.is_relative_to(root.resolve()):
-        raise CheckpointError(f"{INDEX_NAME}: shard {name!r} resolves to {resolved}, outside the checkpoint directory")
-    if not resolved.is_file():
-        raise CheckpointError(f"{name}: shard listed in {INDEX_NAME} is missing")
-    return resolved
+    return require_file(root, name, f"{name}: shard listed in {INDEX_NAME} is missing", f"{INDEX_NAME}: shard")
 
 
 def _read_shards(root: Path, weight_map: dict[str, str] | None,

@@ -76,29 +76,36 @@ class HfTensorSource:
     def stored_dtype(self, name: str) -> str:
         return self.entry(name)[0].dtype
 
-    def raw(self, name: str) -> torch.Tensor:
-        """The tensor exactly as stored."""
+    def raw(self, name: str, rows: int | None = None) -> torch.Tensor:
+        """The tensor exactly as stored, or only its first `rows` rows (read without the rest)."""
         import torch
 
         from glmconv.io.dtypes import TORCH_DTYPES
 
         e, extent = self.entry(name)
+        shape = list(e.shape)
+        if rows is not None and shape:
+            rows = min(rows, shape[0])
+            extent = Extent(extent.path, extent.offset, extent.length // max(shape[0], 1) * rows)
+            shape[0] = rows
         out = torch.empty(extent.length, dtype=torch.uint8)
         self._shards.read_into([extent], memoryview(out.numpy()))
-        return out.view(TORCH_DTYPES[e.dtype]).reshape(e.shape)
+        return out.view(TORCH_DTYPES[e.dtype]).reshape(shape)
 
     def weight(self, name: str, out_dtype: torch.dtype) -> torch.Tensor:
         """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks."""
         import torch
 
-        from glmconv.io.fp8 import dequantize_fp8_blocks
+        from glmconv.io.fp8 import check_scales, dequantize_fp8_blocks
 
         t = self.raw(name)
         if t.dtype == torch.float8_e4m3fn:
             scale = names.scale_name(name)
             if scale not in self._files:
                 raise CheckpointError(f"{name}: FP8 weight without its {scale}")
-            t = dequantize_fp8_blocks(t, self.raw(scale), out_dtype=out_dtype)
+            scale_inv = self.raw(scale)
+            check_scales(scale_inv, f"{scale} ({self._files[scale].name})")
+            t = dequantize_fp8_blocks(t, scale_inv, out_dtype=out_dtype)
         elif t.dtype != out_dtype:
             t = t.to(out_dtype)
         if self._check_finite:

@@ -120,6 +120,10 @@ class WeightSource(ABC):
         """The single tensor (HF side) or the Megatron tensor of a 1:1 role."""
 
     @abstractmethod
+    def leading_rows(self, role: str, rows: int) -> torch.Tensor:
+        """The first `rows` rows of a model-wide 1:1 role (embedding, head), read without the rest."""
+
+    @abstractmethod
     def hc_site(self, layer: int, site: str) -> HcSite:
         """The hyper-connection tensors of `site` ("attn" or "ffn")."""
 
@@ -215,6 +219,10 @@ class HfWeights(WeightSource):
         """As stored, except FP8 weights, which come back dequantised to BF16 (what convert writes)."""
         return self._src.weight(name, torch.bfloat16) if name in self._fp8 else self._src.raw(name)
 
+    def leading_rows(self, role: str, rows: int) -> torch.Tensor:
+        (spec,) = self.mapping(None, role).hf
+        return self.read(spec.name)[:rows] if spec.name in self._fp8 else self._src.raw(spec.name, rows)
+
     def _hf(self, layer: int | None, role: str) -> list[torch.Tensor]:
         return [self.read(s.name) for s in self.mapping(layer, role).hf]
 
@@ -267,6 +275,10 @@ class MegatronWeights(WeightSource):
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self._reader.read(name, rows)
+
+    def leading_rows(self, role: str, rows: int) -> torch.Tensor:
+        (spec,) = self.mapping(None, role).mcore
+        return self.read(spec.name, (0, min(rows, spec.shape[0])))
 
     def _mc(self, layer: int | None, role: str) -> list[torch.Tensor]:
         return [self.read(s.name) for s in self.mapping(layer, role).mcore]

@@ -54,6 +54,7 @@ class ParityOptions:
     threshold: float | None = None
     bounds: tuple[Bound, ...] = field(default_factory=tuple)
     progress: bool = True
+    allow_different_weights: bool = False  # skip the check that MCORE_DIR is a conversion of HF_DIR
 
     @property
     def effective_threshold(self) -> float:
@@ -92,9 +93,12 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
 
     from glmconv.models.model import GlmModel
     from glmconv.models.weights import HfWeights, MegatronWeights
+    from glmconv.parity.fingerprint import check_same_weights
 
     device = check_device(opts.device)
     serve_w, train_w = HfWeights(opts.hf_dir), MegatronWeights(opts.mcore_dir)
+    if not opts.allow_different_weights:
+        check_same_weights(serve_w, train_w, opts.hf_dir, opts.mcore_dir)
     has_hc_head = train_w.hc_head() is not None
     serve_conv, train_conv = resolve_conventions(opts, has_hc_head)
     if train_conv.output_contraction == "learned" and not has_hc_head:  # fail before the run, not at its head

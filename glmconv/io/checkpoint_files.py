@@ -1,0 +1,83 @@
+"""The one rule for every file glmconv reads from a checkpoint directory (HF or torch_dist).
+
+A checkpoint can come from anywhere (a cloned repository may hold symlinks), and what glmconv reads may be
+copied into an output the user then publishes. So a file is read only when, after following symlinks, it is
+a regular file inside the checkpoint directory. Symlinks that stay inside are followed, and so is the
+Hugging Face hub cache layout (`snapshots/REV/NAME -> ../../blobs/HASH`), whose targets stay inside the
+cached repository's `blobs/`. The checkpoint directory itself may be a symlink (output on a big disk).
+A link leaving the directory, a FIFO, a device or a directory where a file belongs is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path, PurePosixPath
+
+from glmconv.errors import CheckpointError
+
+HF_CACHE_SNAPSHOTS = "snapshots"
+HF_CACHE_BLOBS = "blobs"
+
+
+def check_checkpoint_dir(path: Path) -> Path:
+    """`path` as a directory (following a symlink to it), or one line saying what it is instead."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such directory") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path}: not a directory ({file_kind(st.st_mode)}); expected a checkpoint directory")
+    return path
+
+
+def allowed_roots(root: Path) -> tuple[Path, ...]:
+    """The resolved directory, plus the hub cache's `blobs/` when `root` is a cache snapshot."""
+    real = root.resolve()
+    blobs = real.parent.parent / HF_CACHE_BLOBS
+    if real.parent.name == HF_CACHE_SNAPSHOTS and blobs.is_dir():
+        return real, blobs.resolve()
+    return (real,)
+
+
+def inside(root: Path, rel: str, label: str | None = None) -> Path:
+    """`root / rel` resolved, refused when `rel` or a symlink on the way leads outside the checkpoint."""
+    what = f"{label} {rel!r}" if label else f"{root / rel}:"
+    pure = PurePosixPath(rel)
+    if not rel or "\0" in rel or "\\" in rel or pure.is_absolute() or ".." in pure.parts:
+        raise CheckpointError(f"{what} is outside the checkpoint directory")
+    real = (root / rel).resolve()
+    if not any(real.is_relative_to(a) for a in allowed_roots(root)):
+        raise CheckpointError(f"{what} resolves to {real}, outside the checkpoint directory")
+    return real
+
+
+def optional_file(root: Path, rel: str, label: str | None = None) -> Path | None:
+    """The resolved regular file `root / rel`, None when absent; anything else at that name is refused."""
+    real = inside(root, rel, label)
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"{root / rel}: cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{root / rel}: not a regular file ({file_kind(st.st_mode)})")
+    return real
+
+
+def require_file(root: Path, rel: str, missing: str, label: str | None = None) -> Path:
+    """Like `optional_file`, with `missing` as the error when the file is absent."""
+    found = optional_file(root, rel, label)
+    if found is None:
+        raise CheckpointError(missing)
+    return found
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode is, in words."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file"))
+    return next((word for test, word in kinds if test(mode)), "a special file")

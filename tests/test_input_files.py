@@ -1,0 +1,239 @@
+"""Inputs glmconv reads: one symlink rule for every checkpoint file, special files, FP8 scales, weight fingerprint.
+
+Every case runs the CLI and checks the contract of `assert_refused` (one `error:` line, exit 2, inputs
+byte-identical, nothing published); the accepted layouts (links inside the directory, the HF hub cache) are
+checked to convert and round-trip bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from glmconv import convert as convert_mod
+from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME
+from test_bad_input import Q_B3, assert_refused, edit_tensor, invoke, sha256_tree, weight_map
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+SCALE = Q_B3 + "_scale_inv"  # F32 [1, 1] in the FP8 tiny fixture
+
+
+@pytest.fixture(scope="module")
+def mc_ckpt(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("input-files") / "mc"
+    convert_mod.convert(convert_mod.prepare(tiny_ckpt, out), convert_mod.RunOptions(progress=False))
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _link_out(ckpt: Path, name: str, outside: Path) -> None:
+    """Move `name` out of the checkpoint and leave a symlink to it in its place."""
+    shutil.move(ckpt / name, outside)
+    (ckpt / name).symlink_to(outside)
+
+
+def _fifo(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+
+
+# ---- symlinks: one rule for every file read from a checkpoint directory ------------------------------------
+
+@pytest.mark.parametrize("command", ["convert", "audit-names"])
+def test_config_symlinked_out_of_the_checkpoint_is_refused(command: str, tiny_ckpt: Path, tmp_path: Path) -> None:
+    src = _copy(tiny_ckpt, tmp_path / "src")
+    _link_out(src, CONFIG_NAME, tmp_path / "elsewhere.json")
+    out = tmp_path / "out"
+    args = [command, str(src)] + ([str(out)] if command == "convert" else [])
+    assert_refused(args, [src, tmp_path / "elsewhere.json"], out,
+                   rf"{src / CONFIG_NAME}: resolves to {tmp_path / 'elsewhere.json'}, outside the checkpoint "
+                   "directory$")
+
+
+def test_index_symlinked_out_of_the_checkpoint_is_refused(tiny_ckpt: Path, tmp_path: Path) -> None:
+    src = _copy(tiny_ckpt, tmp_path / "src")
+    _link_out(src, INDEX_NAME, tmp_path / "index.json")
+    assert_refused(["convert", str(src), str(tmp_path / "out")], [src, tmp_path / "index.json"], tmp_path / "out",
+                   r"model\.safetensors\.index\.json: resolves to .*index\.json, outside the checkpoint directory$")
+
+
+@pytest.mark.parametrize("sidecar", ["tokenizer.json", "chat_template.jinja"])
+def test_like_sidecar_symlinked_out_is_refused_and_never_copied(sidecar: str, tiny_ckpt: Path, mc_ckpt: Path,
+                                                               tmp_path: Path) -> None:
+    like = _copy(tiny_ckpt, tmp_path / "like")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private key material")
+    (like / sidecar).symlink_to(secret)
+    out = tmp_path / "out"
+    assert_refused(["export", str(mc_ckpt), str(out), "--like", str(like)], [mc_ckpt, like, secret], out,
+                   rf"{like / sidecar}: resolves to {secret}, outside the checkpoint directory$")
+
+
+def test_torch_dist_tracker_symlinked_out_is_refused(mc_ckpt: Path, tmp_path: Path) -> None:
+    mc = _copy(mc_ckpt, tmp_path / "mc")
+    _link_out(mc, "latest_checkpointed_iteration.txt", tmp_path / "tracker.txt")
+    assert_refused(["export", str(mc), str(tmp_path / "out")], [mc, tmp_path / "tracker.txt"], tmp_path / "out",
+                   r"latest_checkpointed_iteration\.txt: resolves to .*tracker\.txt, outside the checkpoint")
+
+
+def test_torch_dist_data_file_symlinked_out_is_refused(mc_ckpt: Path, tmp_path: Path) -> None:
+    mc = _copy(mc_ckpt, tmp_path / "mc")
+    data = sorted((mc / "release").glob("*.distcp"))[0]
+    _link_out(mc / "release", data.name, tmp_path / "data.distcp")
+    assert_refused(["export", str(mc), str(tmp_path / "out")], [mc, tmp_path / "data.distcp"], tmp_path / "out",
+                   rf"\.metadata: data file '{data.name}' resolves to .*data\.distcp, outside the checkpoint")
+
+
+def test_links_inside_the_checkpoint_are_followed(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A shard and the config linked to files elsewhere inside the same directory convert as usual."""
+    src = _copy(tiny_ckpt, tmp_path / "src")
+    (src / "blobs").mkdir()
+    for name in (CONFIG_NAME, sorted(set(weight_map(src).values()))[0]):
+        _link_out(src, name, src / "blobs" / name)
+    got = invoke(["convert", str(src), str(tmp_path / "out"), "--json"])
+    assert got.exit_code == 0, got.stderr
+
+
+def _hub_cache(src: Path, root: Path) -> Path:
+    """`src` laid out as the HF hub cache does: snapshots/REV/NAME -> ../../blobs/NAME."""
+    repo = root / "models--zai-org--GLM-5.3-Flash"
+    snap = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        shutil.copyfile(f, repo / "blobs" / f.name)
+        (snap / f.name).symlink_to(Path("..", "..", "blobs", f.name))
+    return snap
+
+
+def test_hf_hub_cache_snapshot_converts_and_round_trips(tiny_ckpt: Path, tmp_path: Path) -> None:
+    snap = _hub_cache(tiny_ckpt, tmp_path / "hub")
+    before = sha256_tree(snap)
+    assert invoke(["convert", str(snap), str(tmp_path / "mc"), "--json"]).exit_code == 0
+    got = invoke(["export", str(tmp_path / "mc"), str(tmp_path / "hf2"), "--like", str(snap), "--json"])
+    assert got.exit_code == 0, got.stderr
+    assert sha256_tree(snap) == before
+    from safetensors.torch import load_file
+
+    def tensors(d: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    a, b = tensors(snap), tensors(tmp_path / "hf2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def test_hub_cache_link_outside_blobs_is_refused(tiny_ckpt: Path, tmp_path: Path) -> None:
+    snap = _hub_cache(tiny_ckpt, tmp_path / "hub")
+    other = tmp_path / "hub" / "models--zai-org--GLM-5.3-Flash" / "other.json"
+    shutil.copyfile(snap / CONFIG_NAME, other)
+    (snap / CONFIG_NAME).unlink()
+    (snap / CONFIG_NAME).symlink_to(other)
+    assert_refused(["convert", str(snap), str(tmp_path / "out")], [snap, other], tmp_path / "out",
+                   rf"{snap / CONFIG_NAME}: resolves to {other}, outside the checkpoint directory$")
+
+
+# ---- special files where a checkpoint or one of its files belongs ------------------------------------------
+
+@pytest.mark.parametrize("command", ["convert", "export", "audit-names"])
+def test_fifo_given_as_checkpoint_directory_is_refused(command: str, tmp_path: Path) -> None:
+    fifo = tmp_path / "ckpt"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    args = [command, str(fifo)] + ([str(out)] if command != "audit-names" else [])
+    assert_refused(args, [], out, rf"{fifo}: not a directory \(a FIFO\); expected a checkpoint directory$")
+
+
+def test_device_given_as_checkpoint_directory_is_refused(tmp_path: Path) -> None:
+    assert_refused(["convert", "/dev/null", str(tmp_path / "out")], [], tmp_path / "out",
+                   r"/dev/null: not a directory \(a character device\); expected a checkpoint directory$")
+
+
+@pytest.mark.parametrize("name", [CONFIG_NAME, INDEX_NAME, "shard"])
+def test_fifo_in_place_of_a_checkpoint_file_is_refused(name: str, tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A FIFO would block the reader forever: it is refused before it is opened."""
+    src = _copy(tiny_ckpt, tmp_path / "src")
+    name = sorted(set(weight_map(src).values()))[1] if name == "shard" else name
+    _fifo(src / name)
+    assert_refused(["convert", str(src), str(tmp_path / "out")], [], tmp_path / "out",
+                   rf"{src / name}: not a regular file \(a FIFO\)$")
+
+
+def test_directory_in_place_of_the_dcp_metadata_is_refused(mc_ckpt: Path, tmp_path: Path) -> None:
+    mc = _copy(mc_ckpt, tmp_path / "mc")
+    (mc / "release" / ".metadata").unlink()
+    (mc / "release" / ".metadata").mkdir()
+    assert_refused(["export", str(mc), str(tmp_path / "out")], [mc], tmp_path / "out",
+                   r"release/\.metadata: not a regular file \(a directory\)$")
+
+
+# ---- FP8 block scales ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("value", "shown"), [(0.0, "0.0"), (-0.0123, "-0.0123"), (1e-40, "1e-40"),
+                                              (float("nan"), "nan"), (float("inf"), "inf")])
+def test_fp8_scale_that_is_not_positive_finite_normal_is_refused(value: float, shown: str, tiny_fp8_ckpt: Path,
+                                                                 tmp_path: Path) -> None:
+    src = _copy(tiny_fp8_ckpt, tmp_path / "src")
+    edit_tensor(src, SCALE, lambda t: torch.full_like(t, value))
+    assert_refused(["convert", str(src), str(tmp_path / "out")], [src], tmp_path / "out",
+                   rf"{SCALE} \(model-0000\d-of-00004\.safetensors\): block \[0, 0\] has scale {shown}; expected a "
+                   r"positive, finite, normal float32 \(block amax / 448\)$")
+
+
+def test_fp8_scale_error_names_the_first_bad_block_and_counts_them(tmp_path: Path) -> None:
+    from glmconv.io.fp8 import Fp8FormatError, check_scales
+
+    scales = torch.ones(3, 4)
+    scales[1, 2] = 0.0
+    scales[2, 0] = -1.0
+    with pytest.raises(Fp8FormatError, match=r"^w_scale_inv: block \[1, 2\] has scale 0\.0; .* \(2 such blocks\)$"):
+        check_scales(scales, "w_scale_inv")
+
+
+def test_smallest_normal_fp8_scale_is_accepted() -> None:
+    from glmconv.io.fp8 import check_scales
+
+    check_scales(torch.tensor([[torch.finfo(torch.float32).tiny, 448.0]]), "w_scale_inv")
+
+
+# ---- parity: the two checkpoints must be a conversion of each other ------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_mc(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from glmconv.fixtures import make_fixture
+
+    d = tmp_path_factory.mktemp("input-files-seed1")
+    hf = make_fixture(d / "hf", "tiny", fp8=False, seed=1)
+    out = d / "mc"
+    convert_mod.convert(convert_mod.prepare(hf, out), convert_mod.RunOptions(progress=False))
+    return out
+
+
+def test_parity_refuses_checkpoints_that_are_not_a_conversion_of_each_other(tiny_ckpt: Path, other_mc: Path,
+                                                                           tmp_path: Path) -> None:
+    assert_refused(["parity", str(tiny_ckpt), str(other_mc), "--tokens", "16"], [tiny_ckpt, other_mc],
+                   tmp_path / "none",
+                   rf"{other_mc} is not a conversion of {tiny_ckpt}: their embed weights differ in the first 8 "
+                   r"rows \(max abs diff [0-9.e+-]+\); pass --allow-different-weights to compare them anyway$")
+
+
+def test_parity_allow_different_weights_runs_and_reports_the_disagreement(tiny_ckpt: Path, other_mc: Path) -> None:
+    got = invoke(["parity", str(tiny_ckpt), str(other_mc), "--tokens", "16", "--json", "--allow-different-weights"])
+    assert got.exit_code == 0, got.stderr
+    import json
+
+    assert json.loads(got.stdout)["logits"]["top1_agreement"] < 0.5
+
+
+def test_parity_accepts_its_own_conversion(tiny_ckpt: Path, mc_ckpt: Path) -> None:
+    got = invoke(["parity", str(tiny_ckpt), str(mc_ckpt), "--tokens", "16", "--json",
+                  "--train-conventions", "serve"])
+    assert got.exit_code == 0, got.stderr
