@@ -17,11 +17,12 @@ import torch.nn.functional as F
 
 from glmconv.config import GlmConfig
 from glmconv.errors import GlmconvError
+from glmconv.kernels import op_set
 from glmconv.models.conventions import Conventions
 from glmconv.models.weights import AttentionWeights, ExpertBank, HcSite, MlpWeights, WeightSource
 from glmconv.ops import rms_norm
 from glmconv.ops.dsa import DsaParams, dsa_layer
-from glmconv.ops.kda import KdaParams, kda_layer
+from glmconv.ops.kda import KdaParams
 from glmconv.ops.kpool import KpoolParams
 from glmconv.ops.mhc import HcParams, hc_post, hc_pre, head_learned, head_mean
 from glmconv.ops.moe import RouterParams, mlp as swiglu_mlp, route, routed, swiglu_limit
@@ -32,10 +33,15 @@ _FP32_FIELDS = {"fn", "base", "scale", "conv", "a_log", "dt_bias", "expert_bias"
 
 
 class GlmModel:
-    """The text model; `weights` decides serve or train, `conventions` the numerics."""
+    """The text model; `weights` decides serve or train, `conventions` the numerics, `kernels` the ops.
+
+    kernels="auto" runs KDA, DSA attention and the kpool indexer through glmconv.kernels on CUDA (the
+    references elsewhere); "reference" runs the torch references everywhere. One forward code either way.
+    """
 
     def __init__(self, config: GlmConfig, weights: WeightSource, conventions: Conventions,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kernels: str = "reference") -> None:
         if dtype not in DTYPES:
             raise GlmconvError(f"model dtype {dtype}: choose torch.float32 or torch.bfloat16")
         self.config, self.weights, self.conventions = config, weights, conventions
@@ -45,6 +51,9 @@ class GlmModel:
             raise GlmconvError("output_contraction=learned needs the hc_head_fn, hc_head_base and hc_head_scale "
                                "tensors, which this checkpoint does not have (GLM-5.3-Flash contracts by mean)")
         self._params(config.text)
+        self.kernels = kernels
+        self.ops = op_set(kernels, self.device, self.kpool_p.width)
+        self.record_out = False  # aux["out"]: the attention output itself, for the kernel error rows
         self._attn: tuple[int, AttentionWeights] | None = None
         self._mlp: tuple[int, MlpWeights] | None = None
         self._embed: torch.Tensor | None = None
@@ -96,9 +105,11 @@ class GlmModel:
         a = rms_norm(collapsed, w.norm, self.eps)
         aux: dict[str, torch.Tensor] = {}
         if w.kda is not None:
-            y = kda_layer(a, w.kda, self.kda_p, cu_seqlens)
+            y = self.ops.kda_layer(a, w.kda, self.kda_p, cu_seqlens)
         else:
             y, aux["topk"] = self._dsa(layer, a, w, cu_seqlens)
+        if self.record_out:
+            aux["out"] = y
         return hc_post(y, x, post, comb, self.conventions.hc_mix), aux
 
     def mlp(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -133,6 +144,14 @@ class GlmModel:
 
     __call__ = forward
 
+    def kernel_twin(self) -> GlmModel | None:
+        """The same model on the torch references (for the kernels' own error), or None without kernels."""
+        if self.ops.name == "reference":
+            return None
+        twin = GlmModel(self.config, self.weights, self.conventions, self.dtype, self.device, kernels="reference")
+        self.record_out = twin.record_out = True
+        return twin
+
     # ---- pieces -------------------------------------------------------------------------------------------
 
     def _pre(self, hc: HcSite | None, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,7 +166,8 @@ class GlmModel:
         if shared and self._last_topk is None:
             raise GlmconvError(f"layer {layer} reuses the indexer top-k of an earlier DSA layer; run that first")
         y, topk = dsa_layer(a, w.dsa, self.dsa_p, self.kpool_p, cu_seqlens, self.conventions.indexer_query,
-                            topk=self._last_topk if shared else None)
+                            topk=self._last_topk if shared else None, indexer=self.ops.indexer,
+                            attend=self.ops.sparse_mla)
         self._last_topk = topk
         return y, topk
 

@@ -1,0 +1,64 @@
+"""DSA attention on a GPU through megatron-core's tilelang SparseMLA; reference: `glmconv.ops.dsa.sparse_mla`.
+
+The kernel is DeepSeek-V3.2's absorbed MLA: q [B, S, H, 576], kv [B, S, 1, 576], int32 indices (-1 = none)
+in tiles of 64, bf16. GLM-5.3's DSA is NoPE, so the absorbed query q_h W_uk,h and the latent (R <= 512) are
+zero-padded to 576 (a zero tail adds nothing to any score), sm_scale is passed as Dn^-0.5 (1/16 at the real
+dims; the kernel's default would be 576^-0.5), index rows are padded with -1 to a multiple of 64 (2051 ->
+2112), heads are padded to a power of two >= 16. Compiled kernels are cached per shape by megatron-core
+(the first call of a shape compiles for ~15 s).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+KV_DIM = 576  # the kernel's q/kv width (512 latent + 64 rope tail in DeepSeek's layout)
+V_DIM = 512  # the kernel's output width
+BLOCK_I = 64  # index tile
+
+
+def index_width(width: int) -> int:
+    """The top-k width the kernel takes: `width` rounded up to the index tile."""
+    return -(-width // BLOCK_I) * BLOCK_I
+
+
+def padded_heads(heads: int) -> int:
+    """Heads the kernel runs: a power of two >= 16 up to 64, else a multiple of 64."""
+    if heads <= 64:
+        return max(16, 1 << (heads - 1).bit_length())
+    return -(-heads // 64) * 64
+
+
+def kernel_indices(topk: torch.Tensor) -> torch.Tensor:
+    """[T, W] ids (any int dtype) -> contiguous int32 [T, index_width(W)], -1 padded (no copy if already so)."""
+    width = index_width(topk.shape[1])
+    if topk.dtype == torch.int32 and topk.shape[1] == width and topk.is_contiguous():
+        return topk
+    return F.pad(topk.int(), (0, width - topk.shape[1]), value=-1).contiguous()
+
+
+def attend_latent(q_abs: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """The bare kernel call: q_abs [T, Hp, 576], kv [T, 576] bf16, indices [T, W64] int32 -> [T, Hp, 512]."""
+    from megatron.core.transformer.experimental_attention_variant.ops.tilelang_sparse_mla_fwd import (
+        sparse_mla_fwd_interface,
+    )
+
+    out, _ = sparse_mla_fwd_interface(q_abs, kv.unsqueeze(1), indices.unsqueeze(1), sm_scale=scale, d_v=V_DIM)
+    return out
+
+
+def sparse_mla(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, topk: torch.Tensor, v_dim: int,
+               scale: float) -> torch.Tensor:
+    """Same contract as the reference: -> [T, H, Dv] in q.dtype; `topk` [T, W] ids into `latent`, -1 = none."""
+    t, heads, nope = q.shape
+    rank = latent.shape[1]
+    if rank > V_DIM:
+        raise ValueError(f"SparseMLA takes a latent of at most {V_DIM}, not {rank}")
+    w = kv_b.to(torch.bfloat16).view(heads, nope + v_dim, rank)
+    hp = padded_heads(heads)
+    q_abs = q.new_zeros(t, hp, KV_DIM, dtype=torch.bfloat16)
+    q_abs[:, :heads, :rank] = torch.einsum("thd,hdr->thr", q.to(torch.bfloat16), w[:, :nope])
+    kv = F.pad(latent.to(torch.bfloat16), (0, KV_DIM - rank)).contiguous()
+    o_lat = attend_latent(q_abs, kv, kernel_indices(topk), scale)[:, :heads, :rank]
+    return torch.einsum("thr,hvr->thv", o_lat, w[:, nope:]).to(q.dtype)

@@ -1,0 +1,52 @@
+"""KDA on a GPU through fla's `chunk_kda`; reference: `glmconv.ops.kda` (kda_layer, chunk_kda, recurrent_kda).
+
+Same layer as the reference, with the three hot parts in fla's triton kernels: the packed q/k/v short conv
+(`causal_conv1d` with cu_seqlens, SiLU fused), and the gated delta rule with the gate
+lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), beta = sigmoid(b) and the q/k l2 norm all computed in
+kernel (fp32 state, chunk 64, packed sequences through cu_seqlens). Projections and the gated output norm
+stay torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glmconv.ops.kda import KdaParams, KdaTensors, gated_rms_norm
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv + SiLU of packed sequences: x [T, C], weight [C, 1, W] -> [T, C] in x.dtype."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    y, _ = causal_conv1d(x.unsqueeze(0), weight.reshape(weight.shape[0], -1), activation="silu",
+                         cu_seqlens=cu_seqlens.long())
+    return y.squeeze(0)
+
+
+def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+             a_log: torch.Tensor, dt_bias: torch.Tensor, p: KdaParams, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """o [T, H, V] in v.dtype from q, k [T, H, K], v [T, H, V], raw gate input f [T, H*K], beta logits b [T, H].
+
+    The reference equivalent is `chunk_kda(q, k, v, forget_gate(f, ...), sigmoid(b), cu_seqlens)`.
+    """
+    from fla.ops.kda import chunk_kda
+
+    t, h, d = q.shape
+    o, _ = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), f.reshape(1, t, h, d), b.unsqueeze(0),
+                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                     safe_gate=True, lower_bound=p.lower_bound, A_log=a_log.float(), dt_bias=dt_bias.float(),
+                     cu_seqlens=cu_seqlens.long())
+    return o.squeeze(0)
+
+
+def kda_layer(x: torch.Tensor, w: KdaTensors, p: KdaParams, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The whole KDA sub-block (same contract as `glmconv.ops.kda.kda_layer`): x [T, hidden] -> [T, hidden]."""
+    t, c = x.shape[0], p.heads * p.head_dim
+    qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
+    q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in short_conv(qkv, w.conv, cu_seqlens).split(c, dim=-1))
+    f = F.linear(F.linear(x, w.f_a), w.f_b)
+    o = kda_core(q, k, v, f, F.linear(x, w.b_proj), w.a_log, w.dt_bias, p, cu_seqlens).to(x.dtype)
+    gate = F.linear(F.linear(x, w.g_a), w.g_b).view(t, p.heads, p.head_dim)
+    o = gated_rms_norm(o, gate, w.o_norm, p.norm_eps).to(x.dtype).reshape(t, c)
+    return F.linear(o, w.o_proj)
