@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cli.sizes import parse_size
+from cli.sizes import SIZE
 
 
 @click.command("convert")
@@ -20,16 +20,17 @@ from cli.sizes import parse_size
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR (only once the new one is verified).")
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Carry the MTP layer (mtp.layers.0.*).")
 @click.option("--vision/--no-vision", default=True, show_default=True, help="Carry the vision tower (vision_model.*).")
-@click.option("--group-size", default="1GB", show_default=True, help="Bytes per data file (bounds memory per worker).")
+@click.option("--group-size", type=SIZE, default="1GB", show_default=True,
+              help="Bytes per data file (bounds memory per worker).")
 @click.option("--check-finite", is_flag=True,
               help="Refuse NaN/Inf in any source tensor (checked after FP8 dequantisation), naming the first one.")
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, as_json: bool, workers: int, force: bool, mtp: bool,
-            vision: bool, group_size: str, check_finite: bool) -> None:
+            vision: bool, group_size: int, check_finite: bool) -> None:
     """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
     from glmconv.convert import RunOptions, convert as run, dry_run_summary, prepare
 
     job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision)
-    opts = RunOptions(workers=workers, group_bytes=parse_size(group_size), progress=not as_json,
+    opts = RunOptions(workers=workers, group_bytes=group_size, progress=not as_json,
                       check_finite=check_finite)
     summary = dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
     if as_json:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cli.sizes import parse_size
+from cli.sizes import SIZE
 
 
 @click.command("export")
@@ -17,19 +17,19 @@ from cli.sizes import parse_size
               help="HF checkpoint to imitate: its text prefix, per-tensor dtypes, config, tokenizer files.")
 @click.option("--config", "config", type=click.Path(path_type=Path), default=None,
               help="config.json of the model (default: the one convert left in MCORE_DIR).")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True, help="Largest safetensors shard.")
 @click.option("--fp8", is_flag=True, help="Re-quantise the release's FP8 set (e4m3, 128x128 block scales).")
 @click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="Worker processes on this machine (under torchrun, one per rank instead).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR (only once the new one is verified).")
 @click.option("--check-finite", is_flag=True, help="Refuse NaN/Inf in any Megatron tensor, naming the first one.")
-def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: str, fp8: bool,
+def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int, fp8: bool,
            workers: int, as_json: bool, force: bool, check_finite: bool) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
     from glmconv.export import ExportOptions, export as run, prepare
 
-    job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=parse_size(max_shard_size))
+    job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size)
     summary = run(job, ExportOptions(workers=workers, progress=not as_json, check_finite=check_finite), force=force)
     if as_json:
         click.echo(json.dumps(summary, indent=2))

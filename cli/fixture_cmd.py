@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cli.sizes import parse_size
+from cli.sizes import SIZE
 from glmconv.fixtures.presets import PRESETS
 
 
@@ -20,14 +20,15 @@ def fixture() -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(PRESETS), default="tiny", show_default=True,
               help="tiny: 4 layers; cut8: the real 8-layer schedule, both at toy sizes; bench: --size on disk.")
-@click.option("--size", default=None, help="bench only: bytes on disk, e.g. 2GB (default 1GB); dims scale to it.")
-@click.option("--shard-size", default=None, help="Maximum bytes per shard (default: a third of the total; "
+@click.option("--size", type=SIZE, default=None,
+              help="bench only: bytes on disk, e.g. 2GB (default 1GB); dims scale to it.")
+@click.option("--shard-size", type=SIZE, default=None, help="Maximum bytes per shard (default: a third of the total; "
               "bench: a quarter, at most 2GB).")
 @click.option("--fp8", is_flag=True, help="Store the release's FP8 set as e4m3 with 128x128 block scales.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, byte-identical files.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of one line.")
-def make(out: Path, preset: str, size: str | None, shard_size: str | None, fp8: bool, seed: int, force: bool,
+def make(out: Path, preset: str, size: int | None, shard_size: int | None, fp8: bool, seed: int, force: bool,
          as_json: bool) -> None:
     """Write a random PRESET checkpoint to OUT (shards, index, config.json, generation_config.json)."""
     from glmconv.fixtures.generate import write_fixture
@@ -35,8 +36,7 @@ def make(out: Path, preset: str, size: str | None, shard_size: str | None, fp8: 
     if size is not None and preset != "bench":
         raise click.BadParameter("only the bench preset takes a size", param_hint="--size")
     info = write_fixture(out, preset, fp8=fp8, seed=seed, force=force,
-                         size=None if size is None else parse_size(size),
-                         shard_bytes=None if shard_size is None else parse_size(shard_size))
+                         size=size, shard_bytes=shard_size)
     if as_json:
         click.echo(json.dumps(info.as_json()))
         return

@@ -2,34 +2,68 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+from typing import NoReturn
 
 import click
 
 from glmconv import __version__
 from glmconv.errors import GlmconvError
+from glmconv.interrupt import Interrupted
+from glmconv.text import printable
+
+INTERNAL_EXIT = 3  # a bug in glmconv: 1 keeps meaning "findings"/"bound broken", 2 "bad input"
+REPORT_HINT = "please report this on the glmconv issue tracker with the command line"
 
 
 class _Group(click.Group):
-    """Turns every user-caused error into one line on stderr and a non-zero exit, never a traceback."""
+    """Every failure is one line on stderr and a meaningful exit code, never a traceback.
+
+    GlmconvError (bad input) and click's usage errors (bad flags) exit 2; any other exception is a bug and
+    exits 3 with a line asking for a report. SystemExit and KeyboardInterrupt are not Exceptions and pass
+    through untouched (signals have their own handling).
+    """
 
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
+        except Interrupted as exc:  # SIGINT/SIGTERM: the run already removed its staging and released its lock
+            _fail("interrupted", exc.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C outside a run (while reading the input): nothing to clean up
+            _fail("interrupted", 128 + signal.SIGINT)
         except GlmconvError as exc:
-            click.echo(f"error: {one_line(str(exc))}", err=True)
-            sys.exit(exc.exit_code)
+            _fail(f"error: {one_line(str(exc))}", exc.exit_code)
+        except click.UsageError as exc:
+            _fail(f"error: {one_line(exc.format_message())}", exc.exit_code)
+        except (click.exceptions.Exit, click.Abort, click.ClickException):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the one place that turns a bug into a report request
+            _fail(internal_error_line(exc), INTERNAL_EXIT)
+
+
+def _fail(line: str, code: int) -> NoReturn:
+    click.echo(line, err=True)
+    sys.exit(code)
+
+
+def internal_error_line(exc: BaseException) -> str:
+    """`internal error: <Type>: <message>; please report ...` on one line."""
+    return f"internal error: {type(exc).__name__}: {one_line(str(exc))}; {REPORT_HINT}"
 
 
 def one_line(text: str) -> str:
     """The message as one printable line: newlines and control characters (names read from files) escaped."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return printable(text)
 
 
 @click.group(cls=_Group)
 @click.version_option(__version__, prog_name="glmconv")
 def cli() -> None:
-    """Move GLM-5.3-Flash between HF and Megatron-core checkpoints, and prove they compute the same."""
+    """Move GLM-5.3-Flash between HF and Megatron-core checkpoints, and prove they compute the same.
+
+    Exit codes: 0 success, 1 audit findings or a broken parity bound, 2 bad input, 3 internal error (a bug).
+    """
 
 
 def _register() -> None:

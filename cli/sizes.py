@@ -1,18 +1,55 @@
-"""Human sizes on the command line: 5GB, 512MiB, 1e9."""
+"""Human sizes on the command line: 5GB, 512MiB, 1e9, 1.5GiB.
+
+Parsed exactly (Decimal, never float: `1e999` is not infinity, `0.1` is not 0.1000000000000000055) and
+bounded, so a typo is a usage error (exit 2) and never an OverflowError or a zero-byte group.
+"""
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 
 import click
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+from glmconv.text import show
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
+_SIZE = re.compile(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+MAX_SIZE = 2**50  # 1 PiB: more than any checkpoint file; anything above is a typo
+_EXPECTED = "expected a size such as 5GB, 512MiB or 1000000"
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    """Bytes in `text`; a click.BadParameter (one usage-error line, exit 2) when it is not a size in range."""
+    m = _SIZE.fullmatch(text)
     unit = m.group(2).upper() if m else None
-    if not m or unit not in _UNITS:
-        raise click.BadParameter(f"{text!r}: expected a size such as 5GB, 512MiB or 1000000")
-    return int(float(m.group(1)) * _UNITS[unit])
+    if m is None or unit not in _UNITS:
+        raise click.BadParameter(f"{show(text)}: {_EXPECTED}")
+    try:
+        number = Decimal(m.group(1))
+    except InvalidOperation:  # the pattern admits only decimal numbers; kept as a guard
+        raise click.BadParameter(f"{show(text)}: {_EXPECTED}") from None
+    if number > Decimal(MAX_SIZE) / _UNITS[unit]:
+        raise click.BadParameter(f"{show(text)}: larger than the largest size accepted, 1PiB ({MAX_SIZE} bytes)")
+    size = int(number * _UNITS[unit])
+    if size < 1:
+        raise click.BadParameter(f"{show(text)}: a size must be at least 1 byte")
+    return size
+
+
+class SizeType(click.ParamType):
+    """A click option type for sizes: checked while the command line is parsed, before any work starts."""
+
+    name = "size"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return parse_size(str(value))
+        except click.BadParameter as exc:
+            self.fail(exc.message, param, ctx)
+
+
+SIZE = SizeType()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from glmconv.errors import ConfigError
+from glmconv.text import show
 
 TEXT_MODEL_TYPES = ("glm5_next_text",)
 WRAPPER_MODEL_TYPES = ("glm5_next",)
@@ -104,15 +105,14 @@ class GlmConfig:
 
 def load_config(path: str | Path) -> GlmConfig:
     """Read a config.json (file, or a checkpoint directory holding one)."""
+    from glmconv.io.jsonfile import load_json_file
+
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
-    try:
-        raw = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{p}: not valid JSON ({exc})") from None
+    raw = load_json_file(p, error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a JSON object")
     try:
@@ -125,6 +125,7 @@ def parse_config(raw: dict[str, Any]) -> GlmConfig:
     """Validate a config dict (nested under `text_config` or flat) and derive its schedule."""
     model_type = raw.get("model_type")
     nested = "text_config" in raw
+    check_fields(raw, _WRAPPER_SCHEMA if nested else {})
     if nested:
         if model_type not in WRAPPER_MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not glm5_next (GLM-5.3-Flash)")
@@ -137,7 +138,13 @@ def parse_config(raw: dict[str, Any]) -> GlmConfig:
         if model_type not in TEXT_MODEL_TYPES + WRAPPER_MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not glm5_next (GLM-5.3-Flash)")
         text_raw = raw
+    where = "text_config." if nested else ""
     text = {**_TEXT_DEFAULTS, **text_raw}
+    check_fields(text, _TEXT_SCHEMA, where)
+    if isinstance(text.get("linear_attn_config"), dict):
+        check_fields(text["linear_attn_config"], _LAC_SCHEMA, f"{where}linear_attn_config.")
+    if isinstance(raw.get("quantization_config"), dict):
+        check_fields(raw["quantization_config"], _QUANT_SCHEMA, "quantization_config.")
     _flatten_linear_attn_config(text)
     _check_dims(text)
     n = text["num_hidden_layers"]
@@ -172,28 +179,149 @@ def _flatten_linear_attn_config(text: dict[str, Any]) -> None:
             text[dst] = lac[src]
 
 
-_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
-             "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "q_lora_rank",
+# ---- the schema: every key glmconv reads, its JSON type and range (values outside are refused) -------------
+
+MAX_CONFIG_BYTES = 16 << 20  # the release's config.json is ~4 KB
+MAX_DIM = 1 << 24  # any width, vocabulary or count: 16.7M, 100x the release's largest (vocab 154,880)
+MAX_LAYERS = 1024  # the release has 45 (+1 MTP); per-layer schedules are built in memory
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config key: the JSON type its value must have and, for numbers, the closed range it lies in.
+
+    Config values reach shapes, `range()` and torch; a string, a float or a bool where an integer belongs
+    would fail far from here with a Python error, so they are refused here, naming the key.
+    """
+
+    kind: type  # int, float (any JSON number), bool, str, dict (object), list
+    low: float | None = None
+    high: float | None = None
+    items: type | None = None  # lists: the type of every element
+    nullable: bool = False  # JSON null is accepted (the key then counts as absent)
+
+    def expected(self) -> str:
+        """What the value must be, in words: "an integer between 1 and 1024"."""
+        word = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+                dict: "an object", list: f"a list of {_TYPE_WORDS.get(self.items, 'values')}s"}[self.kind]
+        if self.kind is int and self.low in (0, 1):
+            word = "a positive integer" if self.low == 1 else "a non-negative integer"
+        elif self.low is not None:
+            word += f" >= {_num(self.low)}"
+        if self.high is not None:
+            word += f" up to {_num(self.high)}"
+        return word + (" or null" if self.nullable else "")
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable
+        if not _is_kind(value, self.kind):
+            return False
+        if self.kind is list:
+            return self.items is None or all(_is_kind(v, self.items) for v in value)
+        if self.kind in (int, float):
+            return math.isfinite(value) and (self.low is None or value >= self.low) and (
+                self.high is None or value <= self.high)
+        return True
+
+
+_TYPE_WORDS = {int: "integer", str: "string", float: "number"}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    """JSON types as Python sees them: bool is not an int, an int is a number, a float is not an int."""
+    if kind is float:
+        return type(value) in (int, float)
+    return type(value) is kind
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        n = len(value)
+        return f"a list of {n} item{'s' * (n != 1)}" if isinstance(value, list) else f"an object of {n} keys"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(type(value), "a value")
+
+
+def found(value: Any) -> str:
+    """A config value as a message shows it: `'4096' (a string)`, `a list of 3 items`."""
+    if isinstance(value, (list, dict)):
+        return _json_type(value)
+    shown = "true" if value is True else "false" if value is False else "null" if value is None else show(value)
+    return f"{shown} ({_json_type(value)})"
+
+
+def check_fields(obj: dict[str, Any], schema: dict[str, Field], where: str = "") -> None:
+    """Every key of `schema` present in `obj` has the declared type and range; one ConfigError otherwise."""
+    for key, spec in schema.items():
+        if key in obj and not spec.accepts(obj[key]):
+            raise ConfigError(f"{where}{key} must be {spec.expected()}, got {found(obj[key])}")
+
+
+def _dim(high: int = MAX_DIM, low: int = 1, nullable: bool = False) -> Field:
+    return Field(int, low, high, nullable=nullable)
+
+
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+             "num_attention_heads", "num_experts_per_tok", "kv_lora_rank", "q_lora_rank",
              "qk_nope_head_dim", "v_head_dim", "index_topk", "index_head_dim", "index_n_heads", "index_kpool",
-             "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim", "hc_mult")
+             "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim", "hc_mult", "n_group", "topk_group",
+             "hc_sinkhorn_iters")
+_TEXT_SCHEMA: dict[str, Field] = {
+    **{key: _dim() for key in _POSITIVE},
+    "num_hidden_layers": _dim(MAX_LAYERS),
+    "n_routed_experts": _dim(1 << 16),
+    "n_shared_experts": _dim(1 << 16, low=0),
+    "qk_rope_head_dim": _dim(low=0),
+    "num_nextn_predict_layers": _dim(16, low=0, nullable=True),
+    "first_k_dense_replace": _dim(MAX_LAYERS, low=0, nullable=True),
+    "max_position_embeddings": _dim(1 << 31),
+    "rms_norm_eps": Field(float, 0, 1),
+    "hc_eps": Field(float, 0, 1),
+    "swiglu_limit": Field(float, 0),
+    "routed_scaling_factor": Field(float, 0),
+    "linear_lower_bound": Field(float),
+    "tie_word_embeddings": Field(bool),
+    "mhc": Field(bool),
+    "norm_topk_prob": Field(bool),
+    "index_kpool_always_select_tail": Field(bool),
+    "scoring_func": Field(str),
+    "layer_types": Field(list, items=str, nullable=True),
+    "mlp_layer_types": Field(list, items=str, nullable=True),
+    "indexer_types": Field(list, items=str, nullable=True),
+    "linear_attn_config": Field(dict, nullable=True),
+}
+_LAC_SCHEMA: dict[str, Field] = {
+    "full_attn_layers": Field(list, items=int), "kda_layers": Field(list, items=int, nullable=True),
+    "num_heads": _dim(), "head_dim": _dim(), "short_conv_kernel_size": _dim(),
+}
+_VISION_SCHEMA: dict[str, Field] = {key: _dim() for key in _VISION_DEFAULTS}
+_WRAPPER_SCHEMA: dict[str, Field] = {
+    "text_config": Field(dict), "vision_config": Field(dict, nullable=True),
+    "quantization_config": Field(dict, nullable=True),
+}
+_QUANT_SCHEMA: dict[str, Field] = {
+    "quant_method": Field(str), "weight_block_size": Field(list, items=int),
+    "modules_to_not_convert": Field(list, items=str, nullable=True),
+}
 
 
 def _check_dims(text: dict[str, Any]) -> None:
+    """Relations between keys (the schema has checked each key alone)."""
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if key not in text:
             raise ConfigError(f"text config has no {key}")
-    for key in _POSITIVE:
-        value = text.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if text["qk_rope_head_dim"] != 0:
         raise ConfigError(f"qk_rope_head_dim must be 0 (GLM-5.3 DSA is NoPE), got {text['qk_rope_head_dim']}")
     if text["index_topk"] % text["index_kpool"]:
         raise ConfigError(f"index_topk {text['index_topk']} is not divisible by index_kpool {text['index_kpool']}")
     if text["num_experts_per_tok"] > text["n_routed_experts"]:
         raise ConfigError("num_experts_per_tok exceeds n_routed_experts")
-    if not isinstance(text.get("n_shared_experts"), int) or text["n_shared_experts"] < 0:
-        raise ConfigError(f"n_shared_experts must be a non-negative integer, got {text.get('n_shared_experts')!r}")
     if text.get("tie_word_embeddings"):
         raise ConfigError("tie_word_embeddings is true; GLM-5.3-Flash has an untied lm_head")
 
@@ -254,6 +382,7 @@ def _vision_dims(vc: Any) -> VisionDims | None:
     if not isinstance(vc, dict):
         raise ConfigError("vision_config must be an object")
     v = {**_VISION_DEFAULTS, **vc}
+    check_fields(v, _VISION_SCHEMA, "vision_config.")
     return VisionDims(depth=v["depth"], hidden=v["hidden_size"], intermediate=v["intermediate_size"],
                       heads=v["num_heads"], patch=v["patch_size"], temporal_patch=v["temporal_patch_size"],
                       merge=v["spatial_merge_size"], out_hidden=v["out_hidden_size"],

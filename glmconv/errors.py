@@ -1,10 +1,21 @@
 """The one exception type users see: its message is the single line the CLI prints."""
 
+from __future__ import annotations
+
+from glmconv.text import printable
+
 
 class GlmconvError(Exception):
-    """A user-caused problem (bad input, bad flags, bad checkpoint); the CLI prints it and exits 2."""
+    """A user-caused problem (bad input, bad flags, bad checkpoint); the CLI prints it and exits 2.
+
+    The message is made printable here, once, so a name read from a file (a newline, an ANSI escape) can
+    never split or recolour the line, whichever code raised it and whoever prints it.
+    """
 
     exit_code = 2
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(printable(str(message)), *args)
 
 
 class ConfigError(GlmconvError):

@@ -1,0 +1,40 @@
+"""Text that reaches a terminal: names read from files are shown escaped, never raw.
+
+Tensor and file names come from shard headers, index files and directory listings, which anyone can write.
+A raw newline splits a one-line error in two, an ANSI escape recolours or erases the terminal, a `[bold]`
+is rich markup. Every message, table cell and progress line passes names through `printable` (whole texts)
+or `show` (one name), so there is one rule for what is escaped and how.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_SHOWN = 200  # characters of one shown value; a 5,000-digit number or a 1 MB name is cut in the middle
+
+
+def printable(text: str) -> str:
+    """`text` with every non-printable character (controls, bidi overrides, line separators) escaped.
+
+    Printable text is returned unchanged, so ordinary messages are not touched.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def show(value: Any) -> str:
+    """One name (or value) for a message: as is when plain, quoted and escaped (`repr`) when it holds
+    anything non-printable, so 'a\\nb' cannot be mistaken for a name with a backslash; cut to MAX_SHOWN."""
+    text = value if isinstance(value, str) and value.isprintable() and value else repr(value)
+    if len(text) > MAX_SHOWN:
+        half = MAX_SHOWN // 2
+        text = f"{text[:half]}...({len(text) - 2 * half} characters)...{text[-half:]}"
+    return text
+
+
+def plain_markup(text: str) -> str:
+    """`printable(text)` made safe to embed in rich markup (a name holding `[red]` stays literal)."""
+    from rich.markup import escape
+
+    return escape(printable(text))
