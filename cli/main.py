@@ -68,12 +68,14 @@ def cli() -> None:
 
 def _register() -> None:
     from cli.audit_cmd import audit_names
+    from cli.bench_cmd import bench
     from cli.convert_cmd import convert
     from cli.export_cmd import export
     from cli.fixture_cmd import fixture
     from cli.parity_cmd import parity
 
     cli.add_command(audit_names)
+    cli.add_command(bench)
     cli.add_command(convert)
     cli.add_command(export)
     cli.add_command(fixture)

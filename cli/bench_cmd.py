@@ -1,0 +1,44 @@
+"""`glmconv bench kernels`: each GPU kernel's time against its torch reference's on the same inputs."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.group("bench")
+def bench() -> None:
+    """Benchmarks (need a CUDA device)."""
+
+
+@bench.command("kernels")
+@click.option("--tokens", type=int, default=8192, show_default=True,
+              help="Tokens of the single-sequence kpool and KDA runs (DSA runs half, at least 64).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def kernels(tokens: int, as_json: bool) -> None:
+    """kpool indexer (one sequence and packed 4097/2048/1023/130/2), KDA and DSA SparseMLA at the real dims."""
+    import torch
+
+    from glmconv.errors import GlmconvError
+
+    if tokens < 64:
+        raise GlmconvError(f"--tokens {tokens}: at least 64")
+    if not torch.cuda.is_available():
+        raise GlmconvError("glmconv bench kernels needs a CUDA device (the kernels are GPU-only)")
+    from glmconv.kernels.bench import run
+
+    rows = run(tokens=tokens, dsa_tokens=max(64, tokens // 2))
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"glmconv bench kernels ({torch.cuda.get_device_name()})")
+    for col in ("op", "shape", "kernel ms", "reference ms", "speedup", "reference", "check"):
+        t.add_column(col, justify="right" if col.endswith(("ms", "speedup")) else "left")
+    for r in rows:
+        t.add_row(r.op, r.shape, f"{r.kernel_ms:.3f}", f"{r.reference_ms:.3f}", f"{r.speedup:.2f}x", r.reference,
+                  r.check)
+    Console().print(t)
