@@ -23,10 +23,12 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def show(value: Any) -> str:
+def show(value: Any, *, quote: bool = False) -> str:
     """One name (or value) for a message: as is when plain, quoted and escaped (`repr`) when it holds
-    anything non-printable, so 'a\\nb' cannot be mistaken for a name with a backslash; cut to MAX_SHOWN."""
-    text = value if isinstance(value, str) and value.isprintable() and value else repr(value)
+    anything non-printable (or with `quote`), so 'a\\nb' cannot be mistaken for a name with a backslash;
+    cut to MAX_SHOWN characters."""
+    plain = isinstance(value, str) and value.isprintable() and value and not quote
+    text = value if plain else repr(value)
     if len(text) > MAX_SHOWN:
         half = MAX_SHOWN // 2
         text = f"{text[:half]}...({len(text) - 2 * half} characters)...{text[-half:]}"

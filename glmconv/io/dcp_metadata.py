@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, inside, optional_file, require_file
+from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safe_unpickle import safe_load
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -90,10 +90,7 @@ def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
 def _check_backend(iter_dir: Path) -> None:
     path = require_file(iter_dir, MCORE_METADATA_NAME,
                         f"{iter_dir.name}/{MCORE_METADATA_NAME}: missing (not a Megatron dist checkpoint)")
-    try:
-        data: Any = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{MCORE_METADATA_NAME}: not valid JSON ({exc})") from None
+    data: Any = load_json_file(path, source=MCORE_METADATA_NAME)
     backend = data.get("sharded_backend") if isinstance(data, dict) else None
     if backend != TORCH_DIST:
         raise CheckpointError(f"{MCORE_METADATA_NAME}: sharded_backend is {backend!r}, expected 'torch_dist'")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,8 +9,10 @@ from typing import Any
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file, require_file
+from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safetensors_header import read_header
 from glmconv.rules.names import detect_text_prefix
+from glmconv.text import show
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -40,7 +41,7 @@ class Problem:
 
     @property
     def message(self) -> str:
-        return f"tensor {self.tensor}: expected {self.expected}, found {self.found}"
+        return f"tensor {show(self.tensor)}: expected {self.expected}, found {self.found}"
 
 
 @dataclass
@@ -77,7 +78,7 @@ def inspect_hf_checkpoint(path: str | Path, *, strict: bool = True) -> HfCheckpo
     if strict and problems:
         p = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"{p.file}: {p.message}{more}")
+        raise CheckpointError(f"{show(p.file)}: {p.message}{more}")
     return HfCheckpoint(path=root, config=config, index_file=index_file, tensors=tensors,
                         text_prefix=detect_text_prefix(tensors.keys()), problems=problems)
 
@@ -95,10 +96,7 @@ def _weight_map(root: Path) -> tuple[str | None, dict[str, str] | None]:
         if optional_file(root, SINGLE_NAME) is not None:
             return None, None
         raise CheckpointError(f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}")
-    try:
-        data: Any = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{INDEX_NAME}: not valid JSON, truncated or corrupt ({exc})") from None
+    data: Any = load_json_file(index, source=INDEX_NAME, what="not valid JSON, truncated or corrupt")
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{INDEX_NAME}: expected an object with a weight_map of tensor name -> shard file")
@@ -111,7 +109,7 @@ def shard_path(root: Path, name: str) -> Path:
     """Resolve a shard name from the index, refusing anything that leaves the checkpoint directory."""
     if "\0" in name:
         raise CheckpointError(f"{INDEX_NAME}: shard {name!r} is not a valid file name (it holds a NUL byte)")
-    return require_file(root, name, f"{name}: shard listed in {INDEX_NAME} is missing", f"{INDEX_NAME}: shard")
+    return require_file(root, name, f"{show(name)}: shard listed in {INDEX_NAME} is missing", f"{INDEX_NAME}: shard")
 
 
 def _read_shards(root: Path, weight_map: dict[str, str] | None,
@@ -123,16 +121,16 @@ def _read_shards(root: Path, weight_map: dict[str, str] | None,
         for e in read_header(shard_path(root, shard)).entries.values():
             if e.name in tensors:
                 problems.append(Problem("duplicate", e.name, shard, "stored once",
-                                        f"stored twice: in {tensors[e.name].file} and {shard}"))
+                                        f"stored twice: in {show(tensors[e.name].file)} and {show(shard)}"))
                 continue
             listed = weight_map.get(e.name) if weight_map is not None else shard
             if listed != shard:
-                expected = f"in {listed} as {index_file} says" if listed else f"listed in {index_file}"
-                problems.append(Problem("index", e.name, shard, expected, f"in {shard}"
+                expected = f"in {show(listed)} as {index_file} says" if listed else f"listed in {index_file}"
+                problems.append(Problem("index", e.name, shard, expected, f"in {show(shard)}"
                                         + ("" if listed else f", not listed in {index_file}")))
             tensors[e.name] = HfTensor(e.name, e.shape, e.dtype, shard)
     for name, shard in (weight_map or {}).items():
         if name not in tensors:
-            problems.append(Problem("index", name, shard, f"in {shard} as {index_file} says",
+            problems.append(Problem("index", name, shard, f"in {show(shard)} as {index_file} says",
                                     "absent from every shard"))
     return tensors, problems

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -10,6 +9,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from glmconv.errors import CheckpointError
+from glmconv.io.jsonfile import parse_json
+from glmconv.text import show
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA_KEY = "__metadata__"
@@ -50,7 +51,7 @@ def read_header(path: str | Path) -> SafetensorsHeader:
             n = _header_length(p, prefix, size)
             raw = fh.read(n)
     except OSError as exc:
-        raise CheckpointError(f"{p.name}: cannot read ({exc.strerror or exc})") from None
+        raise CheckpointError(f"{show(p.name)}: cannot read ({exc.strerror or exc})") from None
     header = _parse_json(p, raw)
     metadata = _metadata(p, header.pop(METADATA_KEY, None))
     for text in (*header, *metadata, *metadata.values()):
@@ -62,22 +63,19 @@ def read_header(path: str | Path) -> SafetensorsHeader:
 
 def _header_length(p: Path, prefix: bytes, size: int) -> int:
     if len(prefix) < 8:
-        raise CheckpointError(f"{p.name}: truncated: {size} bytes, too short for a safetensors header")
+        raise CheckpointError(f"{show(p.name)}: truncated: {size} bytes, too short for a safetensors header")
     n = int.from_bytes(prefix, "little")
     if n > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{p.name}: corrupt header: header length {n} exceeds 100 MB")
+        raise CheckpointError(f"{show(p.name)}: corrupt header: header length {n} exceeds 100 MB")
     if n > size - 8:
-        raise CheckpointError(f"{p.name}: truncated: header says {n} bytes of header, file has {size - 8}")
+        raise CheckpointError(f"{show(p.name)}: truncated: header says {n} bytes of header, file has {size - 8}")
     return n
 
 
 def _parse_json(p: Path, raw: bytes) -> dict[str, Any]:
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{p.name}: corrupt header: not valid UTF-8 JSON ({exc})") from None
+    header = parse_json(raw, show(p.name), what="corrupt header: not valid UTF-8 JSON")
     if not isinstance(header, dict):
-        raise CheckpointError(f"{p.name}: corrupt header: expected a JSON object, got {type(header).__name__}")
+        raise CheckpointError(f"{show(p.name)}: corrupt header: expected a JSON object, got {type(header).__name__}")
     return header
 
 
@@ -86,14 +84,15 @@ def _check_unicode(p: Path, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise CheckpointError(f"{p.name}: corrupt header: {text!r} is not valid Unicode (a lone surrogate)") from None
+        raise CheckpointError(f"{show(p.name)}: corrupt header: {show(text)} is not valid Unicode "
+                              "(a lone surrogate)") from None
 
 
 def _metadata(p: Path, value: Any) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise CheckpointError(f"{p.name}: corrupt header: __metadata__ must map strings to strings")
+        raise CheckpointError(f"{show(p.name)}: corrupt header: __metadata__ must map strings to strings")
     return value
 
 
@@ -121,12 +120,7 @@ def _entry(p: Path, name: str, value: Any) -> HeaderEntry:
 
 
 def _corrupt(p: Path, name: str, what: str) -> NoReturn:
-    raise CheckpointError(f"{p.name}: corrupt header: tensor {_show(name)}: {what}")
-
-
-def _show(name: str) -> str:
-    """A tensor name for a one-line message: quoted and escaped when it holds newlines or control characters."""
-    return name if name.isprintable() else repr(name)
+    raise CheckpointError(f"{show(p.name)}: corrupt header: tensor {show(name)}: {what}")
 
 
 def _check_layout(p: Path, entries: dict[str, HeaderEntry], data_len: int) -> None:
@@ -135,10 +129,10 @@ def _check_layout(p: Path, entries: dict[str, HeaderEntry], data_len: int) -> No
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.begin != pos:
             what = "overlaps the previous tensor" if e.begin < pos else f"leaves a gap of {e.begin - pos} bytes"
-            raise CheckpointError(f"{p.name}: corrupt header: tensor {_show(e.name)} at data offset {e.begin} {what} "
-                                  f"(expected offset {pos})")
+            raise CheckpointError(f"{show(p.name)}: corrupt header: tensor {show(e.name)} at data offset {e.begin} "
+                                  f"{what} (expected offset {pos})")
         pos = e.end
     if pos > data_len:
-        raise CheckpointError(f"{p.name}: truncated: header says {pos} bytes of data, file has {data_len}")
+        raise CheckpointError(f"{show(p.name)}: truncated: header says {pos} bytes of data, file has {data_len}")
     if pos < data_len:
-        raise CheckpointError(f"{p.name}: corrupt: header says {pos} bytes of data, file has {data_len}")
+        raise CheckpointError(f"{show(p.name)}: corrupt: header says {pos} bytes of data, file has {data_len}")

@@ -6,7 +6,6 @@ non-blank line (ids separated by whitespace), or JSON (`[ids...]`, `[[ids...], .
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,10 @@ from typing import Any
 import torch
 
 from glmconv.errors import GlmconvError
+from glmconv.io.jsonfile import parse_json, read_capped
+from glmconv.text import show
+
+MAX_PROMPT_BYTES = 64 << 20  # token ids for a parity run: far more than any GPU holds
 
 
 @dataclass(frozen=True)
@@ -52,16 +55,16 @@ def load_prompt_file(path: str | Path, vocab: int) -> Batch:
     """Read a file of token ids (see the module docstring); every id must lie in [0, vocab)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GlmconvError(f"{p}: cannot read the prompt file ({getattr(exc, 'strerror', None) or exc})") from None
+        text = read_capped(p, str(p), error=GlmconvError, max_bytes=MAX_PROMPT_BYTES).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise GlmconvError(f"{p}: cannot read the prompt file (not UTF-8: byte {exc.start})") from None
     seqs = _parse_json(text, p) if text.lstrip().startswith("[") else _parse_text(text, p)
     if not seqs:
         raise GlmconvError(f"{p}: holds no token ids")
     for i, seq in enumerate(seqs):
         bad = [t for t in seq if not 0 <= t < vocab]
         if bad:
-            raise GlmconvError(f"{p}: sequence {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+            raise GlmconvError(f"{p}: sequence {i} has token id {show(bad[0])} outside the vocabulary [0, {vocab})")
     ids = torch.tensor([t for seq in seqs for t in seq], dtype=torch.int64)
     return Batch(ids, _cu_seqlens([len(s) for s in seqs]), str(p))
 
@@ -76,18 +79,16 @@ def _parse_text(text: str, p: Path) -> list[list[int]]:
             seqs.append([int(w) for w in words])
         except ValueError:
             bad = next(w for w in words if not _is_int(w))
-            raise GlmconvError(f"{p}:{n}: {bad!r} is not an integer token id") from None
+            raise GlmconvError(f"{p}:{n}: {show(bad, quote=True)} is not an integer token id") from None
     return seqs
 
 
 def _parse_json(text: str, p: Path) -> list[list[int]]:
     try:
-        docs: list[Any] = [json.loads(text)]
-    except json.JSONDecodeError:
-        try:
-            docs = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise GlmconvError(f"{p}: not valid JSON ({exc})") from None
+        docs: list[Any] = [parse_json(text, str(p), error=GlmconvError)]
+    except GlmconvError:  # not one document: one list per line (JSON Lines), each read the same way
+        docs = [parse_json(line, f"{p}:{n}", error=GlmconvError) for n, line in enumerate(text.splitlines(), 1)
+                if line.strip()]
     seqs: list[list[int]] = []
     for doc in docs:
         nested = isinstance(doc, list) and bool(doc) and all(isinstance(s, list) for s in doc)
