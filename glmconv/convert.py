@@ -14,9 +14,9 @@ from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules.ops import StackExperts
+from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.runner import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
-    STAGING_SUFFIX, cleanup, collective_error, fresh_staging, gather, progress, publish, run_on_output, staging_dir,
-    torchrun_env, try_, try_none, try_raise)
+    STAGING_SUFFIX, collective_error, gather, progress, run_on_output, staging_dir, torchrun_env, try_, try_none)
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +51,7 @@ class ConvertJob:
 def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool = True) -> ConvertJob:
     """Audit the source against its own plan (refuse on any finding) and fix the conversion plan."""
     src_p, out_p = Path(src), Path(out)
+    check_overlap(out_p, {"input": src_p})  # before reading anything: OUT may never be, hold or sit in SRC
     opts = audit_mod.Options(accept_flat_prefix=True)
     side = audit_mod.load_side(src_p, opts)
     if side.kind != audit_mod.HF:
@@ -214,12 +215,12 @@ def check_consumed(job: ConvertJob, consumed: list[str]) -> None:
 
 def write_sidecars(job: ConvertJob, stage: Path) -> None:
     """The config (so audit and export know the model) and a manifest of what was done."""
-    (stage / CONFIG_NAME).write_text(json.dumps(job.plan.config.to_json(), indent=2) + "\n")
-    manifest = {"source": str(job.src.resolve()), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
+    write_new(stage / CONFIG_NAME, json.dumps(job.plan.config.to_json(), indent=2) + "\n")
+    manifest = {**manifest_fields(), "source": str(job.src.resolve()), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
                 "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
                 "hf_tensors": len(job.plan.hf_index), "mcore_tensors": len(job.plan.mcore_index),
                 "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out}
-    (stage / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    write_new(stage / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
 
 def verify_staged(job: ConvertJob, stage: Path) -> None:
@@ -266,18 +267,14 @@ def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
-    return run_on_output(job.out, force, run_rank, (job, opts), opts.workers, "convert")
+    return run_on_output(job.out, {"input": job.src}, force, run_rank, (job, opts), opts.workers, "convert")
 
 
-def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
-    """One rank's part; rank 0 stages, checks everything every rank did, verifies and publishes."""
+def run_rank(job: ConvertJob, opts: RunOptions, stage: Path, rank: int, world: int, group: Any) -> dict[str, Any]:
+    """One rank's part into `stage`; rank 0 checks everything every rank did and verifies (the runner publishes)."""
     from glmconv.io.common_state import build_common_state
     from glmconv.io.dcp_writer import DcpWriter
 
-    stage = staging_dir(job.out)
-    error = collective_error(group, try_none(lambda: fresh_staging(job.out)) if rank == 0 else None)
-    if error:
-        raise GlmconvError(error)
     writer = DcpWriter(stage, specs=job.plan.mcore_index, group=group)
     share = shares(job.plan.mappings, world)[rank]
     total = sum(m.hf_bytes for m in share)
@@ -295,14 +292,15 @@ def run_rank(job: ConvertJob, opts: RunOptions, rank: int, world: int, group: An
             lambda: check_consumed(job, [n for _, names in consumed for n in names]))
     error = collective_error(group, error)
     if error:
-        cleanup(stage, rank)
         raise GlmconvError(error)
     if rank == 0:
-        try_raise(lambda: write_extra_states(job, writer), stage, rank)
-    try_raise(lambda: writer.finish(build_common_state(job.plan.config) if rank == 0 else None), stage, rank)
+        write_extra_states(job, writer)
+    writer.finish(build_common_state(job.plan.config) if rank == 0 else None)
     if rank == 0:
-        try_raise(lambda: _finalize(job, stage), stage, rank)
-    collective_error(group, None)
+        error = try_none(lambda: _finalize(job, stage))
+    error = collective_error(group, error)
+    if error:
+        raise GlmconvError(error)
     return {**dry_run_summary(job, RunOptions(workers=world)), "published": str(job.out)}
 
 
@@ -316,4 +314,3 @@ def write_extra_states(job: ConvertJob, writer: Any) -> None:
 def _finalize(job: ConvertJob, stage: Path) -> None:
     write_sidecars(job, stage)
     verify_staged(job, stage)
-    publish(stage, job.out)

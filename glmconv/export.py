@@ -47,8 +47,8 @@ from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, insp
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import StackExperts
-from glmconv.runner import (broadcast, cleanup, collective_error, fresh_staging, gather, progress, publish,
-                            run_on_output, staging_dir, try_, try_none)
+from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
+from glmconv.runner import broadcast, gather, progress, run_on_output, try_
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +104,7 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
     if max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     src_p = Path(src)
+    check_overlap(Path(out), _inputs(src_p, like, config))  # before reading anything
     ck = inspect_torch_dist(src_p)
     if ck.common_state is None:
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
@@ -132,6 +133,12 @@ def _config_path(src: Path, ck: DcpCheckpoint) -> Path:
         if cand.is_file():
             return cand
     raise CheckpointError(f"{src}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
+
+
+def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> dict[str, Path | None]:
+    """What OUT may not overlap: the torch_dist checkpoint, the --like checkpoint, the --config file."""
+    return {"input": src, "--like directory": Path(like) if like is not None else None,
+            "--config file": Path(config) if config is not None else None}
 
 
 def _manifest(src: Path) -> dict[str, Any]:
@@ -461,19 +468,22 @@ def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
     weight_map = {t: final[(r.rank, f)] for r in results for t, f in r.weight_map.items()}
     total = sum(r.total_size for r in results)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    write_new(stage / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     return len(files), total
 
 
 def write_sidecars(job: ExportJob, stage: Path) -> None:
     """config.json (FP8 block only when FP8), and with --like its generation config and tokenizer files."""
-    (stage / CONFIG_NAME).write_text(json.dumps(job.config_json, indent=2) + "\n")
-    if job.like is None:
-        return
-    found = [job.like / n for n in LIKE_FILES] + [p for g in LIKE_GLOBS for p in sorted(job.like.glob(g))]
-    for path in found:
-        if path.is_file():
-            shutil.copyfile(path, stage / path.name)
+    write_new(stage / CONFIG_NAME, json.dumps(job.config_json, indent=2) + "\n")
+    if job.like is not None:
+        found = [job.like / n for n in LIKE_FILES] + [p for g in LIKE_GLOBS for p in sorted(job.like.glob(g))]
+        for path in found:
+            if path.is_file():
+                copy_new(path, stage / path.name)
+    manifest = {**manifest_fields(), "source": str(job.src.resolve()), "format": "hf-safetensors",
+                "fp8": job.plan.fp8, "mtp": job.plan.mtp, "vision": job.plan.vision,
+                "text_prefix": job.plan.text_prefix, "like": str(job.like.resolve()) if job.like else None}
+    write_new(stage / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")  # last: the mark of a glmconv export
 
 
 def verify_staged(job: ExportJob, stage: Path) -> None:
@@ -501,16 +511,16 @@ def _is_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
 def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     start = time.monotonic()
-    summary = run_on_output(job.out, force, run_rank, (job, opts), opts.workers, "export")
+    inputs = _inputs(job.src, job.like, job.config_path)
+    summary = run_on_output(job.out, inputs, force, run_rank, (job, opts), opts.workers, "export")
     return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
 
 
-def run_rank(job: ExportJob, opts: ExportOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
-    """One rank's share; rank 0 checks what every rank wrote, names the shards, verifies and publishes."""
-    stage = staging_dir(job.out)
-    error = collective_error(group, try_none(lambda: fresh_staging(job.out)) if rank == 0 else None)
-    if error:
-        raise GlmconvError(error)
+def run_rank(job: ExportJob, opts: ExportOptions, stage: Path, rank: int, world: int, group: Any) -> dict[str, Any]:
+    """One rank's share into `stage`; rank 0 checks what every rank wrote, names the shards, verifies.
+
+    The runner publishes (and removes the staging directory on failure).
+    """
     order = {id(m): i for i, m in enumerate(job.plan.mappings)}
     share = sorted(shares(job.plan.mappings, world)[rank], key=lambda m: order[id(m)])
     label = f"export [{rank}/{world}]" if world > 1 else "export"
@@ -525,7 +535,6 @@ def run_rank(job: ExportJob, opts: ExportOptions, rank: int, world: int, group: 
         verdict = error or try_(lambda: _finalize(job, stage, results, world))
     verdict = broadcast(group, verdict)
     if isinstance(verdict, str):
-        cleanup(stage, rank)
         raise GlmconvError(verdict)
     return verdict
 
@@ -536,13 +545,8 @@ def _finalize(job: ExportJob, stage: Path, results: list[ShareResult], world: in
         shards, total = merge_shards(stage, results)
         write_sidecars(job, stage)
         verify_staged(job, stage)
-        publish(stage, job.out)
     except OSError as exc:
-        cleanup(stage, 0)
         raise CheckpointError(f"{job.out}: cannot write the export ({exc.strerror or exc})") from None
-    except GlmconvError:
-        cleanup(stage, 0)
-        raise
     return summary(job, results, shards, total, world)
 
 

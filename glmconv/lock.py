@@ -4,6 +4,10 @@ The lock is `fcntl.flock` on `OUT.glmconv-lock`, a file beside OUT (OUT itself i
 and its staging directory is beside it too). The holder's pid is written into the file so the refusal can name
 it. The kernel drops a flock when its holder dies (even by SIGKILL), so a lock file left by a killed run holds
 nothing: the next run takes it over. The holder removes the file when it is done.
+
+The lock file is opened with O_NOFOLLOW and taken over only when it is a plain, singly linked file holding
+nothing or a pid: a symlink, a FIFO, a hard link to another file or a file with other contents at that path
+is refused, never truncated.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 from types import TracebackType
 
@@ -67,9 +72,18 @@ class OutputLock:
             if self._same_file(fd):
                 break
             os.close(fd)  # the holder removed the file between our open and our flock: lock the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
+        try:
+            _check_takeover(fd, self.path)
+            os.ftruncate(fd, 0)
+            _write_all(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:
+            self.release()
+            raise GlmconvError(f"{self.path}: cannot write the lock file ({exc.strerror or exc})") from None
+        except GlmconvError:
+            self._fd = None
+            os.close(fd)
+            raise
 
     def release(self) -> None:
         """Remove the lock file (still holding the lock, so no one can be between open and flock on it), unlock."""
@@ -84,13 +98,22 @@ class OutputLock:
 
     def _open(self) -> int:
         try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             parent = self.path.parent
+            if exc.errno == errno.ELOOP:
+                raise GlmconvError(f"{self.path}: is a symlink; glmconv never writes through one: remove it"
+                                   ) from None
             if not parent.is_dir():
                 raise GlmconvError(f"{parent}: output parent directory does not exist") from None
             raise GlmconvError(f"{parent}: cannot create the lock file {self.path.name} "
                                f"({exc.strerror or exc}); is the output location writable?") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else "a hard link to another file"
+            raise GlmconvError(f"{self.path}: is {what}, not glmconv's lock file: remove it")
+        return fd
 
     def _same_file(self, fd: int) -> bool:
         try:
@@ -99,6 +122,20 @@ class OutputLock:
             return False
         mine = os.fstat(fd)
         return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _check_takeover(fd: int, path: Path) -> None:
+    """A lock file left by a killed run holds a pid (or nothing); anything else is a user's file: refuse."""
+    text = os.pread(fd, 64, 0)
+    if os.fstat(fd).st_size > 32 or not (text.strip() == b"" or text.strip().isdigit()):
+        raise GlmconvError(f"{path}: holds something other than a glmconv pid, not glmconv's lock file: "
+                           f"remove it")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _read_pid(fd: int) -> int | None:

@@ -7,59 +7,23 @@ process, in `workers` spawned gloo processes, or once per torchrun rank, and ret
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from glmconv import interrupt, output
 from glmconv.errors import GlmconvError
+from glmconv.output import STAGING_SUFFIX
 
-STAGING_SUFFIX = ".glmconv-staging"
 RankFn = Callable[..., dict[str, Any]]
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_HELD: list[int] = []  # a worker's flocked staging marker
 
 
-# ---- staging and publishing --------------------------------------------------------------------------
+# ---- staging and publishing: glmconv/output.py ----------------------------------------------------------
 
 def staging_dir(out: Path) -> Path:
-    return out.with_name(out.name + STAGING_SUFFIX)
-
-
-def check_output(out: Path, force: bool) -> None:
-    """Refuse an existing OUT_DIR unless --force; never half-clear it here (publish replaces it whole)."""
-    if out.exists() and not out.is_dir():
-        raise GlmconvError(f"{out}: exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise GlmconvError(f"{out}: already exists and is not empty; pass --force to replace it")
-    parent = out.resolve().parent
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise GlmconvError(f"{parent}: output parent directory {what}")
-    if not os.access(parent, os.W_OK):
-        raise GlmconvError(f"{parent}: not writable")
-
-
-def fresh_staging(out: Path) -> Path:
-    stage = staging_dir(out)
-    if stage.exists():
-        shutil.rmtree(stage)  # left by an interrupted run: never published, safe to drop
-    stage.mkdir(parents=True)
-    return stage
-
-
-def publish(stage: Path, out: Path) -> None:
-    """Swap the verified staging directory into place; an old OUT_DIR (with --force) goes only now."""
-    trash = out.with_name(out.name + ".glmconv-old")
-    if trash.exists():
-        shutil.rmtree(trash)
-    if out.exists():
-        os.replace(out, trash)
-    os.replace(stage, out)
-    if trash.exists():
-        shutil.rmtree(trash)
-
-
-def cleanup(stage: Path, rank: int) -> None:
-    if rank == 0 and stage.exists():
-        shutil.rmtree(stage, ignore_errors=True)
+    """Where OUT's staging directory is: beside the real OUT (a symlink OUT is written through)."""
+    return output.sibling(output.resolve_out(out), STAGING_SUFFIX)
 
 
 # ---- errors that every rank must see -----------------------------------------------------------------
@@ -75,14 +39,6 @@ def try_(fn: Callable[[], Any]) -> Any:
 def try_none(fn: Callable[[], Any]) -> str | None:
     out = try_(fn)
     return out if isinstance(out, str) else None
-
-
-def try_raise(fn: Callable[[], Any], stage: Path, rank: int) -> None:
-    try:
-        fn()
-    except GlmconvError:
-        cleanup(stage, rank)
-        raise
 
 
 def gather(group: Any, value: Any, world: int) -> list[Any]:
@@ -125,25 +81,51 @@ def torchrun_env() -> tuple[int, int] | None:
     return (int(os.environ["RANK"]), world) if world > 1 and "RANK" in os.environ else None
 
 
-def run_on_output(out: Path, force: bool, fn: RankFn, args: tuple[Any, ...], workers: int,
-                  what: str) -> dict[str, Any]:
-    """Check OUT_DIR, then `run_ranks` while holding OUT_DIR's exclusive lock (`glmconv.lock`).
+def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: RankFn, args: tuple[Any, ...],
+                  workers: int, what: str) -> dict[str, Any]:
+    """Check OUT against the inputs, then stage, run every rank and publish, holding OUT's exclusive lock.
 
-    The launching process takes the lock (its `--workers` children run inside it); under torchrun rank 0
-    does, and a refusal there ends the job (torchrun stops the other ranks).
+    `fn(*args, stage, rank, world, group)` writes into `stage` and never publishes: the launching process
+    does, once every rank is done (under torchrun, rank 0, which also takes the lock; a refusal there ends
+    the job). Any failure or SIGINT/SIGTERM removes the staging directory and releases the lock.
     """
     from contextlib import nullcontext
 
     from glmconv.lock import OutputLock
 
-    check_output(out, force)
+    real = output.check_overlap(out, inputs)
+    output.check_target(out, real, force)
     env = torchrun_env()
-    with OutputLock(out) if env is None or env[0] == 0 else nullcontext():
-        check_output(out, force)  # again, under the lock: another run may have published OUT since
-        return run_ranks(fn, args, workers, what)
+    lead = env is None or env[0] == 0
+    with interrupt.catching():
+        try:
+            with OutputLock(real) if lead else nullcontext():
+                if lead:
+                    output.recover(real)  # a run killed inside publish: its old OUT is put back first
+                output.check_target(out, real, force)  # again, under the lock: another run may have published
+                return _run_staged(out, real, force, lead, fn, args, workers, what)
+        except BaseException as exc:
+            raise interrupt.as_interrupt(exc) from None
 
 
-def run_ranks(fn: RankFn, args: tuple[Any, ...], workers: int, what: str) -> dict[str, Any]:
+def _run_staged(out: Path, real: Path, force: bool, lead: bool, fn: RankFn, args: tuple[Any, ...], workers: int,
+                what: str) -> dict[str, Any]:
+    """The lead makes the staging directory, runs the ranks, publishes; on any failure it discards the stage."""
+    stage = output.open_stage(real) if lead else None
+    try:
+        summary = run_ranks(fn, (*args, output.sibling(real, STAGING_SUFFIX)), workers, what, stage)
+        if stage is not None:
+            with interrupt.deferred():
+                output.publish(stage, out, real, force)
+        return summary
+    except BaseException:
+        if stage is not None:
+            output.discard(stage)
+        raise
+
+
+def run_ranks(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
+              stage: output.Stage | None = None) -> dict[str, Any]:
     """`fn(*args, rank, world, group)` under torchrun, in `workers` processes, or here; rank 0's summary."""
     env = torchrun_env()
     if env is not None:
@@ -155,24 +137,35 @@ def run_ranks(fn: RankFn, args: tuple[Any, ...], workers: int, what: str) -> dic
         finally:
             dist.destroy_process_group()
     if workers > 1:
-        return spawn(fn, args, workers, what)
+        return spawn(fn, args, workers, what, stage)
     return fn(*args, 0, 1, None)
 
 
-def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str) -> dict[str, Any]:
-    """--workers N on one machine: N gloo processes, each running its rank of `fn`."""
+def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
+          stage: output.Stage | None = None) -> dict[str, Any]:
+    """--workers N on one machine: N gloo processes, each running its rank of `fn`.
+
+    The workers die with this process (`_bind_to_parent`) and, on any failure or interruption here, are
+    killed and reaped before the caller removes the staging directory they write into.
+    """
     import tempfile
 
     import torch.multiprocessing as mp
 
+    hold = (stage.path, stage.run) if stage is not None else None
     with tempfile.TemporaryDirectory(prefix="glmconv-pg-") as tmp:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(fn, args, r, workers, Path(tmp) / "store", results))
+        procs = [ctx.Process(target=_worker, args=(fn, args, r, workers, Path(tmp) / "store", results, os.getpid(),
+                                                   hold))
                  for r in range(workers)]
-        for p in procs:
-            p.start()
-        outcomes = _collect(results, procs)
+        try:
+            for p in procs:
+                p.start()
+            outcomes = _collect(results, procs)
+        except BaseException:
+            _kill(procs)
+            raise
     dead = [f"rank {r} {_how(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode]
     if dead:  # first: the survivors' errors are only the echo of a lost peer
         raise GlmconvError(f"a {what} worker died ({', '.join(dead)}); nothing published")
@@ -182,6 +175,16 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str) -> dict[st
     if not any(isinstance(o, dict) for o in outcomes):
         raise GlmconvError(f"no {what} worker reported a result; nothing published")
     return next(o for o in outcomes if isinstance(o, dict))
+
+
+def _kill(procs: list[Any]) -> None:
+    """SIGKILL every started worker and wait for it: nothing of theirs writes after this returns."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join()
 
 
 def _how(exitcode: int) -> str:
@@ -211,7 +214,19 @@ def _collect(results: Any, procs: list[Any]) -> list[Any]:
     return outcomes
 
 
-def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Path, results: Any) -> None:
+def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Path, results: Any, parent: int,
+            hold: tuple[Path, str] | None) -> None:
+    """One rank of --workers: bound to its parent's life, holding the run's staging directory, never publishing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides, and kills
+    _bind_to_parent(parent)
+    try:
+        if hold is not None:
+            _HELD.append(output.join_stage(*hold))  # kept open (flocked) until this process ends
+    except GlmconvError as exc:
+        results.put(str(exc))
+        return
     import torch
     import torch.distributed as dist
 
@@ -229,3 +244,29 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the group may already be broken by a lost peer
             pass
+
+
+def _bind_to_parent(parent: int) -> None:
+    """Die with the parent: PR_SET_PDEATHSIG (Linux) and, everywhere, a thread watching the parent's pid.
+
+    The check after prctl covers a parent that died before the call (the signal would then never come).
+    """
+    import ctypes
+    import signal
+    import threading
+    import time
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the watcher below is the only guard
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="glmconv-parent-watch", daemon=True).start()

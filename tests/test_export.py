@@ -115,7 +115,8 @@ def test_tiny_round_trip_is_byte_identical(tiny_ckpt: Path, tiny_export: tuple[P
     assert (summary["mtp"], summary["vision"], summary["fp8"], summary["vocab_padding_stripped"]) == (
         True, True, False, {})
     assert json.loads((out / CONFIG_NAME).read_text()) == json.loads((tiny_ckpt / CONFIG_NAME).read_text())
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("model-")) == [CONFIG_NAME, INDEX_NAME]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("model-")) == [
+        CONFIG_NAME, "glmconv.json", INDEX_NAME]
 
 
 def test_cut8_round_trip_is_byte_identical(cut8_ckpt: Path, tmp_path: Path) -> None:
@@ -468,8 +469,9 @@ def test_a_gap_between_stored_chunks_is_refused_and_nothing_published(tiny_mc: P
 
 
 def test_existing_output_needs_force(tiny_ckpt: Path, tiny_mc: Path, tmp_path: Path) -> None:
+    """--force replaces an OUT that glmconv published (a user directory is refused: tests/test_output_safety.py)."""
     out = tmp_path / "out"
-    out.mkdir()
+    _export(tiny_mc, out)
     (out / "keep.txt").write_text("x")
     with pytest.raises(GlmconvError, match="already exists and is not empty; pass --force") as err:
         _export(tiny_mc, out)

@@ -51,13 +51,14 @@ main()
 IN_PUBLISH = """
 import os, sys, time
 marker = sys.argv.pop(1)
-replace = os.replace
-def replace_and_stop(src, dst):
-    replace(src, dst)
-    if str(dst).endswith(".glmconv-old"):
-        open(marker, "w").close()
-        time.sleep(120)
-os.replace = replace_and_stop
+def and_stop(move):
+    def moved(src, dst):
+        move(src, dst)
+        if str(dst).endswith(".glmconv-old"):
+            open(marker, "w").close()
+            time.sleep(120)
+    return moved
+os.replace, os.rename = and_stop(os.replace), and_stop(os.rename)
 from cli.main import main
 sys.argv[0] = "glmconv"
 main()

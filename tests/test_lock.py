@@ -176,7 +176,7 @@ def test_only_the_launching_process_or_rank_0_takes_the_lock(tmp_path: Path, mon
     out = tmp_path / "out"
     seen = []
 
-    def fake_run_ranks(fn, args, workers, what):
+    def fake_run_ranks(fn, args, workers, what, stage=None):
         seen.append(lock_path(out).exists())
         return {}
 
@@ -184,9 +184,9 @@ def test_only_the_launching_process_or_rank_0_takes_the_lock(tmp_path: Path, mon
     for rank in ("0", "1"):
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setenv("RANK", rank)
-        runner.run_on_output(out, False, lambda *a: {}, (), 1, "test")
+        runner.run_on_output(out, {}, False, lambda *a: {}, (), 1, "test")
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")
-    runner.run_on_output(out, False, lambda *a: {}, (), 2, "test")
+    runner.run_on_output(out, {}, False, lambda *a: {}, (), 2, "test")
     assert seen == [True, False, True]
     assert not lock_path(out).exists()

@@ -21,12 +21,12 @@ import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter, Metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -41,6 +41,7 @@ from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.common_state import COMMON_STATE_KEY
 from glmconv.io.dtypes import TORCH_DTYPES  # noqa: F401 - re-exported
 from glmconv.io.torch_save import FileTensor, save_tensor
+from glmconv.output import new_file
 from glmconv.rules.names import sharded_object_key  # noqa: F401 - re-exported for writers of objects
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapp
     md: dict[str, _Entry] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     pos = 0
-    with open(path, "wb", buffering=0) as f, FileCopier() as copier:
+    with new_file(path, "wb", buffering=0) as f, FileCopier() as copier:
         for key, buf in objects.items():
             data = buf.getbuffer()
             write_all(f.fileno(), data)
@@ -268,7 +269,9 @@ class DcpWriter:
         results = [WriteResult(index=MetadataIndex(k.fqn, k.offset), size_in_bytes=v.length, storage_data=v)
                    for k, v in storage.items()]
         try:
-            FileSystemWriter(str(self.ckpt_dir), sync_files=self._sync).finish(metadata, [results])
+            fs_writer = FileSystemWriter(str(self.ckpt_dir), sync_files=self._sync)
+            fs_writer.fs = _NewFilesOnly()
+            fs_writer.finish(metadata, [results])
             _write_text(self.ckpt_dir / CONFIG_FILE, json.dumps(BACKEND_CONFIG), self._sync)
             _write_text(self.root / TRACKER_FILE, RELEASE, self._sync)  # last: the success signal
         except OSError as exc:
@@ -378,9 +381,18 @@ def _check_specs(md: Mapping[str, _Entry], specs: Mapping[str, TensorSpec] | Non
     return errors
 
 
+class _NewFilesOnly(FileSystem):
+    """torch's FileSystem, creating `.metadata.tmp` with O_EXCL|O_NOFOLLOW like every file glmconv writes."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with new_file(Path(path), mode) as f:
+            yield cast(io.IOBase, f)
+
+
 def _write_text(path: Path, text: str, sync: bool) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with new_file(tmp, "w") as f:
         f.write(text)
         if sync:
             f.flush()

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, NoReturn, Self
 from glmconv.errors import CheckpointError
 from glmconv.io.dcp_metadata import torch_dtype_code
 from glmconv.io.safetensors_header import DTYPE_SIZES
+from glmconv.output import create_new, new_file, write_new
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +116,7 @@ class ShardWriter(_Closing):
             os.replace(self.out_dir / _PENDING.format(i), self.out_dir / name)
         weight_map = {n: final[i] for n, i in sorted(self._shard_of.items())}
         index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-        (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        write_new(self.out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
         return weight_map
 
     def abort(self) -> None:
@@ -130,12 +131,14 @@ class ShardWriter(_Closing):
         return self._shards
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         self._shards += 1
         path = self.out_dir / _PENDING.format(self._shards)
         try:
-            save_file(self._buffer, str(path), metadata={"format": "pt"})
+            data = save(self._buffer, metadata={"format": "pt"})
+            with new_file(path) as f:
+                f.write(data)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (ENOSPC, EIO, ...)
             why = str(exc).strip().splitlines()
             raise CheckpointError(f"{path}: write failed ({why[0] if why else type(exc).__name__})") from None
@@ -281,7 +284,7 @@ class PlannedShardWriter(_Closing):
                 os.replace(self.out_dir / _PENDING.format(i), self.out_dir / fname)
             weight_map = {n: final[i] for n, i in sorted(self._shard_no.items())}
             index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-            (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            write_new(self.out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
         except OSError as exc:
             raise CheckpointError(f"{self.out_dir}: cannot name the shards ({exc.strerror or exc})") from None
         return weight_map
@@ -328,8 +331,8 @@ class PlannedShardWriter(_Closing):
         head, self._offsets = shard_header(self._shards[no - 1])
         self._shard_size = len(head) + sum(t.nbytes for t in self._shards[no - 1])
         path = self.out_dir / _PENDING.format(no)
-        self._opened = no
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = create_new(path)
+        self._opened = no  # only now: abort() deletes shards 1..opened, never a file it did not create
         _pwrite_all(self._fd, head, 0)
 
     def _done(self, t: PlannedTensor) -> None:

@@ -1,0 +1,403 @@
+"""Where convert and export write, and the one rule for what glmconv may delete: only what it made itself.
+
+Policy (docs/errors.md, "Output directory and interruption"):
+
+* OUT is resolved once, symlinks and `..` included, and every step works on that real directory: a symlink
+  OUT (the "output on the big disk" setup) is written through -- the staging directory, the lock and the
+  backup sit beside the link's target, the target directory is what gets replaced, the link itself is
+  never touched. `.` and `x/..` are the directories they name.
+* OUT (and its staging, backup and lock paths) may not be, contain or lie inside any input, after
+  resolving: refused before anything is touched.
+* An existing OUT is replaced (only with --force, and only at publish) when it is empty or when glmconv
+  published it: it holds a `glmconv.json` whose `written_by` is glmconv. Anything else is the user's.
+* A directory glmconv will later delete (staging `OUT.glmconv-staging`, backup `OUT.glmconv-old`) gets the
+  run marker `.glmconv-run` first, created with O_EXCL, holding pid, host and a run id. A leftover path of
+  that name is removed only when it is a real directory holding a marker and no live process holds the
+  marker's flock (the run and its workers hold it shared for their lifetime); otherwise refused, named.
+* Every file glmconv creates is opened O_CREAT|O_EXCL|O_NOFOLLOW (`create_new`): never through a symlink,
+  never over an existing file.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import stat
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from glmconv.errors import GlmconvError
+from glmconv.lock import LOCK_SUFFIX
+
+STAGING_SUFFIX = ".glmconv-staging"
+OLD_SUFFIX = ".glmconv-old"
+MARKER = ".glmconv-run"
+MANIFEST = "glmconv.json"
+WRITTEN_BY = "glmconv"
+MARKER_MAX_BYTES = 1 << 16  # a marker or manifest is a few hundred bytes; anything larger is not ours
+STALE_WAIT_S = 10.0  # how long a leftover staging directory's workers get to die (they follow their parent)
+_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# ---- files glmconv creates ------------------------------------------------------------------------------
+
+def create_new(path: Path, mode: int = 0o644) -> int:
+    """A new file's descriptor: never follows a symlink, never opens what is already there (OSError if so)."""
+    return os.open(path, _NEW_FLAGS, mode)
+
+
+@contextmanager
+def new_file(path: Path, mode: str = "wb", buffering: int = -1) -> Iterator[IO[Any]]:
+    """`open(path, mode)` for a file glmconv creates (see `create_new`); a failed write leaves no file."""
+    fd = create_new(path)
+    try:
+        with os.fdopen(fd, mode, buffering) as f:
+            yield f
+    except BaseException:
+        Path(path).unlink(missing_ok=True)
+        raise
+
+
+def write_new(path: Path, text: str) -> None:
+    """Write a small text file glmconv creates; an OSError (disk full, a link in the way) is one error line."""
+    try:
+        with new_file(path, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        raise GlmconvError(f"{path}: cannot write ({_why(exc)})") from None
+
+
+def copy_new(src: Path, dst: Path) -> None:
+    """Copy an (already vetted) input file into a file glmconv creates."""
+    try:
+        with open(src, "rb") as fin, new_file(dst) as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+    except OSError as exc:
+        raise GlmconvError(f"{dst}: cannot write ({_why(exc)})") from None
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "a symlink is in the way; glmconv never writes through one"
+    if exc.errno == errno.EEXIST:
+        return "something is already there; glmconv never writes over a file it did not create"
+    return exc.strerror or str(exc)
+
+
+# ---- where OUT is -----------------------------------------------------------------------------------
+
+def real_path(path: Path, what: str) -> Path:
+    """`path` with every symlink and `..` resolved (the part that exists; the rest taken as written)."""
+    try:
+        return Path(os.path.realpath(path, strict=False))
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise GlmconvError(f"{path}: cannot resolve the {what} ({exc})") from None
+
+
+def sibling(real_out: Path, suffix: str) -> Path:
+    return real_out.with_name(real_out.name + suffix)
+
+
+def resolve_out(out: Path) -> Path:
+    """The real directory OUT names; the filesystem root has no place beside it for staging, so refused."""
+    real = real_path(out, "output directory")
+    if real.parent == real:
+        raise GlmconvError(f"{out}: cannot write the output over the filesystem root; name a directory below it")
+    return real
+
+
+def check_overlap(out: Path, inputs: dict[str, Path | None]) -> Path:
+    """Refuse OUT (or its staging, backup, lock) being, containing or lying inside an input; the real OUT."""
+    real = resolve_out(out)
+    ours = [real] + [sibling(real, s) for s in (STAGING_SUFFIX, OLD_SUFFIX, LOCK_SUFFIX)]
+    for label, given in inputs.items():
+        if given is None:
+            continue
+        src = real_path(given, label)
+        for p in ours:
+            how = _relation(p, src)
+            if how:
+                where = "OUT" if p == real else f"OUT's {p.name[len(real.name) + 1:]} path {p}"
+                raise GlmconvError(f"{out}: {where} {how} the {label} {given}; choose an output directory "
+                                   f"outside every input")
+    return real
+
+
+def _relation(p: Path, src: Path) -> str | None:
+    if p == src:
+        return "is the same path as"
+    if src in p.parents:
+        return "is inside"
+    if p in src.parents:
+        return "contains"
+    return None
+
+
+def check_target(out: Path, real: Path, force: bool) -> None:
+    """Refuse an OUT that may not be replaced; never touches it (publish replaces it whole, at the end)."""
+    if os.path.lexists(real) and not real.is_dir():
+        raise GlmconvError(f"{out}: exists and is not a directory")
+    if real.is_dir() and _not_empty(real):
+        if not force:
+            raise GlmconvError(f"{out}: already exists and is not empty; pass --force to replace it")
+        if not published_by_glmconv(real):
+            raise GlmconvError(f"{out}: not a directory glmconv published (no {MANIFEST} written by glmconv); "
+                               f"--force replaces only those: remove it yourself or choose another OUT")
+    parent = real.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise GlmconvError(f"{parent}: output parent directory {what}")
+    if not os.access(parent, os.W_OK):
+        raise GlmconvError(f"{parent}: not writable")
+
+
+def _not_empty(d: Path) -> bool:
+    try:
+        with os.scandir(d) as it:
+            return any(True for _ in it)
+    except OSError as exc:
+        raise GlmconvError(f"{d}: cannot list the output directory ({exc.strerror or exc})") from None
+
+
+def published_by_glmconv(d: Path) -> bool:
+    """`d` holds the manifest glmconv writes last before publishing (a plain file, `written_by` glmconv)."""
+    data = _small_json(d / MANIFEST)
+    return isinstance(data, dict) and data.get("written_by") == WRITTEN_BY
+
+
+def manifest_fields() -> dict[str, str]:
+    """What every published manifest carries, so that --force can tell glmconv's directories from others."""
+    return {"written_by": WRITTEN_BY}
+
+
+def _small_json(path: Path) -> Any:
+    """A small JSON file read without following a symlink; None when absent, odd, too big or not JSON."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MARKER_MAX_BYTES:
+            return None
+        return json.loads(os.pread(fd, MARKER_MAX_BYTES, 0).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+
+
+# ---- directories glmconv will delete: the run marker ------------------------------------------------------
+
+@dataclass
+class Stage:
+    """A staging directory this run made; `fd` is its marker, flocked shared for the run's lifetime."""
+
+    path: Path
+    run: str
+    fd: int
+
+    @property
+    def marker(self) -> Path:
+        return self.path / MARKER
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def open_stage(real_out: Path) -> Stage:
+    """A fresh `OUT.glmconv-staging`, its marker written first; a leftover one is removed only if ours."""
+    path = sibling(real_out, STAGING_SUFFIX)
+    remove_ours(path, "staging")
+    try:
+        os.mkdir(path, 0o755)
+    except OSError as exc:
+        raise GlmconvError(f"{path}: cannot create the staging directory ({exc.strerror or exc})") from None
+    run = uuid.uuid4().hex
+    try:
+        fd = _write_marker(path, "staging", run)
+    except GlmconvError:
+        os.rmdir(path)
+        raise
+    return Stage(path, run, fd)
+
+
+def _write_marker(d: Path, state: str, run: str) -> int:
+    """Create `d/.glmconv-run` (O_EXCL), flock it shared and keep it open: the directory is ours and in use."""
+    path = d / MARKER
+    body = json.dumps({"written_by": WRITTEN_BY, "state": state, "run": run, "pid": os.getpid(),
+                       "host": socket.gethostname(), "started": time.time()}) + "\n"
+    try:
+        fd = create_new(path)
+    except OSError as exc:
+        raise GlmconvError(f"{path}: cannot create the run marker ({_why(exc)})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _write_all(fd, body.encode())
+    except OSError as exc:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise GlmconvError(f"{path}: cannot write the run marker ({exc.strerror or exc})") from None
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def join_stage(path: Path, run: str) -> int:
+    """A worker's hold on its run's staging directory: the marker flocked shared, the run id checked.
+
+    Returns the descriptor to keep open for the worker's lifetime. A staging directory that is no longer
+    this run's (a rerun replaced it after this worker's parent died) is refused: the worker writes nothing.
+    """
+    try:
+        fd = os.open(path / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise GlmconvError(f"{path}: staging directory is gone ({exc.strerror or exc}); nothing written") from None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    data = _small_json(path / MARKER)
+    if not isinstance(data, dict) or data.get("run") != run:
+        os.close(fd)
+        raise GlmconvError(f"{path}: staging directory belongs to another run; nothing written")
+    return fd
+
+
+def remove_ours(path: Path, what: str, keep: bool = False) -> None:
+    """Delete a leftover staging/backup directory if glmconv made it and nothing uses it; else refuse.
+
+    With `keep`, only the checks: the caller moves the directory instead.
+    """
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir():
+        kind = "a symlink" if path.is_symlink() else "not a directory"
+        raise GlmconvError(f"{path}: in the way of glmconv's {what} directory and not made by glmconv ({kind}); "
+                           f"remove it yourself")
+    data = _small_json(path / MARKER)
+    if not isinstance(data, dict) or data.get("written_by") != WRITTEN_BY:
+        raise GlmconvError(f"{path}: in the way of glmconv's {what} directory and not made by glmconv (no "
+                           f"{MARKER} marker); remove or rename it yourself")
+    if not _wait_unused(path / MARKER):
+        raise GlmconvError(f"{path}: left by glmconv pid {data.get('pid')} on {data.get('host')}, which still "
+                           f"uses it; wait for that process to end")
+    if keep:
+        return
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        raise GlmconvError(f"{path}: cannot remove the leftover {what} directory ({exc.strerror or exc})") from None
+
+
+def _wait_unused(marker: Path) -> bool:
+    """True once no process holds the marker's flock (waits a little: orphaned workers die with their parent)."""
+    wait_s = STALE_WAIT_S
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
+def discard(stage: Stage) -> None:
+    """Remove this run's staging directory (best effort: failing here must not hide the real error)."""
+    stage.close()
+    if os.path.lexists(stage.path) and not stage.path.is_symlink():
+        data = _small_json(stage.marker)
+        if isinstance(data, dict) and data.get("run") == stage.run:
+            shutil.rmtree(stage.path, ignore_errors=True)
+
+
+# ---- publishing --------------------------------------------------------------------------------------
+
+def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
+    """Swap the verified staging directory into OUT's place; an old OUT glmconv published goes only now.
+
+    An empty OUT is replaced by one rename (rename(2) may replace an empty directory). A non-empty one is
+    checked again, marked as ours, moved to `OUT.glmconv-old`, then deleted once the new OUT is in place;
+    if the new one cannot be moved in, the old one is moved back.
+    """
+    check_target(out, real, force)
+    try:
+        old = _set_aside(real, stage.run) if real.is_dir() and _not_empty(real) else None
+        try:
+            os.rename(stage.path, real)
+        except OSError:
+            if old is not None:
+                _put_back(old, real)
+            raise
+    except OSError as exc:
+        raise GlmconvError(f"{out}: cannot publish ({exc.strerror or exc}); the previous OUT is unchanged"
+                           ) from None
+    finally:
+        stage.close()
+    (real / MARKER).unlink(missing_ok=True)
+    if old is not None:
+        discard(old)
+
+
+def recover(real: Path) -> None:
+    """Finish what a run killed inside `publish` left (call under the lock), so OUT is whole again.
+
+    Killed between the two renames, OUT is absent and the old OUT waits as our backup: it is moved back (the
+    interrupted run published nothing). Killed after them, the backup is the replaced OUT: it is removed.
+    """
+    old = sibling(real, OLD_SUFFIX)
+    if not os.path.lexists(old):
+        return
+    if os.path.lexists(real):
+        remove_ours(old, "backup")
+        return
+    remove_ours(old, "backup", keep=True)  # refuses unless ours and unused
+    try:
+        os.rename(old, real)
+    except OSError as exc:
+        raise GlmconvError(f"{old}: cannot move the previous OUT back ({exc.strerror or exc})") from None
+    (real / MARKER).unlink(missing_ok=True)
+
+
+def _set_aside(real: Path, run: str) -> Stage:
+    """Mark the old OUT as ours (a crash then leaves a backup the next run recognises), move it aside."""
+    old_path = sibling(real, OLD_SUFFIX)
+    remove_ours(old_path, "backup")
+    leftover = real / MARKER
+    if os.path.lexists(leftover) and isinstance(_small_json(leftover), dict):
+        leftover.unlink()  # a crashed publish left its marker in this (published) OUT
+    old = Stage(old_path, run, _write_marker(real, "old", run))
+    try:
+        os.rename(real, old_path)
+    except OSError:
+        old.close()
+        leftover.unlink(missing_ok=True)
+        raise
+    return old
+
+
+def _put_back(old: Stage, real: Path) -> None:
+    old.close()
+    os.rename(old.path, real)
+    (real / MARKER).unlink(missing_ok=True)
