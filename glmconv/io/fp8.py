@@ -80,7 +80,7 @@ def check_scales(scale_inv: torch.Tensor, name: str) -> None:
     block = [int(i) for i in bad[0]]
     value = float(scale_inv[tuple(block)])
     more = f" ({len(bad)} such blocks)" if len(bad) > 1 else ""
-    raise Fp8FormatError(f"{name}: block {block} has scale {value!r}; expected a positive, finite, normal float32 "
+    raise Fp8FormatError(f"{name}: block {block} has scale {value:.7g}; expected a positive, finite, normal float32 "
                          f"(block amax / 448){more}")
 
 
