@@ -9,6 +9,7 @@ from itertools import groupby
 import click
 
 from glmconv.audit import KINDS, AuditReport, Finding, audit, expected_tensors
+from glmconv.text import printable
 
 ROWS_PER_KIND = 20
 
@@ -57,7 +58,7 @@ def _emit(src: str, side: str, as_json: bool, **kw: object) -> None:
         click.echo(json.dumps([s.as_json() for s in specs]))
         return
     out = sys.stdout
-    out.write("".join(f"{s.name} {list(s.shape)} {s.dtype}\n".replace(", ", ",") for s in specs))
+    out.write("".join(f"{printable(s.name)} {list(s.shape)} {s.dtype}\n".replace(", ", ",") for s in specs))
     out.flush()
 
 
@@ -73,9 +74,11 @@ def _print_report(report: AuditReport) -> None:
 
 def _table(report: AuditReport) -> object:
     from rich.table import Table
+    from rich.text import Text
 
     sides = report.against is not None
-    table = Table(title=f"audit-names {report.src}" + (f" --against {report.against}" if sides else ""))
+    title = f"audit-names {report.src}" + (f" --against {report.against}" if sides else "")
+    table = Table(title=Text(printable(title)))  # a Text, not a str: `[` in a path is not markup
     for col in ("kind", *(("side",) if sides else ()), "tensor", "file", "expected", "found"):
         table.add_column(col, overflow="fold")
     order = {k: i for i, k in enumerate(KINDS)}
@@ -91,6 +94,8 @@ def _table(report: AuditReport) -> object:
 
 
 def _cells(f: Finding, sides: bool) -> list[object]:
-    from rich.text import Text  # plain text: tensor names and shapes must not be read as markup
+    """Plain text (`[bold]` in a name is not markup), escaped (a newline or ANSI escape in a name is shown)."""
+    from rich.text import Text
 
-    return [Text(c) for c in (f.kind, *([f.side] if sides else []), f.tensor, f.file, f.expected, f.found)]
+    cells = (f.kind, *([f.side] if sides else []), f.tensor, f.file, f.expected, f.found)
+    return [Text(printable(c)) for c in cells]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from glmconv.text import printable
+
 
 @click.command("parity")
 @click.argument("hf_dir", type=click.Path(path_type=Path))
@@ -64,7 +66,7 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
         _print(report, paths)
     if not report["passed"]:
         broken = [b["bound"] for b in report["bounds"] if b["broken"]]
-        click.echo(f"parity failed: {len(broken)} bound(s) broken: {', '.join(broken)}", err=True)
+        click.echo(printable(f"parity failed: {len(broken)} bound(s) broken: {', '.join(broken)}"), err=True)
         sys.exit(1)
 
 
@@ -76,5 +78,5 @@ def _print(report: dict, paths: list[Path]) -> None:
     console = Console()
     print_table(report, console)
     for p in paths:
-        console.print(f"wrote {p}", markup=False, highlight=False, soft_wrap=True)
+        console.print(printable(f"wrote {p}"), markup=False, highlight=False, soft_wrap=True)
     console.print(f"took {report['elapsed_s']:.2f}s", markup=False, highlight=False, soft_wrap=True)

@@ -6,6 +6,8 @@ import sys
 import time
 from types import TracebackType
 
+from glmconv.text import printable
+
 
 class Progress:
     """Counts bytes and tensors against known totals; silent when `enabled` is False (e.g. --json)."""
@@ -24,11 +26,11 @@ class Progress:
             from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TextColumn,
                                        TimeRemainingColumn, TransferSpeedColumn)
 
-            self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), TextColumn("{task.fields[items]}"),
+            self._rich = RichProgress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TextColumn("{task.fields[items]}", markup=False),
                                       TimeRemainingColumn(), transient=True)
             self._rich.__enter__()
-            self._task = self._rich.add_task(self.label, total=self.total_bytes, items="")
+            self._task = self._rich.add_task(printable(self.label), total=self.total_bytes, items="")
         return self
 
     def advance(self, nbytes: int, items: int = 1) -> None:
@@ -45,7 +47,7 @@ class Progress:
         rate = self.done_bytes / elapsed
         eta = (self.total_bytes - self.done_bytes) / rate if rate else float("inf")
         pct = 100.0 * self.done_bytes / self.total_bytes if self.total_bytes else 100.0
-        return (f"{self.label}: {pct:5.1f}% {self.done_bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB, "
+        return (f"{printable(self.label)}: {pct:5.1f}% {self.done_bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB, "
                 f"{self.done_items}/{self.total_items} tensors, {rate / 1e6:.0f} MB/s, ETA {eta:.0f}s")
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -20,6 +20,7 @@ import torch
 from glmconv.errors import GlmconvError
 from glmconv.parity import metrics
 from glmconv.parity.inputs import Batch
+from glmconv.text import printable
 
 MODES = ("propagated", "isolated")
 ATTENTION, MLP = "attention", "mlp"
@@ -138,8 +139,8 @@ class StepProgress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[step]}"), TimeElapsedColumn(),
+            self._rich = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.fields[step]}", markup=False), TimeElapsedColumn(),
                                   console=Console(stderr=True), transient=True)
             self._rich.__enter__()
             self._task = self._rich.add_task(self.label, total=self.total, step="")
@@ -148,10 +149,10 @@ class StepProgress:
     def __call__(self, step: str) -> None:
         self.done += 1
         if self._rich is not None:
-            self._rich.update(self._task, advance=1, step=step)
+            self._rich.update(self._task, advance=1, step=printable(step))
         elif self.enabled and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
-            print(f"{self.label}: {self.done}/{self.total} steps ({step})", file=sys.stderr, flush=True)
+            print(printable(f"{self.label}: {self.done}/{self.total} steps ({step})"), file=sys.stderr, flush=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

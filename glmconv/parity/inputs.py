@@ -17,6 +17,7 @@ from glmconv.io.jsonfile import parse_json, read_capped
 from glmconv.text import show
 
 MAX_PROMPT_BYTES = 64 << 20  # token ids for a parity run: far more than any GPU holds
+MAX_TOKENS = 1 << 24  # one packed batch; beyond this the activations alone exceed any accelerator
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ def random_batch(vocab: int, tokens: int, sequences: int = 1, seed: int = 0) -> 
     """`tokens` uniform ids from `seed`, split into `sequences` packed sequences of near-equal length."""
     if tokens < 1 or sequences < 1:
         raise GlmconvError(f"--tokens {tokens} and --sequences {sequences} must be positive")
+    if tokens > MAX_TOKENS:
+        raise GlmconvError(f"--tokens {show(tokens)}: more than the {MAX_TOKENS:,} tokens a parity run takes")
     if sequences > tokens:
         raise GlmconvError(f"--sequences {sequences} exceeds --tokens {tokens}: every sequence needs a token")
     g = torch.Generator().manual_seed(seed)

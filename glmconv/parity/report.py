@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from glmconv import __version__
 from glmconv.errors import GlmconvError
 from glmconv.parity import metrics
+from glmconv.text import printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -104,9 +105,10 @@ def bound_lines(report: dict[str, Any]) -> list[str]:
 def print_table(report: dict[str, Any], console: Console) -> None:
     """The per-sub-block table, the logit metrics, the first divergence and the bounds."""
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=f"glmconv parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens "
-                    f"in {report['sequences']} sequence(s)")
+    t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens "
+                                   f"in {report['sequences']} sequence(s)")))
     for col in ("layer", "sub-block", "type", "rel err", "max abs", "overlap"):
         t.add_column(col, justify="right" if col in ("layer", "rel err", "max abs") else "left")
     fd = report["first_divergence"]
@@ -118,9 +120,9 @@ def print_table(report: dict[str, Any], console: Console) -> None:
                   _fmt(rec["max_abs"]), _overlap(rec), style="bold red" if first else "red" if over else None)
     console.print(t)
     for line in logits_lines(report) + [divergence_line(report)]:
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
+        console.print(printable(line), markup=False, highlight=False, soft_wrap=True)
     for line, b in zip(bound_lines(report), report["bounds"]):
-        console.print(line, style="bold red" if b["broken"] else "green", markup=False, highlight=False,
+        console.print(printable(line), style="bold red" if b["broken"] else "green", markup=False, highlight=False,
                       soft_wrap=True)
 
 
