@@ -15,10 +15,9 @@ from cli.main import cli
 from glmconv.io.hf_checkpoint import INDEX_NAME
 from glmconv.rules.names import HF_FLAT_PREFIX
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "reference" / "glm-5.3-flash.config.json"
+from repo_files import REAL_CONFIG as REAL  # noqa: E402
 L1 = "model.language_model.layers.1."
 FP8_W = L1 + "mlp.experts.2.down_proj.weight"
-needs_real = pytest.mark.skipif(not REAL.is_file(), reason="the reference config.json is not available")
 
 
 def run(*args: object) -> tuple[int, str]:
@@ -48,7 +47,6 @@ def transformers_keys() -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in sd.items()}
 
 
-@needs_real
 @pytest.mark.slow
 def test_emit_hf_text_only_is_exactly_what_transformers_saves(transformers_keys):
     code, specs = run_json(REAL, "--emit", "hf", "--no-mtp", "--no-vision")
@@ -57,7 +55,6 @@ def test_emit_hf_text_only_is_exactly_what_transformers_saves(transformers_keys)
     assert {s["name"]: tuple(s["shape"]) for s in specs} == text
 
 
-@needs_real
 @pytest.mark.slow
 def test_emit_hf_with_vision_matches_transformers_vision_tower_too(transformers_keys):
     code, specs = run_json(REAL, "--emit", "hf", "--no-mtp")
@@ -65,7 +62,6 @@ def test_emit_hf_with_vision_matches_transformers_vision_tower_too(transformers_
     assert {s["name"]: tuple(s["shape"]) for s in specs} == transformers_keys
 
 
-@needs_real
 def test_emit_hf_fp8_release_lists_76108_keys():
     code, specs = run_json(REAL, "--emit", "hf", "--fp8")
     assert code == 0 and len(specs) == 76_108
@@ -75,7 +71,6 @@ def test_emit_hf_fp8_release_lists_76108_keys():
     assert by[w + "_scale_inv"] == {"name": w + "_scale_inv", "shape": [32, 16], "dtype": "F32"}
 
 
-@needs_real
 def test_emit_mcore_spot_checks():
     code, specs = run_json(REAL, "--emit", "mcore")
     by = {s["name"]: (tuple(s["shape"]), s["dtype"]) for s in specs}
@@ -92,7 +87,6 @@ def test_emit_mcore_spot_checks():
     assert not any(n.startswith("decoder.layers.45.") for n in by)
 
 
-@needs_real
 def test_emit_plain_text_is_one_name_shape_dtype_line_per_tensor():
     code, out = run(REAL, "--emit", "hf", "--no-mtp", "--no-vision")
     lines = out.splitlines()
@@ -101,7 +95,6 @@ def test_emit_plain_text_is_one_name_shape_dtype_line_per_tensor():
     assert all(len(line.split(" ")) == 3 for line in lines)
 
 
-@needs_real
 def test_real_config_audits_clean():
     code, out = run(REAL, "--fp8")
     assert code == 0 and out.strip() == "OK: 76,108 tensors match the plan"

@@ -9,7 +9,7 @@ import pytest
 from glmconv.config import DENSE, DSA, KDA, MOE, load_config, parse_config
 from glmconv.errors import ConfigError
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "reference" / "glm-5.3-flash.config.json"
+from repo_files import REAL_CONFIG as REAL  # noqa: E402
 
 
 @pytest.fixture()

@@ -11,7 +11,7 @@ from glmconv.plan import FP8, build_plan
 from glmconv.rules import RULES
 from glmconv.rules.names import HF_FLAT_PREFIX
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "reference" / "glm-5.3-flash.config.json"
+from repo_files import REAL_CONFIG as REAL  # noqa: E402
 
 
 @pytest.fixture(scope="module")
