@@ -67,6 +67,7 @@ class Side:
     text_prefix: str | None = None  # the HF text prefix most tensors use
     ignored: int = 0  # tensors of layers beyond --layers, left out of the audit
     objects: set[str] | None = None  # torch_dist: ShardedObject keys (e.g. `_extra_state`) on disk
+    fp8_vote: bool | None = None  # HF: the majority of FP8-eligible weights is stored FP8 (see _looks_fp8)
 
     def expected(self) -> dict[str, TensorSpec]:
         assert self.plan is not None
@@ -210,8 +211,35 @@ def plan_side(s: Side, opts: Options) -> Plan:
 
 
 def _looks_fp8(s: Side) -> bool:
+    """The checkpoint's format, decided by a vote of its FP8-eligible weights (cached on the side).
+
+    One stray F8_E4M3 tensor in a BF16 checkpoint (or one BF16 weight in the FP8 release) must not flip the
+    plan: the plan follows the majority, so the findings, and the first error, name the minority tensors.
+    """
+    if s.fp8_vote is None:
+        fp8, plain = fp8_votes(s)
+        s.fp8_vote = len(fp8) > len(plain) or (len(fp8) == len(plain) > 0 and s.quantized)  # a tie: the config
+    return s.fp8_vote
+
+
+def fp8_votes(s: Side) -> tuple[list[str], list[str]]:
+    """The weights the FP8 release stores as e4m3, split into those stored FP8 here (F8_E4M3 or with a
+    `_scale_inv`) and those stored plainly; weights absent from the checkpoint do not vote."""
     tensors = s.tensors or {}
-    return any(names.scale_owner(n) is not None or t[1] == FP8 for n, t in tensors.items())
+    if not any(names.scale_owner(n) is not None or t[1] == FP8 for n, t in tensors.items()):
+        return [], []  # no FP8 evidence at all: BF16 without building the FP8 plan
+    fp8: list[str] = []
+    plain: list[str] = []
+    for name in _fp8_eligible(s):
+        if name in tensors:
+            stored_fp8 = tensors[name][1] == FP8 or names.scale_name(name) in tensors
+            (fp8 if stored_fp8 else plain).append(name)
+    return fp8, plain
+
+
+def _fp8_eligible(s: Side) -> set[str]:
+    plan = build_plan(s.config, fp8=True, mtp=True, vision=True, text_prefix=s.text_prefix or names.HF_TEXT_PREFIX)
+    return {n for n, spec in plan.hf_index.items() if spec.dtype == FP8}
 
 
 # ---- comparing a side with its plan ------------------------------------------------------------------
