@@ -73,7 +73,7 @@ def write_new(path: Path, text: str) -> None:
         with new_file(path, "w") as f:
             f.write(text)
     except OSError as exc:
-        raise GlmconvError(f"{path}: cannot write ({_why(exc)})") from None
+        raise GlmconvError(f"{path}: cannot write ({_why(exc, path)})") from None
 
 
 def copy_new(src: Path, dst: Path) -> None:
@@ -82,11 +82,11 @@ def copy_new(src: Path, dst: Path) -> None:
         with open(src, "rb") as fin, new_file(dst) as fout:
             shutil.copyfileobj(fin, fout, 1 << 20)
     except OSError as exc:
-        raise GlmconvError(f"{dst}: cannot write ({_why(exc)})") from None
+        raise GlmconvError(f"{dst}: cannot write ({_why(exc, dst)})") from None
 
 
-def _why(exc: OSError) -> str:
-    if exc.errno == errno.ELOOP:
+def _why(exc: OSError, path: Path | None = None) -> str:
+    if exc.errno == errno.ELOOP or exc.errno == errno.EEXIST and path is not None and path.is_symlink():
         return "a symlink is in the way; glmconv never writes through one"
     if exc.errno == errno.EEXIST:
         return "something is already there; glmconv never writes over a file it did not create"
@@ -241,7 +241,7 @@ def _write_marker(d: Path, state: str, run: str) -> int:
     try:
         fd = create_new(path)
     except OSError as exc:
-        raise GlmconvError(f"{path}: cannot create the run marker ({_why(exc)})") from None
+        raise GlmconvError(f"{path}: cannot create the run marker ({_why(exc, path)})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         _write_all(fd, body.encode())
