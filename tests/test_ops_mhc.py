@@ -36,20 +36,43 @@ def test_pre_matches_transformers(scale: float) -> None:
     assert rel(mp, post[0]) <= TOL and rel(mc, comb[0]) <= TOL and rel(mcol, collapsed[0]) <= TOL
 
 
+class _Fixed(torch.nn.Module):
+    """Stands in for a sub-block: returns a fixed output, so the layer's own mHC lines are what is tested."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.out
+
+
+@pytest.mark.parametrize(("dtype", "mix"), [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
 @torch.no_grad()
-def test_post_mix_matches_the_decoder_layer_in_both_precisions() -> None:
+def test_decoder_layer_hc_pre_and_post_match_transformers(dtype: torch.dtype, mix: str) -> None:
+    """transformers' whole decoder layer (attention and MLP replaced by fixed outputs) = glmconv's pre/post mix."""
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextDecoderLayer
+
+    cfg = text_config()
+    layer = randomize(Glm5NextTextDecoderLayer(cfg, 0), 2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 29, cfg.hc_mult, cfg.hidden_size, generator=g).to(dtype)
+    y, z = (torch.randn(1, 29, cfg.hidden_size, generator=g).to(dtype) for _ in range(2))
+    layer.self_attn, layer.mlp = _Fixed(y), _Fixed(z)
+    want, _ = layer(x)
+    p = _params(cfg)
+    post, comb, _ = hc_pre(x[0], layer.attn_hc.fn, layer.attn_hc.base, layer.attn_hc.scale, p)
+    mid = hc_post(y[0], x[0], post, comb, mix)
+    post, comb, _ = hc_pre(mid, layer.ffn_hc.fn, layer.ffn_hc.base, layer.ffn_hc.scale, p)
+    assert torch.equal(hc_post(z[0], mid, post, comb, mix), want[0])
+
+
+def test_bf16_mix_coefficients_differ_from_the_fp32_mix() -> None:
     cfg, hc = _hc(2)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 29, cfg.hc_mult, cfg.hidden_size, generator=g)
-    y = torch.randn(29, cfg.hidden_size, generator=g)
-    post, comb, _ = hc(x)
-    post, comb = post[0], comb[0]
-    for dtype in (torch.float32, torch.bfloat16):  # transformers' own line, dtype = the activations'
-        res, yy = x[0].to(dtype), y.to(dtype)
-        want = post.to(dtype).unsqueeze(-1) * yy.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), res)
-        assert torch.equal(hc_post(yy, res, post, comb, "bf16" if dtype == torch.bfloat16 else "fp32"), want)
-    fp32_mix = hc_post(y, x[0], post, comb, "fp32")
-    assert rel(hc_post(y, x[0], post, comb, "bf16"), fp32_mix) > 1e-4  # bf16 coefficients show even in fp32
+    x, y = torch.randn(29, cfg.hc_mult, cfg.hidden_size, generator=g), torch.randn(29, cfg.hidden_size, generator=g)
+    post, comb, _ = hc_pre(x, hc.fn, hc.base, hc.scale, _params(cfg))
+    assert rel(hc_post(y, x, post, comb, "bf16"), hc_post(y, x, post, comb, "fp32")) > 1e-4
 
 
 def test_megatron_rms_form_is_eps_outside_the_root() -> None:
