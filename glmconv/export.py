@@ -42,6 +42,7 @@ from glmconv import audit as audit_mod
 from glmconv.config import GlmConfig, load_config
 from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, expert_rows, shares
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
+from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
 from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
@@ -110,11 +111,12 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
                               f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
     common = read_common_state(ck.iter_dir)
-    cfg_path = Path(config) if config is not None else _config_path(src_p, ck)
+    cfg_path = Path(config) if config is not None else audit_mod.mcore_config_path(src_p, ck.iter_dir)
     cfg = load_config(cfg_path)
     like_ck = inspect_hf_checkpoint(like) if like is not None else None
     if like_ck is not None:
         _check_like_config(cfg, like_ck)
+        like_sidecars(like_ck.path)  # a sidecar that is not a plain file inside --like: refused before any work
     prefix = (like_ck.text_prefix if like_ck is not None else None) or names.HF_TEXT_PREFIX
     parts = names.mcore_parts_present(ck.tensors)
     plan = build_plan(cfg, fp8=fp8, mtp="mtp" in parts, vision="vision" in parts, text_prefix=prefix)
@@ -128,13 +130,6 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
         max_shard_bytes=max_shard_bytes)
 
 
-def _config_path(src: Path, ck: DcpCheckpoint) -> Path:
-    for cand in audit_mod.mcore_config_candidates(src, ck.iter_dir):
-        if cand.is_file():
-            return cand
-    raise CheckpointError(f"{src}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
-
-
 def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> dict[str, Path | None]:
     """What OUT may not overlap: the torch_dist checkpoint, the --like checkpoint, the --config file."""
     return {"input": src, "--like directory": Path(like) if like is not None else None,
@@ -142,9 +137,9 @@ def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> di
 
 
 def _manifest(src: Path) -> dict[str, Any]:
-    path = src / MANIFEST_NAME
+    path = optional_file(src, MANIFEST_NAME)
     try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        data = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     return data if isinstance(data, dict) else {}
@@ -476,14 +471,19 @@ def write_sidecars(job: ExportJob, stage: Path) -> None:
     """config.json (FP8 block only when FP8), and with --like its generation config and tokenizer files."""
     write_new(stage / CONFIG_NAME, json.dumps(job.config_json, indent=2) + "\n")
     if job.like is not None:
-        found = [job.like / n for n in LIKE_FILES] + [p for g in LIKE_GLOBS for p in sorted(job.like.glob(g))]
-        for path in found:
-            if path.is_file():
-                copy_new(path, stage / path.name)
+        for name, path in like_sidecars(job.like).items():
+            copy_new(path, stage / name)
     manifest = {**manifest_fields(), "source": str(job.src.resolve()), "format": "hf-safetensors",
                 "fp8": job.plan.fp8, "mtp": job.plan.mtp, "vision": job.plan.vision,
                 "text_prefix": job.plan.text_prefix, "like": str(job.like.resolve()) if job.like else None}
     write_new(stage / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")  # last: the mark of a glmconv export
+
+
+def like_sidecars(like: Path) -> dict[str, Path]:
+    """The --like checkpoint's tokenizer and generation files, each resolved inside it (or refused)."""
+    globbed = sorted({p.name for g in LIKE_GLOBS for p in like.glob(g)})
+    found = {name: optional_file(like, name) for name in (*LIKE_FILES, *globbed)}
+    return {name: path for name, path in found.items() if path is not None}
 
 
 def verify_staged(job: ExportJob, stage: Path) -> None:
