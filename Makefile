@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SHELL := /bin/bash
 
-.PHONY: env demo test gate bench gpu-wheels clean
+.PHONY: env demo test fuzz gate bench gpu-wheels clean
 
 env: $(STAMP)
 
@@ -30,6 +30,10 @@ demo: env
 # CI: the parity gate the way users run it (fixture -> convert -> parity --fail-on), then the suite.
 test: env gate
 	$(VPY) -m pytest -q -n 2 tests
+
+# The fuzz tests with fresh random examples, 20x the CI count (CI runs them derandomized: tests/fuzzing.py).
+fuzz: env
+	$(VPY) -m pytest -q -n 2 --hypothesis-profile=fuzz tests/test_fuzz_*.py
 
 gate: env
 	bash scripts/parity_gate.sh

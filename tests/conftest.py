@@ -6,6 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis profiles (see tests/fuzzing.py): `ci` by default, so a run never depends on the clock or on a
+# local example database; `make fuzz` passes --hypothesis-profile=fuzz for many fresh random examples.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=100, print_blob=True)
+settings.register_profile("fuzz", derandomize=False, deadline=None, max_examples=2000, print_blob=True)
+settings.load_profile("ci")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from glmconv import convert as convert_mod
@@ -33,14 +33,10 @@ from glmconv.io.dcp_writer import TORCH_DTYPES
 from glmconv.io.hf_writer import ShardWriter
 from glmconv.plan import FP8, Plan, build_plan
 from glmconv.rules import names
+from fuzzing import fuzz
 from test_export import _raw as raw_tensors
 
-FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 KDA_T, DSA_T = "linear_attention", "deepseek_sparse_attention"
-
-
-def fuzz(examples: int) -> settings:
-    return settings(FUZZ, max_examples=examples)
 
 
 @st.composite

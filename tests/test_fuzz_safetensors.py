@@ -22,20 +22,16 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import glmconv.io.safetensors_header as sh
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.hf_checkpoint import INDEX_NAME, inspect_hf_checkpoint
 from glmconv.io.safetensors_header import DTYPE_SIZES, MAX_HEADER_BYTES, read_header
+from fuzzing import fuzz
 from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
-FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def fuzz(examples: int, **kw: Any) -> settings:
-    return settings(FUZZ, max_examples=examples, **kw)
 TORCH_LOADABLE = {"BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
                   "I64", "U64", "F64"}
 
@@ -342,3 +338,18 @@ def test_shard_name_with_a_nul_byte_is_refused(hf_dir: Path) -> None:
             inspect_hf_checkpoint(hf_dir)
     finally:
         path.write_bytes(original)
+
+
+def test_shard_named_newline_in_the_index_gives_one_escaped_line(hf_dir: Path) -> None:
+    """The flaky case the random runs used to hit: a shard name of "\\n" printed raw split the message."""
+    path = hf_dir / INDEX_NAME
+    original = path.read_bytes()
+    index = json.loads(original)
+    index["weight_map"][next(iter(index["weight_map"]))] = "\n"
+    path.write_text(json.dumps(index))
+    try:
+        with pytest.raises(CheckpointError) as err:
+            inspect_hf_checkpoint(hf_dir)
+    finally:
+        path.write_bytes(original)
+    assert str(err.value) == "'\\n': shard listed in model.safetensors.index.json is missing"
