@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from cli.sizes import SIZE
+from glmconv.text import show
 
 
 @click.command("export")
@@ -54,5 +55,5 @@ def _print(s: dict) -> None:
         click.echo("note: the source HF checkpoint was FP8; this export is BF16 (pass --fp8 to re-quantise)")
     src_prefix = s.get("source_text_prefix")
     if src_prefix and src_prefix != s["text_prefix"]:
-        click.echo(f"note: the source HF checkpoint used the text prefix {src_prefix!r}; this export uses "
-                   f"{s['text_prefix']!r} (pass --like SOURCE to restore it)")
+        click.echo(f"note: the source HF checkpoint used the text prefix {show(src_prefix, quote=True)}; "
+                   f"this export uses {s['text_prefix']!r} (pass --like SOURCE to restore it)")

@@ -43,6 +43,7 @@ from glmconv.config import GlmConfig, load_config
 from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, expert_rows, shares
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.checkpoint_files import optional_file
+from glmconv.io.jsonfile import load_json_file
 from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
 from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
@@ -138,11 +139,9 @@ def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> di
 
 def _manifest(src: Path) -> dict[str, Any]:
     path = optional_file(src, MANIFEST_NAME)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    return data if isinstance(data, dict) else {}
+    data = load_json_file(path, source=str(src / MANIFEST_NAME)) if path is not None else {}
+    types = {"text_prefix": str, "fp8_source": bool}  # convert wrote it, anyone may have edited it
+    return {k: data[k] for k, kind in types.items() if isinstance(data, dict) and type(data.get(k)) is kind}
 
 
 def _check_like_config(cfg: GlmConfig, like: HfCheckpoint) -> None:
