@@ -133,13 +133,24 @@ def check_overlap(out: Path, inputs: dict[str, Path | None]) -> Path:
 
 
 def _relation(p: Path, src: Path) -> str | None:
-    if p == src:
+    """How `p` overlaps `src` (both resolved), by path and, for what exists, by inode (bind mounts)."""
+    if _same(p, src):
         return "is the same path as"
-    if src in p.parents:
+    if any(_same(a, src) for a in p.parents):
         return "is inside"
-    if p in src.parents:
+    if any(_same(p, a) for a in src.parents):
         return "contains"
     return None
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a == b:
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def check_target(out: Path, real: Path, force: bool) -> None:

@@ -590,3 +590,16 @@ def test_a_worker_refuses_a_staging_directory_of_another_run(tmp_path: Path) -> 
     finally:
         output.discard(stage)
     assert listing(tmp_path) == []
+
+
+def test_out_inside_a_bind_mount_of_the_input_is_refused(src: Path, tmp_path: Path) -> None:
+    """Two paths, one directory: overlap is decided by inode too, not only by path."""
+    view = tmp_path / "view"
+    view.mkdir()
+    if subprocess.run(["mount", "--bind", str(src), str(view)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        assert_refused(["convert", str(src), str(view / "out")], [src], view / "out",
+                       rf"{view / 'out'}: OUT is inside the input {src}{OUTSIDE}")
+    finally:
+        subprocess.run(["umount", "-l", str(view)], capture_output=True)
