@@ -1,7 +1,8 @@
-"""What every plan runner (convert, export) shares: staging, atomic publish, and running as 1, N or torchrun ranks.
+"""What every plan runner (convert, export) shares: one output path, and running as 1, N or torchrun ranks.
 
-A runner's rank function has the signature `fn(*args, rank, world, group)`; `run_ranks` calls it in this
-process, in `workers` spawned gloo processes, or once per torchrun rank, and returns rank 0's summary.
+A runner's rank function has the signature `fn(*args, stage, rank, world, group)`; `run_on_output` checks
+OUT (glmconv/output.py), makes the staging directory, calls it through `run_ranks` in this process, in
+`workers` spawned gloo processes, or once per torchrun rank, and publishes rank 0's result itself.
 """
 
 from __future__ import annotations
@@ -103,15 +104,19 @@ def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: Ra
                 if lead:
                     output.recover(real)  # a run killed inside publish: its old OUT is put back first
                 output.check_target(out, real, force)  # again, under the lock: another run may have published
-                return _run_staged(out, real, force, lead, fn, args, workers, what)
+                return _run_staged(out, real, force, fn, args, workers, what)
         except BaseException as exc:
-            raise interrupt.as_interrupt(exc) from None
+            really = interrupt.as_interrupt(exc)
+            if really is exc:
+                raise
+            raise really from None
 
 
-def _run_staged(out: Path, real: Path, force: bool, lead: bool, fn: RankFn, args: tuple[Any, ...], workers: int,
+def _run_staged(out: Path, real: Path, force: bool, fn: RankFn, args: tuple[Any, ...], workers: int,
                 what: str) -> dict[str, Any]:
     """The lead makes the staging directory, runs the ranks, publishes; on any failure it discards the stage."""
-    stage = output.open_stage(real) if lead else None
+    env = torchrun_env()
+    stage = output.open_stage(real) if env is None or env[0] == 0 else None
     try:
         summary = run_ranks(fn, (*args, output.sibling(real, STAGING_SUFFIX)), workers, what, stage)
         if stage is not None:
