@@ -143,11 +143,22 @@ def _out_for(relation: str, target: Path, root: Path) -> Path:
     return {"symlink": link, "symlink-inside": link / "out", "symlink-parent": link}[relation]
 
 
-@settings(derandomize=True, deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow])
+def _spell(out: Path, spelling: str) -> str:
+    """The same OUT written another way: relative to the current directory, with `.` segments, a trailing `/.`."""
+    if spelling == "relative":
+        return os.path.relpath(out)
+    if spelling == "dotted":
+        return f"{out.parent}/./{out.name}"
+    if spelling == "trailing-dot":
+        return f"{out}/."
+    return str(out)
+
+
+@settings(derandomize=True, deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(command=st.sampled_from(["convert", "export", "export-like"]), relation=st.sampled_from(RELATIONS),
-       force=st.booleans())
+       force=st.booleans(), spelling=st.sampled_from(["absolute", "relative", "dotted", "trailing-dot"]))
 def test_output_overlapping_any_input_never_changes_it(tiny_ckpt: Path, mc: Path, command: str, relation: str,
-                                                       force: bool) -> None:
+                                                       force: bool, spelling: str) -> None:
     """Property: whatever the path relation, OUT overlapping an input is refused and the inputs stay intact."""
     with tempfile.TemporaryDirectory(prefix="glmconv-overlap-") as tmp:
         root = Path(tmp)
@@ -161,7 +172,7 @@ def test_output_overlapping_any_input_never_changes_it(tiny_ckpt: Path, mc: Path
             target = hf if command == "export-like" else mcc
             args = ["export", str(mcc)] + (["--like", str(hf)] if command == "export-like" else [])
         out = _out_for(relation, target, root)
-        args = args[:2] + [str(out)] + args[2:] + (["--force"] if force else [])
+        args = args[:2] + [_spell(out, spelling)] + args[2:] + (["--force"] if force else [])
         assert_refused(args, [root / "in"], out, OUTSIDE)
 
 
