@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import click
 
-from glmconv import __version__
+from glmconv import __version__, interrupt
 from glmconv.errors import GlmconvError
 from glmconv.interrupt import Interrupted
 from glmconv.text import printable
@@ -26,8 +26,12 @@ class _Group(click.Group):
     """
 
     def invoke(self, ctx: click.Context) -> object:
+        with interrupt.catching():  # SIGINT/SIGTERM anywhere in a command: `interrupted`, exit 130/143
+            return self._invoke(ctx)
+
+    def _invoke(self, ctx: click.Context) -> object:
         try:
-            return super().invoke(ctx)
+            return _interruptible(super().invoke, ctx)
         except Interrupted as exc:  # SIGINT/SIGTERM: the run already removed its staging and released its lock
             _fail("interrupted", exc.exit_code)
         except KeyboardInterrupt:  # Ctrl-C outside a run (while reading the input): nothing to clean up
@@ -42,6 +46,21 @@ class _Group(click.Group):
             _fail(internal_error_line(exc), INTERNAL_EXIT)
 
 
+def _interruptible(invoke: Callable[[click.Context], object], ctx: click.Context) -> object:
+    """`invoke(ctx)`; once SIGINT/SIGTERM arrived, whatever it raised is the interruption.
+
+    torch turns an exception raised in its callbacks into a RuntimeError, which may then become a "write
+    failed" error line: the recorded signal decides instead.
+    """
+    try:
+        return invoke(ctx)
+    except BaseException as exc:
+        really = interrupt.as_interrupt(exc)
+        if really is exc:
+            raise
+        raise really from None
+
+
 def _fail(line: str, code: int) -> NoReturn:
     click.echo(line, err=True)
     sys.exit(code)
@@ -49,7 +68,8 @@ def _fail(line: str, code: int) -> NoReturn:
 
 def internal_error_line(exc: BaseException) -> str:
     """`internal error: <Type>: <message>; please report ...` on one line."""
-    return f"internal error: {type(exc).__name__}: {one_line(str(exc))}; {REPORT_HINT}"
+    message = one_line(str(exc))
+    return f"internal error: {type(exc).__name__}{': ' + message if message else ''}; {REPORT_HINT}"
 
 
 def one_line(text: str) -> str:

@@ -140,9 +140,9 @@ def parse_config(raw: dict[str, Any]) -> GlmConfig:
         text_raw = raw
     where = "text_config." if nested else ""
     text = {**_TEXT_DEFAULTS, **text_raw}
-    check_fields(text, _TEXT_SCHEMA, where)
+    check_fields(text, TEXT_SCHEMA, where)
     if isinstance(text.get("linear_attn_config"), dict):
-        check_fields(text["linear_attn_config"], _LAC_SCHEMA, f"{where}linear_attn_config.")
+        check_fields(text["linear_attn_config"], LAC_SCHEMA, f"{where}linear_attn_config.")
     if isinstance(raw.get("quantization_config"), dict):
         check_fields(raw["quantization_config"], _QUANT_SCHEMA, "quantization_config.")
     _flatten_linear_attn_config(text)
@@ -250,9 +250,9 @@ def _json_type(value: Any) -> str:
 
 def found(value: Any) -> str:
     """A config value as a message shows it: `'4096' (a string)`, `a list of 3 items`."""
-    if isinstance(value, (list, dict)):
+    if value is None or isinstance(value, (list, dict)):
         return _json_type(value)
-    shown = "true" if value is True else "false" if value is False else "null" if value is None else show(value)
+    shown = "true" if value is True else "false" if value is False else show(value, quote=isinstance(value, str))
     return f"{shown} ({_json_type(value)})"
 
 
@@ -272,7 +272,7 @@ _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate
              "qk_nope_head_dim", "v_head_dim", "index_topk", "index_head_dim", "index_n_heads", "index_kpool",
              "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim", "hc_mult", "n_group", "topk_group",
              "hc_sinkhorn_iters")
-_TEXT_SCHEMA: dict[str, Field] = {
+TEXT_SCHEMA: dict[str, Field] = {
     **{key: _dim() for key in _POSITIVE},
     "num_hidden_layers": _dim(MAX_LAYERS),
     "n_routed_experts": _dim(1 << 16),
@@ -296,11 +296,11 @@ _TEXT_SCHEMA: dict[str, Field] = {
     "indexer_types": Field(list, items=str, nullable=True),
     "linear_attn_config": Field(dict, nullable=True),
 }
-_LAC_SCHEMA: dict[str, Field] = {
+LAC_SCHEMA: dict[str, Field] = {
     "full_attn_layers": Field(list, items=int), "kda_layers": Field(list, items=int, nullable=True),
     "num_heads": _dim(), "head_dim": _dim(), "short_conv_kernel_size": _dim(),
 }
-_VISION_SCHEMA: dict[str, Field] = {key: _dim() for key in _VISION_DEFAULTS}
+VISION_SCHEMA: dict[str, Field] = {key: _dim() for key in _VISION_DEFAULTS}
 _WRAPPER_SCHEMA: dict[str, Field] = {
     "text_config": Field(dict), "vision_config": Field(dict, nullable=True),
     "quantization_config": Field(dict, nullable=True),
@@ -382,7 +382,7 @@ def _vision_dims(vc: Any) -> VisionDims | None:
     if not isinstance(vc, dict):
         raise ConfigError("vision_config must be an object")
     v = {**_VISION_DEFAULTS, **vc}
-    check_fields(v, _VISION_SCHEMA, "vision_config.")
+    check_fields(v, VISION_SCHEMA, "vision_config.")
     return VisionDims(depth=v["depth"], hidden=v["hidden_size"], intermediate=v["intermediate_size"],
                       heads=v["num_heads"], patch=v["patch_size"], temporal_patch=v["temporal_patch_size"],
                       merge=v["spatial_merge_size"], out_hidden=v["out_hidden_size"],
