@@ -17,6 +17,7 @@ from glmconv.fixtures import FixtureError, make_fixture, preset_config
 from glmconv.fixtures import bench
 from glmconv.plan import FP8, build_plan
 from glmconv.rules import names
+from glmconv.rules import roles as R
 import hf_helpers as hf
 
 SIZE = 20 * 10**6
@@ -127,8 +128,8 @@ def test_cli_make_bench_with_size(tmp_path):
 
 def test_pool_windows_differ_per_tensor():
     pool = torch.randn(bench.POOL_ELEMS, dtype=torch.bfloat16)
-    a = bench._pooled(pool, "model.language_model.layers.0.mlp.down_proj.weight", (512, 256), torch.bfloat16, 0)
-    b = bench._pooled(pool, "model.language_model.layers.1.mlp.down_proj.weight", (512, 256), torch.bfloat16, 0)
+    a = bench._pooled(pool, "model.language_model.layers.0.mlp.down_proj.weight", R.DENSE_FC2, (512, 256), torch.bfloat16, 0)
+    b = bench._pooled(pool, "model.language_model.layers.1.mlp.down_proj.weight", R.DENSE_FC2, (512, 256), torch.bfloat16, 0)
     assert a is not None and b is not None and not torch.equal(a, b)
     assert abs(a.float().std().item() - 256**-0.5) < 0.01
-    assert bench._pooled(pool, "model.language_model.norm.weight", (256,), torch.bfloat16, 0) is None
+    assert bench._pooled(pool, "model.language_model.norm.weight", R.FINAL_NORM, (256,), torch.bfloat16, 0) is None

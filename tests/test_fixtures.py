@@ -253,7 +253,7 @@ def test_plan_disagreeing_with_transformers_is_refused(monkeypatch):
 
 def test_a_1d_tensor_without_an_init_rule_is_refused():
     with pytest.raises(FixtureError, match="no random init rule"):
-        generate.random_tensor("mystery_vector", (4,), seed=0)
+        generate.random_tensor("mystery_vector", "", (4,), seed=0)
 
 
 def test_non_empty_out_is_refused_unless_forced(tmp_path):

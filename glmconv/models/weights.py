@@ -22,10 +22,9 @@ from glmconv.ops.dsa import DsaTensors
 from glmconv.ops.kda import KdaTensors
 from glmconv.ops.kpool import IndexerTensors
 from glmconv.plan import FP8, Mapping, build_plan
+from glmconv.rules import roles as R
 
 EXPERT_WINDOW_BYTES = 1 << 30  # stacked-expert rows read at once on the Megatron side
-HC_ROLES = {"attn": ("hc_attn.fn", "hc_attn.base", "hc_attn.scale"),
-            "ffn": ("hc_ffn.fn", "hc_ffn.base", "hc_ffn.scale")}
 
 
 @dataclass(frozen=True)
@@ -145,21 +144,21 @@ class WeightSource(ABC):
     # ---- the common structure ---------------------------------------------------------------------------
 
     def embedding(self) -> torch.Tensor:
-        return self.tensor(None, "embed")
+        return self.tensor(None, R.EMBED)
 
     def final_norm(self) -> torch.Tensor:
-        return self.tensor(None, "final_norm")
+        return self.tensor(None, R.FINAL_NORM)
 
     def lm_head(self) -> torch.Tensor:
-        return self.tensor(None, "lm_head")
+        return self.tensor(None, R.LM_HEAD)
 
     def hc_head(self) -> HcSite | None:
         """Learned output contraction tensors: GLM-5.3-Flash has none (its head is a plain mean)."""
         return None
 
     def attention(self, layer: int) -> AttentionWeights:
-        hc = self.hc_site(layer, "attn") if self.has(layer, HC_ROLES["attn"][0]) else None
-        norm = self.tensor(layer, "attn_norm")
+        hc = self.hc_site(layer, "attn") if self.has(layer, R.HC["attn"][0]) else None
+        norm = self.tensor(layer, R.ATTN_NORM)
         kind = self.config.attn_types[layer]
         if kind == KDA:
             return AttentionWeights(hc, norm, kda=self._kda(layer))
@@ -168,32 +167,32 @@ class WeightSource(ABC):
         raise CheckpointError(f"layer {layer}: unknown attention type {kind!r}")
 
     def mlp(self, layer: int) -> MlpWeights:
-        hc = self.hc_site(layer, "ffn") if self.has(layer, HC_ROLES["ffn"][0]) else None
-        norm = self.tensor(layer, "mlp_norm")
+        hc = self.hc_site(layer, "ffn") if self.has(layer, R.HC["ffn"][0]) else None
+        norm = self.tensor(layer, R.MLP_NORM)
         if self.config.mlp_types[layer] != MOE:
-            return MlpWeights(hc, norm, dense=self.swiglu(layer, "dense.fc1", "dense.fc2"))
-        shared = self.swiglu(layer, "moe.shared_fc1", "moe.shared_fc2") if self.has(layer, "moe.shared_fc1") else None
-        moe = MoeWeights(self.tensor(layer, "moe.router"), self.tensor(layer, "moe.expert_bias"), shared,
+            return MlpWeights(hc, norm, dense=self.swiglu(layer, R.DENSE_FC1, R.DENSE_FC2))
+        shared = self.swiglu(layer, R.MOE_SHARED_FC1, R.MOE_SHARED_FC2) if self.has(layer, R.MOE_SHARED_FC1) else None
+        moe = MoeWeights(self.tensor(layer, R.MOE_ROUTER), self.tensor(layer, R.MOE_EXPERT_BIAS), shared,
                          self.experts(layer))
         return MlpWeights(hc, norm, moe=moe)
 
     def _kda(self, layer: int) -> KdaTensors:
         t = lambda role: self.tensor(layer, role)  # noqa: E731
-        return KdaTensors(q_proj=t("kda.q_proj"), k_proj=t("kda.k_proj"), v_proj=t("kda.v_proj"),
-                          conv=self.kda_conv(layer), f_a=t("kda.f_a_proj"), f_b=t("kda.f_b_proj"),
-                          g_a=t("kda.g_a_proj"), g_b=t("kda.g_b_proj"), b_proj=t("kda.b_proj"), a_log=t("kda.A_log"),
-                          dt_bias=t("kda.dt_bias"), o_norm=t("kda.o_norm"), o_proj=t("kda.o_proj"))
+        p = {name: t(role) for name, role in R.KDA_PROJ.items()}
+        return KdaTensors(q_proj=p["q"], k_proj=p["k"], v_proj=p["v"], conv=self.kda_conv(layer), f_a=p["f_a"],
+                          f_b=p["f_b"], g_a=p["g_a"], g_b=p["g_b"], b_proj=p["b"], a_log=t(R.KDA_A_LOG),
+                          dt_bias=t(R.KDA_DT_BIAS), o_norm=t(R.KDA_O_NORM), o_proj=p["o"])
 
     def _dsa(self, layer: int) -> DsaTensors:
         t = lambda role: self.tensor(layer, role)  # noqa: E731
         indexer = None
-        if self.has(layer, "indexer.wq_b"):
+        if self.has(layer, R.INDEXER_WQ_B):
             indexer = IndexerTensors(
-                wq_b=t("indexer.wq_b"), wk=t("indexer.wk"), k_norm_weight=t("indexer.k_norm_weight"),
-                k_norm_bias=t("indexer.k_norm_bias"), weights_proj=t("indexer.weights_proj"),
-                compress_gate=t("indexer.compress_gate"), compress_ape=t("indexer.compress_ape"))
-        return DsaTensors(q_a=t("dsa.q_a"), q_a_norm=t("dsa.q_a_norm"), q_b=t("dsa.q_b"), kv_a=t("dsa.kv_a"),
-                          kv_a_norm=t("dsa.kv_a_norm"), kv_b=t("dsa.kv_b"), o_proj=t("dsa.o_proj"), indexer=indexer)
+                wq_b=t(R.INDEXER_WQ_B), wk=t(R.INDEXER_WK), k_norm_weight=t(R.INDEXER_K_NORM_WEIGHT),
+                k_norm_bias=t(R.INDEXER_K_NORM_BIAS), weights_proj=t(R.INDEXER_WEIGHTS_PROJ),
+                compress_gate=t(R.INDEXER_COMPRESS_GATE), compress_ape=t(R.INDEXER_COMPRESS_APE))
+        return DsaTensors(q_a=t(R.DSA_Q_A), q_a_norm=t(R.DSA_Q_A_NORM), q_b=t(R.DSA_Q_B), kv_a=t(R.DSA_KV_A),
+                          kv_a_norm=t(R.DSA_KV_A_NORM), kv_b=t(R.DSA_KV_B), o_proj=t(R.DSA_O_PROJ), indexer=indexer)
 
 
 # ---- serve side: the HF checkpoint ---------------------------------------------------------------------------
@@ -231,17 +230,17 @@ class HfWeights(WeightSource):
         return t
 
     def hc_site(self, layer: int, site: str) -> HcSite:
-        return HcSite(*(self.tensor(layer, role) for role in HC_ROLES[site]))
+        return HcSite(*(self.tensor(layer, role) for role in R.HC[site]))
 
     def kda_conv(self, layer: int) -> torch.Tensor:
-        return torch.cat(self._hf(layer, "kda.conv"), dim=0)  # transformers' conv1d runs over cat(q, k, v)
+        return torch.cat(self._hf(layer, R.KDA_CONV), dim=0)  # transformers' conv1d runs over cat(q, k, v)
 
     def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
         gate, up = self._hf(layer, fc1)
         return Swiglu(gate, up, self.tensor(layer, fc2))
 
     def experts(self, layer: int) -> ExpertBank:
-        return _HfExperts(self, self.mapping(layer, "moe.experts_fc1"), self.mapping(layer, "moe.experts_fc2"))
+        return _HfExperts(self, self.mapping(layer, R.MOE_EXPERTS_FC1), self.mapping(layer, R.MOE_EXPERTS_FC2))
 
 
 class _HfExperts(ExpertBank):
@@ -288,20 +287,20 @@ class MegatronWeights(WeightSource):
         return t
 
     def hc_site(self, layer: int, site: str) -> HcSite:
-        fn_role, base_role, scale_role = HC_ROLES[site]
+        fn_role, base_role, scale_role = R.HC[site]
         fn, base = self.tensor(layer, fn_role), self.tensor(layer, base_role)
         alpha_pre, alpha_post, alpha_res = self._mc(layer, scale_role)
         return HcSite(fn, base, torch.cat([alpha_pre, alpha_post, alpha_res]))
 
     def kda_conv(self, layer: int) -> torch.Tensor:
-        return self.tensor(layer, "kda.conv")  # already the fused conv over q, k, v channels
+        return self.tensor(layer, R.KDA_CONV)  # already the fused conv over q, k, v channels
 
     def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
         gate, up = self.tensor(layer, fc1).chunk(2, dim=0)  # Megatron's gated fc1: gate rows, then up rows
         return Swiglu(gate, up, self.tensor(layer, fc2))
 
     def experts(self, layer: int) -> ExpertBank:
-        fc1, fc2 = self.mapping(layer, "moe.experts_fc1").mcore[0], self.mapping(layer, "moe.experts_fc2").mcore[0]
+        fc1, fc2 = self.mapping(layer, R.MOE_EXPERTS_FC1).mcore[0], self.mapping(layer, R.MOE_EXPERTS_FC2).mcore[0]
         return _StackedExperts(self, fc1.name, fc2.name, fc2.shape[0], fc1.nbytes + fc2.nbytes)
 
 

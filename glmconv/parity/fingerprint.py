@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmconv.errors import GlmconvError
+from glmconv.rules import roles as R
 
 if TYPE_CHECKING:
     from glmconv.models.weights import WeightSource
 
-FINGERPRINT_ROLES = ("embed", "lm_head")
+FINGERPRINT_ROLES = (R.EMBED, R.LM_HEAD)
 FINGERPRINT_ROWS = 8
 
 

@@ -8,9 +8,11 @@ names resolved by `glmconv.plan` from the config (see `dims()` there).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from glmconv.config import DENSE, DSA, KDA, MOE
+from glmconv.rules import roles as R
 from glmconv.rules.ops import Concat, Rename, SplitVector, StackExperts, Transform
 
 GLOBAL, LAYER, MTP, VISION = "global", "layer", "mtp", "vision"
@@ -36,7 +38,7 @@ class Rule:
     needs_shared_experts: bool = False
     per_block: bool = False  # vision templates expand over `{b}` in 0..depth-1
     extra_state: bool = False  # the Megatron module is a parallel/TE linear: it saves an `_extra_state` object
-    role: str = ""  # what the tensor is to a model (`glmconv.models.weights` looks tensors up by it)
+    role: str = ""  # what the tensor is to a model (`glmconv.rules.roles`): models and fixtures look it up
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
@@ -54,18 +56,18 @@ def _hc(site_hf: str, site_mc: str) -> list[Rule]:
     """The three hyper-connection tensors of one site (attn or ffn)."""
     return [
         _r(f"{{layer}}hc_{site_hf}_fn", f"{{layer}}{site_mc}_hyper_connection.mapping_proj.weight",
-           ("hc_mix", "hc_in"), hc=True, keep_f32=True, role=f"hc_{site_hf}.fn"),
+           ("hc_mix", "hc_in"), hc=True, keep_f32=True, role=R.HC[site_hf][0]),
         _r(f"{{layer}}hc_{site_hf}_base", f"{{layer}}{site_mc}_hyper_connection.bias", ("hc_mix",),
-           hc=True, keep_f32=True, role=f"hc_{site_hf}.base"),
+           hc=True, keep_f32=True, role=R.HC[site_hf][1]),
         _r(f"{{layer}}hc_{site_hf}_scale",
            tuple(f"{{layer}}{site_mc}_hyper_connection.alpha_{a}" for a in ("pre", "post", "res")),
-           (3,), transform=SplitVector(), hc=True, keep_f32=True, role=f"hc_{site_hf}.scale"),
+           (3,), transform=SplitVector(), hc=True, keep_f32=True, role=R.HC[site_hf][2]),
     ]
 
 
 def _kda() -> list[Rule]:
     rules = [_r(f"{{layer}}self_attn.{p}_proj.weight", f"{{layer}}self_attention.kda.{p}_proj.weight", shape,
-                attn=KDA, extra_state=True, role=f"kda.{p}_proj")
+                attn=KDA, extra_state=True, role=R.KDA_PROJ[p])
              for p, shape in (("q", ("kda_dim", "hidden")), ("k", ("kda_dim", "hidden")),
                               ("v", ("kda_dim", "hidden")), ("b", ("kda_heads", "hidden")),
                               ("f_a", ("kda_head", "hidden")), ("f_b", ("kda_dim", "kda_head")),
@@ -73,13 +75,13 @@ def _kda() -> list[Rule]:
                               ("o", ("hidden", "kda_dim")))]
     rules += [
         _r(tuple(f"{{layer}}self_attn.{p}_conv1d.weight" for p in "qkv"), "{layer}self_attention.kda.conv1d.weight",
-           *[("kda_dim", 1, "conv_k")] * 3, transform=Concat(0), attn=KDA, role="kda.conv"),
+           *[("kda_dim", 1, "conv_k")] * 3, transform=Concat(0), attn=KDA, role=R.KDA_CONV),
         _r("{layer}self_attn.A_log", "{layer}self_attention.kda.A_log", ("kda_heads",), attn=KDA, keep_f32=True,
-           role="kda.A_log"),
+           role=R.KDA_A_LOG),
         _r("{layer}self_attn.dt_bias", "{layer}self_attention.kda.dt_bias", ("kda_dim",), attn=KDA, keep_f32=True,
-           role="kda.dt_bias"),
+           role=R.KDA_DT_BIAS),
         _r("{layer}self_attn.o_norm.weight", "{layer}self_attention.kda.o_norm.weight", ("kda_head",), attn=KDA,
-           role="kda.o_norm"),
+           role=R.KDA_O_NORM),
     ]
     return rules
 
@@ -88,33 +90,33 @@ def _dsa() -> list[Rule]:
     a, m = "{layer}self_attn.", "{layer}self_attention."
     return [
         _r(a + "q_a_proj.weight", m + "linear_q_down_proj.weight", ("q_lora", "hidden"), attn=DSA, fp8=True,
-           extra_state=True, role="dsa.q_a"),
+           extra_state=True, role=R.DSA_Q_A),
         _r(a + "q_a_layernorm.weight", m + "linear_q_up_proj.layer_norm_weight", ("q_lora",), attn=DSA,
-           role="dsa.q_a_norm"),
+           role=R.DSA_Q_A_NORM),
         _r(a + "q_b_proj.weight", m + "linear_q_up_proj.weight", ("mla_q", "q_lora"), attn=DSA, fp8=True,
-           extra_state=True, role="dsa.q_b"),
+           extra_state=True, role=R.DSA_Q_B),
         _r(a + "kv_a_proj_with_mqa.weight", m + "linear_kv_down_proj.weight", ("mla_kv_a", "hidden"), attn=DSA,
-           fp8=True, extra_state=True, role="dsa.kv_a"),
+           fp8=True, extra_state=True, role=R.DSA_KV_A),
         _r(a + "kv_a_layernorm.weight", m + "linear_kv_up_proj.layer_norm_weight", ("kv_lora",), attn=DSA,
-           role="dsa.kv_a_norm"),
+           role=R.DSA_KV_A_NORM),
         _r(a + "kv_b_proj.weight", m + "linear_kv_up_proj.weight", ("mla_kv_b", "kv_lora"), attn=DSA,
-           extra_state=True, role="dsa.kv_b"),
+           extra_state=True, role=R.DSA_KV_B),
         _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True, extra_state=True,
-           role="dsa.o_proj"),
+           role=R.DSA_O_PROJ),
         _r(a + "indexer.wq_b.weight", m + "wq_b.weight", ("idx_q", "q_lora"), attn=DSA, indexer=True,
-           extra_state=True, role="indexer.wq_b"),
+           extra_state=True, role=R.INDEXER_WQ_B),
         _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA, indexer=True,
-           extra_state=True, role="indexer.wk"),
+           extra_state=True, role=R.INDEXER_WK),
         _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA, indexer=True,
-           role="indexer.k_norm_weight"),
+           role=R.INDEXER_K_NORM_WEIGHT),
         _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA, indexer=True,
-           role="indexer.k_norm_bias"),
+           role=R.INDEXER_K_NORM_BIAS),
         _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA,
-           indexer=True, extra_state=True, role="indexer.weights_proj"),
+           indexer=True, extra_state=True, role=R.INDEXER_WEIGHTS_PROJ),
         _r(a + "indexer.index_kpool_compress_gate", m + "index_kpool_compress_gate", ("idx_dim", "hidden"),
-           attn=DSA, indexer=True, role="indexer.compress_gate"),
+           attn=DSA, indexer=True, role=R.INDEXER_COMPRESS_GATE),
         _r(a + "indexer.index_kpool_compress_ape", m + "index_kpool_compress_ape", ("kpool", "idx_dim"),
-           attn=DSA, indexer=True, keep_f32=True, role="indexer.compress_ape"),
+           attn=DSA, indexer=True, keep_f32=True, role=R.INDEXER_COMPRESS_APE),
     ]
 
 
@@ -123,33 +125,33 @@ def _mlp() -> list[Rule]:
     gate_up = ("gate_proj.weight", "up_proj.weight")
     return [
         _r("{layer}post_attention_layernorm.weight", m + "linear_fc1.layer_norm_weight", ("hidden",), mlp=DENSE,
-           role="mlp_norm"),
+           role=R.MLP_NORM),
         _r(tuple(h + p for p in gate_up), m + "linear_fc1.weight", ("inter", "hidden"), ("inter", "hidden"),
-           transform=Concat(0), mlp=DENSE, fp8=True, extra_state=True, role="dense.fc1"),
+           transform=Concat(0), mlp=DENSE, fp8=True, extra_state=True, role=R.DENSE_FC1),
         _r(h + "down_proj.weight", m + "linear_fc2.weight", ("hidden", "inter"), mlp=DENSE, fp8=True, extra_state=True,
-           role="dense.fc2"),
+           role=R.DENSE_FC2),
         _r("{layer}post_attention_layernorm.weight", "{layer}pre_mlp_layernorm.weight", ("hidden",), mlp=MOE,
-           role="mlp_norm"),
-        _r(h + "gate.weight", m + "router.weight", ("experts", "hidden"), mlp=MOE, role="moe.router"),
+           role=R.MLP_NORM),
+        _r(h + "gate.weight", m + "router.weight", ("experts", "hidden"), mlp=MOE, role=R.MOE_ROUTER),
         _r(h + "gate.e_score_correction_bias", m + "router.expert_bias", ("experts",), mlp=MOE, keep_f32=True,
-           role="moe.expert_bias"),
+           role=R.MOE_EXPERT_BIAS),
         _r(tuple(h + "shared_experts." + p for p in gate_up), m + "shared_experts.linear_fc1.weight",
            ("shared_inter", "hidden"), ("shared_inter", "hidden"), transform=Concat(0), mlp=MOE, fp8=True,
-           needs_shared_experts=True, extra_state=True, role="moe.shared_fc1"),
+           needs_shared_experts=True, extra_state=True, role=R.MOE_SHARED_FC1),
         _r(h + "shared_experts.down_proj.weight", m + "shared_experts.linear_fc2.weight", ("hidden", "shared_inter"),
-           mlp=MOE, fp8=True, needs_shared_experts=True, extra_state=True, role="moe.shared_fc2"),
+           mlp=MOE, fp8=True, needs_shared_experts=True, extra_state=True, role=R.MOE_SHARED_FC2),
         _r(tuple(h + "experts.{e}." + p for p in gate_up), m + "experts.experts.linear_fc1.weight",
            ("moe_inter", "hidden"), ("moe_inter", "hidden"), transform=StackExperts(parts=2), mlp=MOE, fp8=True,
-           per_expert=True, extra_state=True, role="moe.experts_fc1"),
+           per_expert=True, extra_state=True, role=R.MOE_EXPERTS_FC1),
         _r(h + "experts.{e}.down_proj.weight", m + "experts.experts.linear_fc2.weight", ("hidden", "moe_inter"),
            transform=StackExperts(parts=1), mlp=MOE, fp8=True, per_expert=True, extra_state=True,
-           role="moe.experts_fc2"),
+           role=R.MOE_EXPERTS_FC2),
     ]
 
 
 def _layer() -> list[Rule]:
     return [
-        _r("{layer}input_layernorm.weight", "{layer}input_layernorm.weight", ("hidden",), role="attn_norm"),
+        _r("{layer}input_layernorm.weight", "{layer}input_layernorm.weight", ("hidden",), role=R.ATTN_NORM),
         *_hc("attn", "self_attention"), *_hc("ffn", "mlp"), *_kda(), *_dsa(), *_mlp(),
     ]
 
@@ -157,22 +159,22 @@ def _layer() -> list[Rule]:
 def _global() -> list[Rule]:
     return [
         _r("{text}embed_tokens.weight", "embedding.word_embeddings.weight", ("vocab", "hidden"), scope=GLOBAL,
-           role="embed"),
-        _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL, role="final_norm"),
+           role=R.EMBED),
+        _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL, role=R.FINAL_NORM),
         # no extra_state: GPTModel.sharded_state_dict drops output_layer._extra_state (gpt_model.py)
-        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL, role="lm_head"),
+        _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL, role=R.LM_HEAD),
     ]
 
 
 def _mtp() -> list[Rule]:
     """The MTP layer's own tensors; its decoder layer (DSA + MoE, no hc) uses the layer rules."""
     return [
-        _r("{layer}enorm.weight", "{mtp}enorm.weight", ("hidden",), scope=MTP, role="mtp.enorm"),
-        _r("{layer}hnorm.weight", "{mtp}hnorm.weight", ("hidden",), scope=MTP, role="mtp.hnorm"),
+        _r("{layer}enorm.weight", "{mtp}enorm.weight", ("hidden",), scope=MTP, role=R.MTP_ENORM),
+        _r("{layer}hnorm.weight", "{mtp}hnorm.weight", ("hidden",), scope=MTP, role=R.MTP_HNORM),
         _r("{layer}eh_proj.weight", "{mtp}eh_proj.weight", ("hidden", "eh_in"), scope=MTP, extra_state=True,
-           role="mtp.eh_proj"),
+           role=R.MTP_EH_PROJ),
         _r("{layer}shared_head.norm.weight", "{mtp}final_layernorm.weight", ("hidden",), scope=MTP,
-           role="mtp.final_norm"),
+           role=R.MTP_FINAL_NORM),
     ]
 
 
@@ -200,10 +202,16 @@ def _vision() -> list[Rule]:
         ("mlp.up_proj.weight", ("v_inter", "v_hidden")), ("mlp.up_proj.bias", ("v_inter",)),
         ("mlp.down_proj.weight", ("v_hidden", "v_inter")), ("mlp.down_proj.bias", ("v_hidden",)),
     ]
-    rules = [_r("{visual}" + n, "vision_model." + n, s, scope=VISION) for n, s in tensors]
-    rules += [_r("{visual}blocks.{b}." + n, "vision_model.blocks.{b}." + n, s, scope=VISION, per_block=True)
-              for n, s in block]
+    rules = [_r("{visual}" + n, "vision_model." + n, s, scope=VISION, role=_vision_role(n)) for n, s in tensors]
+    rules += [_r("{visual}blocks.{b}." + n, "vision_model.blocks.{b}." + n, s, scope=VISION, per_block=True,
+                 role=_vision_role(n)) for n, s in block]
     return rules
+
+
+def _vision_role(name: str) -> str:
+    if name.endswith(".bias"):
+        return R.VISION_BIAS
+    return R.VISION_NORM if re.search(r"norm\d?\.weight$", name) else R.VISION_MATRIX
 
 
 RULES: tuple[Rule, ...] = (*_global(), *_layer(), *_mtp(), *_vision())
