@@ -484,24 +484,35 @@ SITECUSTOMIZE = textwrap.dedent("""
         import time
         import glmconv.io.hf_reader as hf_reader
         entry = hf_reader.HfTensorSource.entry
-        def gated(self, *a, **k):
+        def wait():
             mark = f"{gate}.pid-{os.getpid()}"
             if not os.path.exists(mark):
                 open(mark, "w").close()
             deadline = time.monotonic() + 120
             while not os.path.exists(gate) and time.monotonic() < deadline:
                 time.sleep(0.02)
+        def gated(self, *a, **k):
+            wait()
             return entry(self, *a, **k)
         hf_reader.HfTensorSource.entry = gated
+        if os.environ.get("GLMCONV_TEST_GATE_AUDIT"):  # stall earlier: while the source is audited
+            import glmconv.audit as audit
+            load_side = audit.load_side
+            def gated_audit(*a, **k):
+                wait()
+                return load_side(*a, **k)
+            audit.load_side = gated_audit
 """)
 
 
-def _start_gated(src: Path, out: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _start_gated(src: Path, out: Path, tmp_path: Path, *extra: str,
+                 audit: bool = False) -> tuple[subprocess.Popen, Path]:
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     gate = tmp_path / "site" / "gate"
-    env = {**os.environ, "GLMCONV_TEST_GATE": str(gate), "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    env = {**os.environ, "GLMCONV_TEST_GATE": str(gate), "PYTHONPATH": f"{site}{os.pathsep}{ROOT}",
+           "GLMCONV_TEST_GATE_AUDIT": "1" if audit else ""}
     proc = subprocess.Popen([sys.executable, "-m", "glmconv", "convert", str(src), str(out), "--json", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
     return proc, gate
@@ -571,6 +582,22 @@ def test_signal_during_a_write_is_one_line_and_cleans_up(sig: signal.Signals, co
     assert (proc.returncode, err.decode()) == (code, "interrupted\n")
     assert listing(tmp_path) == ["site", "src"], "staging, lock or OUT left behind"
     assert not any(_alive(p) for p in readers)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_before_the_run_starts_is_one_line(sig: signal.Signals, code: int, src: Path, tmp_path: Path) -> None:
+    """Stopped while the source is still being audited: nothing was written, the same one line."""
+    proc, gate = _start_gated(src, tmp_path / "out", tmp_path, audit=True)
+    try:
+        _wait(lambda: len(_reading_pids(gate)) == 1, "the audit to start")
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (proc.returncode, err.decode()) == (code, "interrupted\n")
+    assert listing(tmp_path) == ["site", "src"]
 
 
 def test_interrupt_wrapped_by_torch_is_still_an_interruption(src: Path, tmp_path: Path,
