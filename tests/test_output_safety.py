@@ -303,6 +303,12 @@ def test_lock_file_with_foreign_content_is_refused(src: Path, tmp_path: Path) ->
     assert lock.read_text() == "not a pid\n"
 
 
+def test_lock_file_that_is_a_fifo_is_refused_without_blocking(src: Path, tmp_path: Path) -> None:
+    os.mkfifo(lock_path(tmp_path / "out"))
+    assert_refused(["convert", str(src), str(tmp_path / "out")], [src], tmp_path / "out",
+                   r"out\.glmconv-lock: is not a regular file, not glmconv's lock file: remove it$")
+
+
 def test_stale_staging_path_that_is_a_file_is_refused(src: Path, tmp_path: Path) -> None:
     stage = tmp_path / ("out" + output.STAGING_SUFFIX)
     stage.write_text("a file")
