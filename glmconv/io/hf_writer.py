@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NoReturn, Self
 from glmconv.errors import CheckpointError
 from glmconv.io.dcp_metadata import torch_dtype_code
 from glmconv.io.safetensors_header import DTYPE_SIZES
-from glmconv.output import create_new, new_file, write_new
+from glmconv.output import create_new, write_new
 
 if TYPE_CHECKING:
     import torch
@@ -131,14 +131,13 @@ class ShardWriter(_Closing):
         return self._shards
 
     def _flush(self) -> None:
-        from safetensors.torch import save
+        from safetensors.torch import save_file
 
-        self._shards += 1
-        path = self.out_dir / _PENDING.format(self._shards)
+        path = self.out_dir / _PENDING.format(self._shards + 1)
         try:
-            data = save(self._buffer, metadata={"format": "pt"})
-            with new_file(path) as f:
-                f.write(data)
+            os.close(create_new(path))  # ours (O_EXCL, no symlink followed) before safetensors reopens it by name
+            self._shards += 1  # only now: abort() deletes shards 1..shards, never a file it did not create
+            save_file(self._buffer, str(path), metadata={"format": "pt"})
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (ENOSPC, EIO, ...)
             why = str(exc).strip().splitlines()
             raise CheckpointError(f"{path}: write failed ({why[0] if why else type(exc).__name__})") from None
