@@ -299,6 +299,8 @@ def remove_ours(path: Path, what: str, keep: bool = False) -> None:
         raise GlmconvError(f"{path}: in the way of glmconv's {what} directory and not made by glmconv ({kind}); "
                            f"remove it yourself")
     data = _small_json(path / MARKER)
+    if not isinstance(data, dict) and not keep and _rmdir_if_empty(path):
+        return  # a run killed between mkdir and its marker: an empty directory loses nothing
     if not isinstance(data, dict) or data.get("written_by") != WRITTEN_BY:
         raise GlmconvError(f"{path}: in the way of glmconv's {what} directory and not made by glmconv (no "
                            f"{MARKER} marker); remove or rename it yourself")
@@ -311,6 +313,14 @@ def remove_ours(path: Path, what: str, keep: bool = False) -> None:
         shutil.rmtree(path)
     except OSError as exc:
         raise GlmconvError(f"{path}: cannot remove the leftover {what} directory ({exc.strerror or exc})") from None
+
+
+def _rmdir_if_empty(path: Path) -> bool:
+    try:
+        os.rmdir(path)  # the kernel refuses unless empty: nothing of anyone's can go
+    except OSError:
+        return False
+    return True
 
 
 def _wait_unused(marker: Path) -> bool:

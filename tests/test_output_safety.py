@@ -231,6 +231,13 @@ def test_user_directory_named_like_the_backup_is_refused(src: Path, tmp_path: Pa
                    rf"{mine}: in the way of glmconv's backup directory and not made by glmconv")
 
 
+def test_empty_unmarked_staging_directory_is_removed(src: Path, tmp_path: Path) -> None:
+    """A run killed between creating the staging directory and its marker leaves it empty: nothing to lose."""
+    (tmp_path / ("out" + output.STAGING_SUFFIX)).mkdir()
+    _published(src, tmp_path / "out")
+    assert listing(tmp_path) == ["out", "src"]
+
+
 def _marker(d: Path, pid: int = 999_999_999, run: str = "dead-run") -> Path:
     d.mkdir(exist_ok=True)
     body = {"written_by": "glmconv", "state": "staging", "run": run, "pid": pid, "host": "h", "started": 0}
