@@ -13,7 +13,6 @@ from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan
-from glmconv.rules.ops import StackExperts
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.runner import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
     STAGING_SUFFIX, collective_error, gather, progress, run_on_output, staging_dir, torchrun_env, try_, try_none)
@@ -100,7 +99,7 @@ def moves_bytes(m: Mapping) -> bool:
 
 
 def _step_bytes(m: Mapping, chunk_bytes: int) -> int:
-    if isinstance(m.rule.transform, StackExperts):
+    if m.by_rows:
         return min(m.mcore_bytes, max(chunk_bytes, m.mcore_bytes // m.mcore[0].shape[0]))
     return m.mcore_bytes + m.hf_bytes
 
@@ -115,8 +114,8 @@ def mapping_chunks(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Chunk]
 
     out_dtype = TORCH_DTYPES[m.mcore[0].dtype]
     layout = byte_layout(m, source)
-    if isinstance(m.rule.transform, StackExperts):
-        yield from _expert_chunks(m, source, chunk_bytes, out_dtype, layout)
+    if m.by_rows:
+        yield from _row_chunks(m, source, chunk_bytes, out_dtype, layout)
         return
     if layout is not None:
         extents = [source.entry(t.name)[1] for t in m.hf]
@@ -133,13 +132,6 @@ def byte_layout(m: Mapping, source: Any) -> list[list[Piece]] | None:
     return None if source.check_finite else m.byte_layout([source.stored_dtype(t.name) for t in m.hf])
 
 
-def expert_rows(spec: TensorSpec, chunk_bytes: int) -> list[range]:
-    """A stacked [E, ...] tensor's experts in steps of at most `chunk_bytes` (one expert at least)."""
-    experts = spec.shape[0]
-    per = max(1, min(experts, chunk_bytes // max(1, spec.nbytes // experts)))
-    return [range(start, min(experts, start + per)) for start in range(0, experts, per)]
-
-
 def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], extents: list[Extent]) -> Any:
     import torch
 
@@ -150,23 +142,20 @@ def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece]
         Extent(extents[p.source].path, extents[p.source].offset + p.offset, p.length) for p in pieces))
 
 
-def _expert_chunks(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
-                   layout: list[list[Piece]] | None) -> Iterator[Chunk]:
+def _row_chunks(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
+                layout: list[list[Piece]] | None) -> Iterator[Chunk]:
     from glmconv.io.dcp_writer import Chunk
 
     spec = m.mcore[0]
-    experts = spec.shape[0]
-    row_bytes = spec.nbytes // experts
-    parts = m.rule.transform.parts  # type: ignore[attr-defined]
+    row_bytes = spec.nbytes // spec.shape[0]
     extents = [source.entry(t.name)[1] for t in m.hf] if layout is not None else []
-    for rows in expert_rows(spec, chunk_bytes):
+    for rows, picks in m.row_steps(chunk_bytes) or []:
         if layout is not None:
             shape = (len(rows), *spec.shape[1:])
             pieces = take(layout[0], rows.start * row_bytes, rows.stop * row_bytes)
             yield Chunk(spec.name, _file_tensor(shape, dtype, pieces, extents), row=rows.start, shape=spec.shape)
             continue
-        hf = [source.weight(m.hf[p * experts + e].name, dtype) for p in range(parts) for e in rows]
-        (chunk,) = m.rule.transform.forward(hf, 1)
+        (chunk,) = m.rule.transform.forward([source.weight(m.hf[i].name, dtype) for i in picks], 1)
         yield Chunk(spec.name, chunk.contiguous(), row=rows.start, shape=spec.shape)
 
 

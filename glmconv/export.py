@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv import audit as audit_mod
 from glmconv.config import GlmConfig, load_config
-from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, expert_rows, shares
+from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, shares
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.jsonfile import load_json_file
@@ -48,7 +48,6 @@ from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckp
 from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
-from glmconv.rules.ops import StackExperts
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.runner import broadcast, gather, progress, run_on_output, try_
 
@@ -238,8 +237,8 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
                     chunk_bytes: int, stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
     """One mapping backward; stacked experts come `chunk_bytes` of experts at a time, never whole."""
     try:
-        if isinstance(m.rule.transform, StackExperts):
-            yield from _expert_tensors(m, reader, dtypes, chunk_bytes, stats)
+        if m.by_rows:
+            yield from _row_tensors(m, reader, dtypes, chunk_bytes, stats)
             return
         mcore = [reader.read(t.name, (0, t.shape[0]) if t.name in stored_rows else None) for t in m.mcore]
         hf = m.rule.transform.backward(mcore, [t.shape for t in m.hf])
@@ -249,17 +248,9 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
         reader.drop_cache()
 
 
-def _expert_chunks(m: Mapping, chunk_bytes: int) -> list[tuple[range, list[int]]]:
-    """Stacked experts a few at a time: each step's expert rows and the HF tensors (indices) it yields, in order."""
-    experts = m.mcore[0].shape[0]
-    parts = m.rule.transform.parts  # type: ignore[attr-defined]
-    return [(rows, [p * experts + e for p in range(parts) for e in rows])
-            for rows in expert_rows(m.mcore[0], chunk_bytes)]
-
-
-def _expert_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], chunk_bytes: int,
-                    stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
-    for rows, picks in _expert_chunks(m, chunk_bytes):
+def _row_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], chunk_bytes: int,
+                stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
+    for rows, picks in m.row_steps(chunk_bytes) or []:
         chunk = reader.read(m.mcore[0].name, (rows.start, rows.stop))
         hf = m.rule.transform.backward([chunk], [])
         for i, tensor in zip(picks, hf, strict=True):
@@ -270,8 +261,8 @@ def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> lis
     """The HF tensors `mapping_tensors` yields for `m`, in its order, with the dtype and shape each is written as."""
     from glmconv.io.hf_writer import PlannedTensor
 
-    order = ([i for _, picks in _expert_chunks(m, chunk_bytes) for i in picks]
-             if isinstance(m.rule.transform, StackExperts) else range(len(m.hf)))
+    steps = m.row_steps(chunk_bytes)
+    order = [i for _, picks in steps for i in picks] if steps is not None else range(len(m.hf))
     out = []
     for i in order:
         spec, scale = m.hf[i], m.scales[i]

@@ -68,6 +68,22 @@ class Mapping:
         return layout([t.shape for t in self.hf], DTYPE_BYTES[dtype], len(self.mcore))
 
     @property
+    def by_rows(self) -> bool:
+        """The one Megatron tensor splits by rows into whole HF tensors (stacked experts)."""
+        return len(self.mcore) == 1 and self.rule.transform.hf_for_rows(range(0), len(self.hf)) is not None
+
+    def row_steps(self, step_bytes: int) -> list[tuple[range, list[int]]] | None:
+        """A stacked Megatron tensor a few rows (experts) at a time, at most `step_bytes` a step (one row at
+        least): each step's rows and the HF tensors behind them; None when the mapping moves whole tensors."""
+        if not self.by_rows:
+            return None
+        spec = self.mcore[0]
+        n = spec.shape[0]
+        per = max(1, min(n, step_bytes // max(1, spec.nbytes // n)))
+        steps = [range(start, min(n, start + per)) for start in range(0, n, per)]
+        return [(rows, self.rule.transform.hf_for_rows(rows, len(self.hf)) or []) for rows in steps]
+
+    @property
     def hf_bytes(self) -> int:
         return sum(t.nbytes for t in self.hf) + sum(s.nbytes for s in self.scales if s)
 

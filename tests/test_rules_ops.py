@@ -42,3 +42,24 @@ def test_split_vector_gives_pre_post_res_in_order():
 def test_split_vector_refuses_a_wrong_length():
     with pytest.raises(ValueError, match=r"expects a \[3\] vector"):
         SplitVector().mcore_shapes([(4,)], 3)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_rows_of_the_stack_come_from_the_hf_tensors_hf_for_rows_names(parts: int) -> None:
+    experts = 5
+    hf = [_rand(3, 4) + i for i in range(parts * experts)]
+    op = StackExperts(parts=parts)
+    (full,) = op.forward(hf, 1)
+    for rows in (range(0, 1), range(1, 4), range(4, 5)):
+        picks = op.hf_for_rows(rows, len(hf))
+        (chunk,) = op.forward([hf[i] for i in picks], 1)
+        assert torch.equal(chunk, full[rows.start:rows.stop])
+
+
+def test_gated_expert_rows_pick_gate_then_up() -> None:
+    assert StackExperts(parts=2).hf_for_rows(range(1, 3), 10) == [1, 2, 6, 7]
+
+
+@pytest.mark.parametrize("op", [Rename(), Concat(0), SplitVector()])
+def test_whole_tensor_transforms_do_not_split_by_rows(op) -> None:
+    assert op.hf_for_rows(range(0, 1), 3) is None

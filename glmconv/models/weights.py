@@ -244,16 +244,19 @@ class HfWeights(WeightSource):
 
 
 class _HfExperts(ExpertBank):
-    """Per-expert HF tensors; the plan lists gate_0..gate_{E-1} then up_0..up_{E-1} (template-major)."""
+    """Per-expert HF tensors, found through the stacking transform (expert e's gate and up, then its down)."""
 
     def __init__(self, src: HfWeights, fc1: Mapping, fc2: Mapping) -> None:
         self._src, self._fc1, self._fc2 = src, fc1, fc2
         self.num = len(fc2.hf)
 
     def get(self, expert: int) -> Swiglu:
-        read = self._src.read
-        return Swiglu(read(self._fc1.hf[expert].name), read(self._fc1.hf[self.num + expert].name),
-                      read(self._fc2.hf[expert].name))
+        (gate, up), (down,) = (self._read(m, expert) for m in (self._fc1, self._fc2))
+        return Swiglu(gate, up, down)
+
+    def _read(self, m: Mapping, expert: int) -> list[torch.Tensor]:
+        picks = m.rule.transform.hf_for_rows(range(expert, expert + 1), len(m.hf)) or []
+        return [self._src.read(m.hf[i].name) for i in picks]
 
 
 # ---- train side: the converted torch_dist checkpoint ----------------------------------------------------------

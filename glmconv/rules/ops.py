@@ -47,6 +47,11 @@ class Transform(ABC):
         """Each HF tensor's bytes as pieces of the Megatron tensors' bytes; None where bytes are not just moved."""
         return None
 
+    def hf_for_rows(self, rows: range, n_hf: int) -> list[int] | None:
+        """The HF tensors (indices, in the order `forward` takes them) behind rows `rows` of the one Megatron
+        tensor, so a large tensor can be moved a few rows at a time; None when it does not split that way."""
+        return None
+
 
 @dataclass(frozen=True)
 class Rename(Transform):
@@ -159,3 +164,7 @@ class StackExperts(Transform):
     def backward_layout(self, hf_shapes: list[Shape], itemsize: int, n_mcore: int) -> Layout | None:
         experts, n = len(hf_shapes) // self.parts, _nbytes(hf_shapes[0], itemsize)
         return [[Piece(0, (e * self.parts + p) * n, n)] for p in range(self.parts) for e in range(experts)]
+
+    def hf_for_rows(self, rows: range, n_hf: int) -> list[int] | None:
+        experts = n_hf // self.parts
+        return [p * experts + e for p in range(self.parts) for e in rows]
