@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from cli.sizes import SIZE
+from glmconv.text import printable
 
 
 @click.command("convert")
@@ -43,7 +44,7 @@ def _print(s: dict, dry_run: bool) -> None:
     verb = "would convert" if dry_run else "converted"
     click.echo(f"{verb} {s['hf_tensors']:,} HF tensors ({s['bytes_in'] / 1e9:.3f} GB) -> "
                f"{s['mcore_tensors']:,} Megatron tensors ({s['bytes_out'] / 1e9:.3f} GB)"
-               f"{' into ' + s['published'] if 'published' in s else ''}")
+               f"{' into ' + printable(s['published']) if 'published' in s else ''}")
     for part, n in s["left_out"].items():
         click.echo(f"left out by request: {part} ({n:,} HF tensors)")
     if dry_run:

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from cli.sizes import SIZE
-from glmconv.text import show
+from glmconv.text import printable, show
 
 
 @click.command("export")
@@ -41,7 +41,7 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
 def _print(s: dict) -> None:
     click.echo(f"exported {s['mcore_tensors']:,} Megatron tensors ({s['bytes_in'] / 1e9:.3f} GB read) -> "
                f"{s['hf_tensors']:,} HF tensors in {s['shards']} shards ({s['bytes_out'] / 1e9:.3f} GB) into "
-               f"{s['published']} in {s['elapsed_s']:.1f}s")
+               f"{printable(s['published'])} in {s['elapsed_s']:.1f}s")
     for name, pad in s["vocab_padding_stripped"].items():
         click.echo(f"vocab padding stripped: {name} {pad['stored_rows']:,} -> {pad['vocab_size']:,} rows")
     if s["fp8_requantized"]:

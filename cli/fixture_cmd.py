@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
-from cli.sizes import SIZE
+from cli.sizes import SEED, SIZE
 from glmconv.fixtures.presets import PRESETS
+from glmconv.text import printable
 
 
 @click.group()
@@ -25,7 +26,7 @@ def fixture() -> None:
 @click.option("--shard-size", type=SIZE, default=None, help="Maximum bytes per shard (default: a third of the total; "
               "bench: a quarter, at most 2GB).")
 @click.option("--fp8", is_flag=True, help="Store the release's FP8 set as e4m3 with 128x128 block scales.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, byte-identical files.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Same seed, byte-identical files.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of one line.")
 def make(out: Path, preset: str, size: int | None, shard_size: int | None, fp8: bool, seed: int, force: bool,
@@ -41,5 +42,5 @@ def make(out: Path, preset: str, size: int | None, shard_size: int | None, fp8: 
         click.echo(json.dumps(info.as_json()))
         return
     kind = "fp8" if fp8 else "bf16"
-    click.echo(f"{info.path}: {preset} {kind} seed {seed}, {info.tensors} tensors, {info.bytes:,} bytes "
-               f"in {info.shards} shards")
+    click.echo(f"{printable(str(info.path))}: {preset} {kind} seed {seed}, {info.tensors} tensors, "
+               f"{info.bytes:,} bytes in {info.shards} shards")

@@ -53,3 +53,6 @@ class SizeType(click.ParamType):
 
 
 SIZE = SizeType()
+
+# A seed as torch.Generator.manual_seed takes it: anything else is a usage error, not an OverflowError.
+SEED = click.IntRange(-(2**63), 2**64 - 1)

@@ -346,3 +346,10 @@ def test_format_vote_blames_the_minority_tensors(majority: str, data: st.DataObj
     culprit = line.removeprefix("error: ").split(" ", 1)[0]
     assert culprit in flip, line
     assert {f["tensor"] for f in json.loads(audit.stdout)["findings"]} == set(flip)
+
+
+@pytest.mark.parametrize("seed", [str(2**64), str(-(2**63) - 1), "9" * 100])
+def test_seed_out_of_range_is_a_usage_error(seed: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert_refused(["fixture", "make", str(out), "--seed", seed], [], out,
+                   re.escape("error: Invalid value for '--seed': ") + ".* is not in the range")
