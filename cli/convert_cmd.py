@@ -18,7 +18,8 @@ from glmconv.text import printable
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="Worker processes on this machine (under torchrun, one per rank instead).")
-@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR (only once the new one is verified).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
+              "one is verified); any other non-empty directory is refused.")
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Carry the MTP layer (mtp.layers.0.*).")
 @click.option("--vision/--no-vision", default=True, show_default=True, help="Carry the vision tower (vision_model.*).")
 @click.option("--group-size", type=SIZE, default="1GB", show_default=True,

@@ -23,7 +23,8 @@ from glmconv.text import printable, show
 @click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="Worker processes on this machine (under torchrun, one per rank instead).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
-@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR (only once the new one is verified).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
+              "one is verified); any other non-empty directory is refused.")
 @click.option("--check-finite", is_flag=True, help="Refuse NaN/Inf in any Megatron tensor, naming the first one.")
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int, fp8: bool,
            workers: int, as_json: bool, force: bool, check_finite: bool) -> None:
