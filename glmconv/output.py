@@ -13,9 +13,13 @@ Policy (docs/errors.md, "Output directory and interruption"):
 * A directory glmconv will later delete (staging `OUT.glmconv-staging`, backup `OUT.glmconv-old`) gets the
   run marker `.glmconv-run` first, created with O_EXCL, holding pid, host and a run id. A leftover path of
   that name is removed only when it is a real directory holding a marker and no live process holds the
-  marker's flock (the run and its workers hold it shared for their lifetime); otherwise refused, named.
+  marker's flock (the run and its workers hold it shared for their lifetime); an empty one (a run killed
+  right after mkdir) is removed with rmdir; anything else is refused, named.
 * Every file glmconv creates is opened O_CREAT|O_EXCL|O_NOFOLLOW (`create_new`): never through a symlink,
-  never over an existing file.
+  never over an existing file. The lock file, which a killed run leaves behind, is opened O_NOFOLLOW and
+  taken over only when it is plainly glmconv's (glmconv/lock.py).
+* Only the launching process publishes (glmconv/runner.py): `--workers` children write into the staging
+  directory and die with their parent.
 """
 
 from __future__ import annotations
