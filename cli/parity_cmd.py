@@ -36,12 +36,15 @@ from glmconv.text import printable
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
               help="Write report.json, report.md and error_per_layer.png here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@click.option("--kernels", type=click.Choice(["auto", "reference"]), default="auto", show_default=True,
+              help="Train side ops: auto = fla KDA, tilelang SparseMLA and the triton kpool indexer on CUDA (the torch "
+                   "references on CPU), with each kernel's own error reported; reference = torch everywhere.")
 @click.option("--allow-different-weights", is_flag=True,
               help="Compare even when MCORE_DIR is not a conversion of HF_DIR (e.g. a checkpoint trained further).")
 def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path | None, sequences: int | None,
            seed: int, mode: str, dtype: str, device: str, train_conventions: str, overrides: tuple[str, ...],
            threshold: float | None, fail_on: tuple[str, ...], report_dir: Path | None, as_json: bool,
-           allow_different_weights: bool) -> None:
+           allow_different_weights: bool, kernels: str) -> None:
     """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block."""
     from glmconv.errors import GlmconvError
     from glmconv.parity import DEFAULT_TOKENS, ParityOptions, run_parity
@@ -57,7 +60,7 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
                          sequences=1 if sequences is None else sequences, seed=seed, prompt_file=prompt_file,
                          mode=mode, dtype=dtype, device=device, train_conventions=train_conventions,
                          overrides=overrides, threshold=threshold, bounds=bounds, progress=not as_json,
-                         allow_different_weights=allow_different_weights)
+                         allow_different_weights=allow_different_weights, kernels=kernels)
     report = run_parity(opts)
     paths = write_report(report, report_dir) if report_dir is not None else []
     if as_json:

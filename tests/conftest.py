@@ -17,11 +17,15 @@ settings.load_profile("ci")
 
 def pytest_configure(config: pytest.Config) -> None:
     """Without CUDA, transformers' Glm5Next must use its torch KDA: it binds fla's kernels (installed for the
-    kernel tests, GPU-only) when it is first imported, so import it once here with fla hidden."""
+    kernel tests, GPU-only) when it is first imported, so import it once here with fla hidden. Triton's own
+    kernels (glmconv's kpool indexer) then run under its interpreter, which must be on before triton loads."""
+    import os
+
     import torch
 
     if torch.cuda.is_available():
         return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     saved = {k: sys.modules.pop(k) for k in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]}
     sys.modules["fla"] = None  # type: ignore[assignment]
     try:

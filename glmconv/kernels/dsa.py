@@ -16,6 +16,7 @@ import torch.nn.functional as F
 KV_DIM = 576  # the kernel's q/kv width (512 latent + 64 rope tail in DeepSeek's layout)
 V_DIM = 512  # the kernel's output width
 BLOCK_I = 64  # index tile
+SEQ_BUCKET = 256  # megatron-core's interface pads the sequence to a multiple of this (MCORE_DSA_TILELANG_SEQ_BUCKET)
 
 
 def index_width(width: int) -> int:
@@ -50,15 +51,31 @@ def attend_latent(q_abs: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
 
 def sparse_mla(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, topk: torch.Tensor, v_dim: int,
                scale: float) -> torch.Tensor:
-    """Same contract as the reference: -> [T, H, Dv] in q.dtype; `topk` [T, W] ids into `latent`, -1 = none."""
+    """Same contract as the reference: -> [T, H, Dv] in q.dtype; `topk` [T, W] ids into `latent`, -1 = none.
+
+    The absorption writes straight into the kernel's padded [T', Hp, 576] buffer (a bmm whose output is a
+    strided view, its weight zero-padded to 576 columns) and the un-absorption reads the kernel's output in
+    place, so no padded copy of q or of the output is made; T' is T rounded up to megatron-core's sequence
+    bucket (256), so its interface pads nothing either.
+    """
     t, heads, nope = q.shape
     rank = latent.shape[1]
     if rank > V_DIM:
         raise ValueError(f"SparseMLA takes a latent of at most {V_DIM}, not {rank}")
     w = kv_b.to(torch.bfloat16).view(heads, nope + v_dim, rank)
-    hp = padded_heads(heads)
-    q_abs = q.new_zeros(t, hp, KV_DIM, dtype=torch.bfloat16)
-    q_abs[:, :heads, :rank] = torch.einsum("thd,hdr->thr", q.to(torch.bfloat16), w[:, :nope])
-    kv = F.pad(latent.to(torch.bfloat16), (0, KV_DIM - rank)).contiguous()
-    o_lat = attend_latent(q_abs, kv, kernel_indices(topk), scale)[:, :heads, :rank]
-    return torch.einsum("thr,hvr->thv", o_lat, w[:, nope:]).to(q.dtype)
+    w_uk = F.pad(w[:, :nope], (0, KV_DIM - rank))  # [H, Dn, 576], zero columns past the latent
+    hp, rows = padded_heads(heads), -(-t // SEQ_BUCKET) * SEQ_BUCKET
+    q_abs = torch.empty(rows, hp, KV_DIM, dtype=torch.bfloat16, device=q.device)
+    if rows > t:
+        q_abs[t:].zero_()
+    if hp > heads:
+        q_abs[:t, heads:].zero_()
+    torch.bmm(q.to(torch.bfloat16).transpose(0, 1), w_uk, out=q_abs[:t, :heads].transpose(0, 1))
+    kv = F.pad(latent.to(torch.bfloat16), (0, KV_DIM - rank, 0, rows - t))
+    ids = kernel_indices(topk)
+    if rows > t:
+        ids = F.pad(ids, (0, 0, 0, rows - t), value=-1)
+    o_lat = attend_latent(q_abs, kv, ids, scale)  # [T', Hp, 512]
+    out = torch.empty(t, heads, v_dim, dtype=torch.bfloat16, device=q.device)
+    torch.bmm(o_lat[:t, :heads, :rank].transpose(0, 1), w[:, nope:].transpose(1, 2), out=out.transpose(0, 1))
+    return out.to(q.dtype)

@@ -55,6 +55,7 @@ class ParityOptions:
     bounds: tuple[Bound, ...] = field(default_factory=tuple)
     progress: bool = True
     allow_different_weights: bool = False  # skip the check that MCORE_DIR is a conversion of HF_DIR
+    kernels: str = "auto"  # train side: GPU kernels on CUDA (auto) or the torch references everywhere
 
     @property
     def effective_threshold(self) -> float:
@@ -74,7 +75,8 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     batch = make_batch(opts, config.dim("vocab_size"))
     serve, train, conventions = build_models(config, opts)
     with StepProgress("parity", steps(serve), enabled=opts.progress) as progress:
-        cap = capture(serve, train, batch.to(opts.device), opts.mode, progress)
+        twin = getattr(train, "kernel_twin", lambda: None)()  # the train side on the references, if it runs kernels
+        cap = capture(serve, train, batch.to(opts.device), opts.mode, progress, twin=twin)
     return build_report(cap, opts, batch, conventions)
 
 
@@ -106,7 +108,7 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
                            "tensors (GLM-5.3-Flash contracts its streams by mean)")
     dtype = torch.float32 if opts.dtype == "fp32" else torch.bfloat16
     serve = GlmModel(config, serve_w, serve_conv, dtype=dtype, device=device)
-    train = GlmModel(config, train_w, train_conv, dtype=dtype, device=device)
+    train = GlmModel(config, train_w, train_conv, dtype=dtype, device=device, kernels=opts.kernels)
     return serve, train, {"serve": serve_conv.as_dict(), "train": train_conv.as_dict()}
 
 

@@ -4,6 +4,10 @@ Only the current hc streams of each side are held (plus both logits at the end),
 own per-layer weights plus a few [T, hc, H] tensors. Two modes:
   propagated: each side runs on its own from its own embedding (the error that reaches the logits);
   isolated:   every sub-block of both sides gets the SERVE side's input streams (the error each one adds).
+When the train side runs GPU kernels, `twin` is the same train model on the torch references: each attention
+sub-block also runs there on the train side's own input, and its record gains the kernels' own error
+(`kernel_rel_err` on the streams, `kernel_out_rel_err` on the sub-block's output, `kernel_topk_overlap` of
+the kpool selections), so kernel numerics can be told from convention divergences.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ Step = Callable[[str], None]
 
 
 def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
-            on_step: Step | None = None) -> Capture:
+            on_step: Step | None = None, twin: Model | None = None) -> Capture:
     """Run both models over `batch`; `on_step(label)` is called after each of the 2L + 1 steps."""
     if mode not in MODES:
         raise GlmconvError(f"--mode {mode!r}: choose from {', '.join(MODES)}")
@@ -64,7 +68,7 @@ def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
         xs = serve.embed(batch.ids)
         xt = xs if mode == "isolated" else train.embed(batch.ids)
         for layer in range(serve.num_layers):
-            xs, xt = _attention(serve, train, layer, xs, xt, batch, out, mode)
+            xs, xt = _attention(serve, train, layer, xs, xt, batch, out, mode, twin)
             step(f"layer {layer} attention")
             xs, xt = _mlp(serve, train, layer, xs, xt, out, mode)
             step(f"layer {layer} mlp")
@@ -90,12 +94,15 @@ def _check_same_shape(serve: Model, train: Model) -> None:
 
 
 def _attention(serve: Model, train: Model, layer: int, xs: torch.Tensor, xt: torch.Tensor, batch: Batch,
-               out: Capture, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+               out: Capture, mode: str, twin: Model | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     ys, aux_s = serve.attention(layer, xs, batch.cu_seqlens)
-    yt, aux_t = train.attention(layer, xs if mode == "isolated" else xt, batch.cu_seqlens)
+    x_in = xs if mode == "isolated" else xt
+    yt, aux_t = train.attention(layer, x_in, batch.cu_seqlens)
     rec = _record(serve, layer, ATTENTION, yt, ys)
     if _has(aux_s, aux_t, "topk"):
         rec["topk_overlap"] = metrics.selection_overlap(aux_t["topk"], aux_s["topk"])
+    if twin is not None:
+        rec.update(_kernel_error(twin, layer, x_in, batch, yt, aux_t))
     out.layers.append(rec)
     return ys, yt
 
@@ -118,6 +125,18 @@ def _record(model: Model, layer: int, sub_block: str, train: torch.Tensor, serve
     return {"layer": layer, "sub_block": sub_block, "attn_type": model.attn_types[layer],
             "mlp_type": model.mlp_types[layer], "rel_err": metrics.rel_err(train, serve),
             "max_abs": metrics.max_abs(train, serve)}
+
+
+def _kernel_error(twin: Model, layer: int, x_in: torch.Tensor, batch: Batch, yt: torch.Tensor,
+                  aux_t: dict) -> dict[str, Any]:
+    """The train side with kernels against itself on the references, on the same input streams."""
+    yr, aux_r = twin.attention(layer, x_in, batch.cu_seqlens)
+    rec: dict[str, Any] = {"kernel_rel_err": metrics.rel_err(yt, yr)}
+    if _has(aux_r, aux_t, "out"):
+        rec["kernel_out_rel_err"] = metrics.rel_err(aux_t["out"], aux_r["out"])
+    if _has(aux_r, aux_t, "topk"):
+        rec["kernel_topk_overlap"] = metrics.selection_overlap(aux_t["topk"], aux_r["topk"])
+    return rec
 
 
 def _has(aux_s: dict | None, aux_t: dict | None, key: str) -> bool:

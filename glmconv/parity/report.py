@@ -31,12 +31,38 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
     return {
         "glmconv_version": __version__, "hf_dir": str(opts.hf_dir), "mcore_dir": str(opts.mcore_dir),
         "mode": opts.mode, "dtype": opts.dtype, "device": opts.device, "tokens": batch.tokens,
+        "kernels": _kernels_used(cap, opts),
         "sequences": batch.sequences, "seed": opts.seed, "inputs": batch.source,
         "train_conventions_base": opts.train_conventions, "train_convention_overrides": list(opts.overrides),
         "conventions": conventions, "threshold": threshold, "layers": cap.layers, "logits": cap.logits,
         "summary": values, "first_divergence": metrics.first_divergence(cap.layers, threshold),
         "bounds": bounds, "passed": not any(b["broken"] for b in bounds), "elapsed_s": round(cap.elapsed_s, 3),
     }
+
+
+def _kernels_used(cap: Capture, opts: ParityOptions) -> str:
+    """What the train side ran: `kernels` (with kernel error rows) or `reference`."""
+    return "kernels" if any("kernel_rel_err" in r for r in cap.layers) else "reference"
+
+
+def _kernel(rec: dict[str, Any]) -> str:
+    """The kernel-error cell: the sub-block output's rel err (kernels vs references), kpool top-k overlap."""
+    if "kernel_rel_err" not in rec:
+        return "-"
+    err = rec.get("kernel_out_rel_err", rec["kernel_rel_err"])
+    top = f" top-k {rec['kernel_topk_overlap']:.3f}" if "kernel_topk_overlap" in rec else ""
+    return f"{_fmt(err)}{top}"
+
+
+def kernel_line(report: dict[str, Any]) -> list[str]:
+    """One line on the kernels' own error, when the train side ran them."""
+    recs = [r for r in report["layers"] if "kernel_rel_err" in r]
+    if not recs:
+        return []
+    worst = max(recs, key=lambda r: r.get("kernel_out_rel_err", r["kernel_rel_err"]))
+    return [f"train side ran GPU kernels: the largest kernel error (kernels vs torch references, same input) is "
+            f"{_fmt(worst.get('kernel_out_rel_err', worst['kernel_rel_err']))} at layer {worst['layer']} "
+            f"{worst['attn_type']} (streams {_fmt(worst['kernel_rel_err'])})"]
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
@@ -109,17 +135,22 @@ def print_table(report: dict[str, Any], console: Console) -> None:
 
     t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens "
                                    f"in {report['sequences']} sequence(s)")))
-    for col in ("layer", "sub-block", "type", "rel err", "max abs", "overlap"):
+    cols = ["layer", "sub-block", "type", "rel err", "max abs", "overlap"]
+    kernels = report.get("kernels") == "kernels"
+    if kernels:
+        cols.append("kernel err")
+    for col in cols:
         t.add_column(col, justify="right" if col in ("layer", "rel err", "max abs") else "left")
     fd = report["first_divergence"]
     for rec in report["layers"]:
         over = not rec["rel_err"] <= report["threshold"]
         first = fd is not None and (fd["layer"], fd["sub_block"]) == (rec["layer"], rec["sub_block"])
         kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
-        t.add_row(str(rec["layer"]), rec["sub_block"] + (" <- first" if first else ""), kind, _fmt(rec["rel_err"]),
-                  _fmt(rec["max_abs"]), _overlap(rec), style="bold red" if first else "red" if over else None)
+        cells = [str(rec["layer"]), rec["sub_block"] + (" <- first" if first else ""), kind, _fmt(rec["rel_err"]),
+                 _fmt(rec["max_abs"]), _overlap(rec)] + ([_kernel(rec)] if kernels else [])
+        t.add_row(*cells, style="bold red" if first else "red" if over else None)
     console.print(t)
-    for line in logits_lines(report) + [divergence_line(report)]:
+    for line in logits_lines(report) + [divergence_line(report)] + kernel_line(report):
         console.print(printable(line), markup=False, highlight=False, soft_wrap=True)
     for line, b in zip(bound_lines(report), report["bounds"]):
         console.print(printable(line), style="bold red" if b["broken"] else "green", markup=False, highlight=False,
@@ -138,13 +169,15 @@ def to_markdown(report: dict[str, Any]) -> str:
              "## Conventions", "", "| switch | serve | train |", "|---|---|---|"]
     lines += [f"| {k} | {conv.get('serve', {}).get(k, '-')} | {conv.get('train', {}).get(k, '-')}"
               f"{' (differs)' if conv.get('serve', {}).get(k) != conv.get('train', {}).get(k) else ''} |" for k in keys]
-    lines += ["", "## Per layer", "", "| layer | sub-block | type | rel err | max abs | overlap |",
-              "|---:|---|---|---:|---:|---|"]
+    kernels = report.get("kernels") == "kernels"
+    lines += [f"- train side ops: {report.get('kernels', 'reference')}"] if kernels else []
+    lines += ["", "## Per layer", "", "| layer | sub-block | type | rel err | max abs | overlap |"
+              + (" kernel err |" if kernels else ""), "|---:|---|---|---:|---:|---|" + ("---|" if kernels else "")]
     for rec in report["layers"]:
         kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
         lines.append(f"| {rec['layer']} | {rec['sub_block']} | {kind} | {_fmt(rec['rel_err'])} | "
-                     f"{_fmt(rec['max_abs'])} | {_overlap(rec)} |")
-    lines += ["", "## Logits", ""] + [f"- {s}" for s in logits_lines(report)]
+                     f"{_fmt(rec['max_abs'])} | {_overlap(rec)} |" + (f" {_kernel(rec)} |" if kernels else ""))
+    lines += ["", "## Logits", ""] + [f"- {s}" for s in logits_lines(report) + kernel_line(report)]
     lines += ["", "## Verdict", "", f"- {divergence_line(report)}"] + [f"- {s}" for s in bound_lines(report)]
     lines += ["", f"![relative error per layer]({PNG_NAME})", ""]
     return "\n".join(lines)

@@ -78,13 +78,23 @@ def _parity(tiny_pair: tuple[Path, Path], **kw: object) -> dict:
 
 
 def test_aligned_parity_on_cuda_is_fp32_noise(tiny_pair: tuple[Path, Path]) -> None:
-    r = _parity(tiny_pair, train_conventions="serve")
+    r = _parity(tiny_pair, train_conventions="serve", kernels="reference")
     assert r["first_divergence"] is None
     assert max(rec["rel_err"] for rec in r["layers"]) < 1e-5
     assert r["logits"]["top1_agreement"] == 1.0 and r["logits"]["logprob_abs_diff"]["max"] < 1e-4
 
 
 def test_hc_mix_bf16_on_cuda_is_named_at_layer_0_attention(tiny_pair: tuple[Path, Path]) -> None:
-    r = _parity(tiny_pair, train_conventions="serve", overrides=("hc_mix=bf16",))
+    r = _parity(tiny_pair, train_conventions="serve", overrides=("hc_mix=bf16",), kernels="reference")
     assert r["first_divergence"] is not None
     assert (r["first_divergence"]["layer"], r["first_divergence"]["sub_block"]) == (0, "attention")
+
+
+def test_kernels_on_the_train_side_report_their_own_error(tiny_pair: tuple[Path, Path]) -> None:
+    """--kernels auto (the default) on CUDA: fla KDA, tilelang SparseMLA and the triton indexer on the train
+    side; every attention record carries the kernels' own error, which stays within bf16 rounding."""
+    r = _parity(tiny_pair, train_conventions="serve", dtype="bf16")
+    assert r["kernels"] == "kernels"
+    attn = [rec for rec in r["layers"] if rec["sub_block"] == "attention"]
+    assert attn and all(0 < rec["kernel_out_rel_err"] < 3e-2 for rec in attn)
+    assert all(rec["kernel_topk_overlap"] > 0.9 for rec in attn if "kernel_topk_overlap" in rec)
