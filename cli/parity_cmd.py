@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from cli.sizes import SEED
 from glmconv.text import printable
 
 
@@ -18,7 +19,7 @@ from glmconv.text import printable
               help="Token ids instead of random ones: one sequence per line (whitespace-separated ids) or JSON "
                    "list(s) of ids; several sequences run as one packed batch.")
 @click.option("--sequences", type=int, default=None, help="Split the random tokens into K packed sequences.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random tokens.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random tokens.")
 @click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
                    "metrics then compare heads only) gets the serve side's input.")

@@ -353,3 +353,8 @@ def test_seed_out_of_range_is_a_usage_error(seed: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert_refused(["fixture", "make", str(out), "--seed", seed], [], out,
                    re.escape("error: Invalid value for '--seed': ") + ".* is not in the range")
+
+
+def test_parity_seed_out_of_range_is_a_usage_error(tmp_path: Path) -> None:
+    assert_refused(["parity", str(tmp_path), str(tmp_path), "--seed", str(2**64)], [], tmp_path / "none",
+                   re.escape("error: Invalid value for '--seed': ") + ".* is not in the range")
