@@ -201,7 +201,7 @@ class Field:
     nullable: bool = False  # JSON null is accepted (the key then counts as absent)
 
     def expected(self) -> str:
-        """What the value must be, in words: "an integer between 1 and 1024"."""
+        """What the value must be, in words: "a positive integer up to 1024"."""
         word = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                 dict: "an object", list: f"a list of {_TYPE_WORDS.get(self.items, 'values')}s"}[self.kind]
         if self.kind is int and self.low in (0, 1):
@@ -220,7 +220,7 @@ class Field:
         if self.kind is list:
             return self.items is None or all(_is_kind(v, self.items) for v in value)
         if self.kind in (int, float):
-            return math.isfinite(value) and (self.low is None or value >= self.low) and (
+            return (type(value) is int or math.isfinite(value)) and (self.low is None or value >= self.low) and (
                 self.high is None or value <= self.high)
         return True
 

@@ -358,3 +358,14 @@ def test_seed_out_of_range_is_a_usage_error(seed: str, tmp_path: Path) -> None:
 def test_parity_seed_out_of_range_is_a_usage_error(tmp_path: Path) -> None:
     assert_refused(["parity", str(tmp_path), str(tmp_path), "--seed", str(2**64)], [], tmp_path / "none",
                    re.escape("error: Invalid value for '--seed': ") + ".* is not in the range")
+
+
+def test_schema_refuses_an_integer_too_large_for_a_float(tiny_ckpt: Path) -> None:
+    """parse_config is also called on dicts built in code: a 400-digit int is refused, not an OverflowError."""
+    from glmconv.config import parse_config
+    from glmconv.errors import ConfigError
+
+    raw = json.loads((tiny_ckpt / CONFIG_NAME).read_text())
+    raw["text_config"]["rms_norm_eps"] = 10**400
+    with pytest.raises(ConfigError, match=r"^text_config\.rms_norm_eps must be a number >= 0 up to 1, got 1000"):
+        parse_config(raw)
