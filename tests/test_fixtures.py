@@ -115,7 +115,7 @@ def test_directory_has_config_and_generation_config_with_release_token_ids(tiny_
     assert gen["pad_token_id"] == text["pad_token_id"] == 452 < text["vocab_size"]
     assert "quantization_config" not in _config(tiny_ckpt)
     assert sorted(p.name for p in tiny_ckpt.iterdir() if not p.name.endswith(".safetensors")) == \
-        ["config.json", "generation_config.json", INDEX_NAME]
+        ["config.json", "generation_config.json", "glmconv.json", INDEX_NAME]
 
 
 def test_mtp_layer_tensors_sit_at_index_num_hidden_layers_without_hc(tiny_ckpt):
@@ -258,13 +258,23 @@ def test_a_1d_tensor_without_an_init_rule_is_refused():
 
 def test_non_empty_out_is_refused_unless_forced(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
+    make_fixture(out, "tiny")
     (out / "keep.txt").write_text("x")
-    with pytest.raises(FixtureError, match="not empty"):
+    with pytest.raises(GlmconvError, match="already exists and is not empty; pass --force"):
         make_fixture(out, "tiny")
     assert (out / "keep.txt").exists()
     make_fixture(out, "tiny", force=True)
     assert not (out / "keep.txt").exists() and (out / INDEX_NAME).exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_force_never_replaces_a_directory_glmconv_did_not_write(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(GlmconvError, match="not a directory glmconv published"):
+        make_fixture(out, "tiny", force=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "x"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 

@@ -185,6 +185,13 @@ def test_force_refuses_a_directory_glmconv_did_not_publish(src: Path, tmp_path: 
                    r"replaces only those: remove it yourself or choose another OUT$")
 
 
+def test_fixture_make_force_refuses_a_directory_glmconv_did_not_publish(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    assert_refused(["fixture", "make", str(out), "--force"], [out], out, rf"{out}: not a directory glmconv published")
+
+
 def test_force_refuses_a_foreign_glmconv_json(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
