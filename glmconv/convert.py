@@ -12,10 +12,19 @@ from glmconv import audit as audit_mod
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
-from glmconv.plan import Mapping, Plan, TensorSpec, build_plan
 from glmconv.output import check_overlap, manifest_fields, write_new
+from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.runner import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
-    STAGING_SUFFIX, collective_error, gather, progress, run_on_output, staging_dir, torchrun_env, try_, try_none)
+    STAGING_SUFFIX,
+    collective_error,
+    gather,
+    progress,
+    run_on_output,
+    staging_dir,
+    torchrun_env,
+    try_,
+    try_none,
+)
 
 if TYPE_CHECKING:
     import torch

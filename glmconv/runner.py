@@ -8,8 +8,9 @@ OUT (glmconv/output.py), makes the staging directory, calls it through `run_rank
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from glmconv import interrupt, output
 from glmconv.errors import GlmconvError
@@ -241,13 +242,13 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
         results.put(fn(*args, rank, world, dist.group.WORLD))
     except GlmconvError as exc:
         results.put(str(exc))
-    except Exception as exc:  # noqa: BLE001 - e.g. gloo losing a killed peer: one line, the parent decides
+    except Exception as exc:
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         results.put(f"rank {rank}: {type(exc).__name__}: {line}")
     finally:
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the group may already be broken by a lost peer
+        except Exception:
             pass
 
 

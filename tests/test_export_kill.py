@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_bad_input import sha256_tree
+from test_export import _raw as raw_tensors
 
 from cli.main import cli
 from glmconv import convert as convert_mod
 from glmconv import runner
 from glmconv.lock import lock_path
-from test_bad_input import sha256_tree
-from test_export import _raw as raw_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ROOT = Path(__file__).resolve().parents[1]

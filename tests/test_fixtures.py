@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import hf_helpers as hf
 import pytest
 import torch
 from click.testing import CliRunner
@@ -13,14 +14,12 @@ from safetensors import safe_open
 from cli.fixture_cmd import fixture
 from glmconv.config import DSA, KDA, parse_config
 from glmconv.errors import GlmconvError
-from glmconv.fixtures import FixtureError, make_fixture, preset_config
-from glmconv.fixtures import generate
+from glmconv.fixtures import FixtureError, generate, make_fixture, preset_config
 from glmconv.io.fp8 import dequantize_fp8_blocks
 from glmconv.io.hf_writer import INDEX_NAME, ShardWriter
 from glmconv.plan import FP8, build_plan, fp8_scale_shape
 from glmconv.rules import names
 from glmconv.rules.table import MTP, VISION
-import hf_helpers as hf
 
 
 def _config(path: Path) -> dict:

@@ -31,13 +31,13 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_bad_input import assert_refused, invoke, listing, sha256_tree
 
 from cli.main import cli
 from glmconv import convert as convert_mod
 from glmconv import output
 from glmconv.errors import GlmconvError
 from glmconv.lock import lock_path
-from test_bad_input import assert_refused, invoke, listing, sha256_tree
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def test_convert_into_a_directory_inside_the_input_is_refused(src: Path) -> None
 def test_convert_into_a_symlink_to_the_input_is_refused(src: Path, tmp_path: Path) -> None:
     link = tmp_path / "link"
     link.symlink_to(src, target_is_directory=True)
-    assert_refused(["convert", str(src), str(link), "--force"], [src], link, rf"OUT is the same path as the input")
+    assert_refused(["convert", str(src), str(link), "--force"], [src], link, r"OUT is the same path as the input")
     assert link.is_symlink() and os.readlink(link) == str(src)
 
 
@@ -102,7 +102,7 @@ def test_staging_path_on_an_input_is_refused(src: Path, tmp_path: Path) -> None:
 def test_export_into_its_own_input_is_refused(mc: Path, tmp_path: Path) -> None:
     copy = tmp_path / "mc"
     shutil.copytree(mc, copy)
-    assert_refused(["export", str(copy), str(copy), "--force"], [copy], copy, rf"OUT is the same path as the input")
+    assert_refused(["export", str(copy), str(copy), "--force"], [copy], copy, r"OUT is the same path as the input")
 
 
 def test_export_into_the_like_directory_is_refused(mc: Path, src: Path) -> None:
@@ -403,7 +403,7 @@ def test_out_dot_in_an_empty_directory_publishes_there(src: Path, tmp_path: Path
 
 def test_out_dot_dot_naming_the_directory_of_the_input_is_refused(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "x" / ".."
-    assert_refused(["convert", str(src), str(out), "--force"], [src], tmp_path / "x", rf"OUT contains the input")
+    assert_refused(["convert", str(src), str(out), "--force"], [src], tmp_path / "x", r"OUT contains the input")
 
 
 def test_out_as_the_filesystem_root_is_refused(src: Path) -> None:

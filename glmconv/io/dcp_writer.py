@@ -3,9 +3,11 @@
 Design (docs/torch_dist.md has the evidence): DCP cannot append to a checkpoint, so every group of
 tensors is written as one data file `__{rank}_{i}.distcp` laid out exactly as `dcp.save` lays it out (one
 torch.save archive per item, see `torch_save`; tensors already in files are copied by the kernel); the
-group's metadata is kept (a few hundred bytes per tensor) and the tensors are released. At `finish()` the ranks' metadata are gathered on the coordinator, merged with DCP's own
-classes, checked (every tensor tiled exactly once, as planned) and written as `.metadata` by DCP's
-`FileSystemWriter.finish`; then `metadata.json`, and the tracker file last. Peak memory is one group.
+group's metadata is kept (a few hundred bytes per tensor) and the tensors are released. At `finish()` the
+ranks' metadata are gathered on the coordinator, merged with DCP's own classes, checked (every tensor tiled
+exactly once, as planned) and written as `.metadata` by DCP's `FileSystemWriter.finish` (through a FileSystem
+that creates files O_EXCL|O_NOFOLLOW, like every file glmconv writes); then `metadata.json`, and the tracker
+file last. Peak memory is one group.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.common_state import COMMON_STATE_KEY
-from glmconv.io.dtypes import TORCH_DTYPES  # noqa: F401 - re-exported
+from glmconv.io.dtypes import TORCH_DTYPES
 from glmconv.io.torch_save import FileTensor, save_tensor
 from glmconv.output import new_file
 from glmconv.rules.names import sharded_object_key  # noqa: F401 - re-exported for writers of objects
@@ -247,7 +249,7 @@ class DcpWriter:
         except CheckpointError:
             tmp.unlink(missing_ok=True)
             raise
-        except Exception as exc:  # noqa: BLE001 - torch.save wraps a failed write in a RuntimeError
+        except Exception as exc:
             tmp.unlink(missing_ok=True)
             need = sum(c.nbytes for c in chunks) + sum(len(b.getvalue()) for b in objects.values())
             why = _why(exc, self.ckpt_dir, need)

@@ -138,7 +138,7 @@ class ShardWriter(_Closing):
             os.close(create_new(path))  # ours (O_EXCL, no symlink followed) before safetensors reopens it by name
             self._shards += 1  # only now: abort() deletes shards 1..shards, never a file it did not create
             save_file(self._buffer, str(path), metadata={"format": "pt"})
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (ENOSPC, EIO, ...)
+        except Exception as exc:
             why = str(exc).strip().splitlines()
             raise CheckpointError(f"{path}: write failed ({why[0] if why else type(exc).__name__})") from None
         for name in self._buffer:
