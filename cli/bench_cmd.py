@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 
 import click
 
@@ -28,7 +30,8 @@ def kernels(tokens: int, as_json: bool) -> None:
         raise GlmconvError("glmconv bench kernels needs a CUDA device (the kernels are GPU-only)")
     from glmconv.kernels.bench import run
 
-    rows = run(tokens=tokens, dsa_tokens=max(64, tokens // 2))
+    with contextlib.redirect_stdout(sys.stderr):  # tilelang logs its compiles to stdout: keep --json clean
+        rows = run(tokens=tokens, dsa_tokens=max(64, tokens // 2))
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
         return

@@ -165,12 +165,12 @@ def to_markdown(report: dict[str, Any]) -> str:
              f"- serve: `{report['hf_dir']}`", f"- train: `{report['mcore_dir']}`",
              f"- mode {report['mode']}, dtype {report['dtype']}, device {report['device']}, {report['tokens']} "
              f"tokens in {report['sequences']} sequence(s), inputs {report['inputs']}, seed {report['seed']}",
-             f"- threshold (rel err): {report['threshold']:g}", "",
+             f"- threshold (rel err): {report['threshold']:g}",
+             f"- train side ops: {report.get('kernels', 'reference')}", "",
              "## Conventions", "", "| switch | serve | train |", "|---|---|---|"]
     lines += [f"| {k} | {conv.get('serve', {}).get(k, '-')} | {conv.get('train', {}).get(k, '-')}"
               f"{' (differs)' if conv.get('serve', {}).get(k) != conv.get('train', {}).get(k) else ''} |" for k in keys]
     kernels = report.get("kernels") == "kernels"
-    lines += [f"- train side ops: {report.get('kernels', 'reference')}"] if kernels else []
     lines += ["", "## Per layer", "", "| layer | sub-block | type | rel err | max abs | overlap |"
               + (" kernel err |" if kernels else ""), "|---:|---|---|---:|---:|---|" + ("---|" if kernels else "")]
     for rec in report["layers"]:
