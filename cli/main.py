@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 import click
 
@@ -42,7 +43,7 @@ class _Group(click.Group):
             _fail(f"error: {one_line(exc.format_message())}", exc.exit_code)
         except (click.exceptions.Exit, click.Abort, click.ClickException):
             raise
-        except Exception as exc:  # noqa: BLE001 - the one place that turns a bug into a report request
+        except Exception as exc:
             _fail(internal_error_line(exc), INTERNAL_EXIT)
 
 

@@ -43,12 +43,12 @@ from glmconv.config import GlmConfig, load_config
 from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, shares
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.checkpoint_files import optional_file
-from glmconv.io.jsonfile import load_json_file
 from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
 from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
+from glmconv.io.jsonfile import load_json_file
+from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
-from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.runner import broadcast, gather, progress, run_on_output, try_
 
 if TYPE_CHECKING:
