@@ -8,7 +8,8 @@ OUT (glmconv/output.py), makes the staging directory, calls it through `run_rank
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +167,9 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
                                                    hold))
                  for r in range(workers)]
         try:
-            for p in procs:
-                p.start()
+            with _sigint_ignored_by_children():
+                for p in procs:
+                    p.start()
             outcomes = _collect(results, procs)
         except BaseException:
             _kill(procs)
@@ -181,6 +183,26 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
     if not any(isinstance(o, dict) for o in outcomes):
         raise GlmconvError(f"no {what} worker reported a result; nothing published")
     return next(o for o in outcomes if isinstance(o, dict))
+
+
+@contextmanager
+def _sigint_ignored_by_children() -> Iterator[None]:
+    """Start children with SIGINT ignored (SIG_IGN survives exec, a handler does not).
+
+    Ctrl-C reaches the whole process group; a worker still importing torch would print a KeyboardInterrupt
+    traceback. The parent alone handles it, and kills the workers.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _kill(procs: list[Any]) -> None:

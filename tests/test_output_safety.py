@@ -534,7 +534,8 @@ def _start_gated(src: Path, out: Path, tmp_path: Path, *extra: str,
     env = {**os.environ, "GLMCONV_TEST_GATE": str(gate), "PYTHONPATH": f"{site}{os.pathsep}{ROOT}",
            "GLMCONV_TEST_GATE_AUDIT": "1" if audit else ""}
     proc = subprocess.Popen([sys.executable, "-m", "glmconv", "convert", str(src), str(out), "--json", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+                            start_new_session=True)  # its own process group, as a shell gives a foreground job
     return proc, gate
 
 
@@ -601,6 +602,23 @@ def test_signal_during_a_write_is_one_line_and_cleans_up(sig: signal.Signals, co
             proc.wait()
     assert (proc.returncode, err.decode()) == (code, "interrupted\n")
     assert listing(tmp_path) == ["site", "src"], "staging, lock or OUT left behind"
+    assert not any(_alive(p) for p in readers)
+
+
+def test_ctrl_c_to_the_whole_process_group_is_one_line(src: Path, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches the parent and every worker: still one line, from the parent only."""
+    proc, gate = _start_gated(src, tmp_path / "out", tmp_path, "--workers", "2")
+    try:
+        _wait(lambda: len(_reading_pids(gate)) == 2, "both workers to start reading")
+        readers = _reading_pids(gate)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (proc.returncode, err.decode()) == (130, "interrupted\n")
+    assert listing(tmp_path) == ["site", "src"]
     assert not any(_alive(p) for p in readers)
 
 
