@@ -173,6 +173,9 @@ def check_target(out: Path, real: Path, force: bool) -> None:
         raise GlmconvError(f"{parent}: output parent directory {what}")
     if not os.access(parent, os.W_OK):
         raise GlmconvError(f"{parent}: not writable")
+    if real.is_dir() and os.stat(real).st_dev != os.stat(parent).st_dev:
+        raise GlmconvError(f"{out}: is a mount point; glmconv stages beside OUT and renames it into place, which "
+                           f"cannot cross filesystems: name a directory inside it, e.g. {real / 'ckpt'}")
 
 
 def _not_empty(d: Path) -> bool:

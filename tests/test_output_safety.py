@@ -390,6 +390,17 @@ def test_dangling_out_symlink_creates_its_target(src: Path, tmp_path: Path) -> N
 
 # ---- 7. output paths and disk full -----------------------------------------------------------------------
 
+def test_out_that_is_a_mount_point_is_refused_before_writing(src: Path, tmp_path: Path,
+                                                             mount_tmpfs: Callable) -> None:
+    """Staging beside a mount point would fill the wrong disk and fail at the final rename: refused at once."""
+    mnt = mount_tmpfs("size=4m")
+    if mnt is None:
+        pytest.skip("cannot mount a tmpfs here")
+    assert_refused(["convert", str(src), str(mnt)], [src], mnt,
+                   rf"{mnt}: is a mount point; glmconv stages beside OUT and renames it into place, which cannot "
+                   rf"cross filesystems: name a directory inside it, e\.g\. {mnt / 'ckpt'}$")
+
+
 def test_out_dot_in_an_empty_directory_publishes_there(src: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     here = tmp_path / "here"
