@@ -7,11 +7,11 @@ torch_dist checkpoint is read.
 from __future__ import annotations
 
 import dataclasses
-
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError

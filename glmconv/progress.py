@@ -23,8 +23,8 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.enabled and sys.stderr.isatty():
-            from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TextColumn,
-                                       TimeRemainingColumn, TransferSpeedColumn)
+            from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+            from rich.progress import Progress as RichProgress
 
             self._rich = RichProgress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
                                       TransferSpeedColumn(), TextColumn("{task.fields[items]}", markup=False),

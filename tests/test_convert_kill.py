@@ -273,9 +273,8 @@ def test_force_rerun_after_a_kill_succeeds_and_matches_an_uninterrupted_run(big_
 
 
 def _tensor_bytes(out: Path) -> dict[str, bytes]:
-    import torch
-
     import mcore_helpers as mh
+    import torch
 
     return {k: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, t in mh.read_dcp(out).items()}
 
@@ -306,7 +305,8 @@ def test_a_killed_worker_fails_the_run_without_publishing(big_src: Path, baselin
     why = f"kill of one worker after {k} data files (seed {SEED})"
     assert run.killed, f"{why}: the run ended first\n{run.log}"
     assert run.rc not in (0, -signal.SIGKILL), f"{why}: rc {run.rc}\n{run.log}"
-    assert re.search(r"error: a convert worker died \(rank [01] killed by SIGKILL\); nothing published", run.log), run.log
+    died = r"error: a convert worker died \(rank [01] killed by SIGKILL\); nothing published"
+    assert re.search(died, run.log), run.log
     assert "Traceback" not in run.log, run.log
     assert_nothing_published(out, why)
     assert checksums(big_src) == baseline.sums

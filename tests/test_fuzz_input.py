@@ -23,12 +23,13 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
+from fuzzing import fuzz
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from test_bad_input import add_tensor, assert_refused, edit_shard, invoke, mc_ckpt, weight_map  # noqa: F401
 
 from cli.main import cli
 from cli.sizes import MAX_SIZE, parse_size
-from fuzzing import fuzz
 from glmconv.config import LAC_SCHEMA, TEXT_SCHEMA, VISION_SCHEMA, load_config
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.dcp_writer import RELEASE
@@ -37,7 +38,6 @@ from glmconv.plan import FP8, build_plan
 from glmconv.progress import Progress
 from glmconv.rules import names
 from glmconv.text import printable
-from test_bad_input import add_tensor, assert_refused, edit_shard, invoke, mc_ckpt, weight_map  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 MANIFEST = "glmconv.json"

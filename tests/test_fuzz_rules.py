@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fuzzing import fuzz
 from hypothesis import given
 from hypothesis import strategies as st
+from test_export import _raw as raw_tensors
 
 from glmconv import convert as convert_mod
 from glmconv import export as export_mod
@@ -33,8 +35,6 @@ from glmconv.io.dcp_writer import TORCH_DTYPES
 from glmconv.io.hf_writer import ShardWriter
 from glmconv.plan import FP8, Plan, build_plan
 from glmconv.rules import names
-from fuzzing import fuzz
-from test_export import _raw as raw_tensors
 
 KDA_T, DSA_T = "linear_attention", "deepseek_sparse_attention"
 
