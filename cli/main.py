@@ -22,8 +22,8 @@ class _Group(click.Group):
     """Every failure is one line on stderr and a meaningful exit code, never a traceback.
 
     GlmconvError (bad input) and click's usage errors (bad flags) exit 2; any other exception is a bug and
-    exits 3 with a line asking for a report. SystemExit and KeyboardInterrupt are not Exceptions and pass
-    through untouched (signals have their own handling).
+    exits 3 with a line asking for a report. SIGINT/SIGTERM (Interrupted, KeyboardInterrupt) are
+    `interrupted`, exit 130/143; they are BaseExceptions, so the exit-3 guard never sees them.
     """
 
     def invoke(self, ctx: click.Context) -> object:
