@@ -89,6 +89,40 @@ def copy_new(src: Path, dst: Path) -> None:
         raise GlmconvError(f"{dst}: cannot write ({_why(exc, dst)})") from None
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Write a file a rerun may replace (a report): a new file beside it, renamed over it, so a symlink at `path`
+    is replaced and never followed; a directory or special file there is refused."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        raise GlmconvError(f"{path}: exists and is not a file")
+    tmp = path.with_name(f".{path.name}.glmconv-{os.getpid()}")
+    try:
+        with new_file(tmp) as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise GlmconvError(f"{path}: cannot write ({_why(exc, path)})") from None
+
+
+def claim_report_dir(d: Path) -> None:
+    """A directory glmconv writes reports into: new, empty, or one it wrote before (its manifest says so)."""
+    if d.exists() and not d.is_dir():
+        raise GlmconvError(f"{d}: exists and is not a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GlmconvError(f"{d}: cannot create the report directory ({_why(exc, d)})") from None
+    if published_by_glmconv(d):
+        return
+    if _not_empty(d):
+        raise GlmconvError(f"{d}: not empty and not a report directory glmconv wrote; choose a new or empty one")
+    replace_file(d / MANIFEST, (json.dumps({**manifest_fields(), "format": "parity-report"}, indent=2) + "\n").encode())
+
+
 def _why(exc: OSError, path: Path | None = None) -> str:
     if exc.errno == errno.ELOOP or exc.errno == errno.EEXIST and path is not None and path.is_symlink():
         return "a symlink is in the way; glmconv never writes through one"

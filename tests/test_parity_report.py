@@ -111,5 +111,31 @@ def test_unwritable_report_dir(tmp_path: Path) -> None:
     from glmconv.errors import GlmconvError
 
     (tmp_path / "file").write_text("x")
-    with pytest.raises(GlmconvError, match="cannot write the report"):
+    with pytest.raises(GlmconvError, match="cannot create the report directory"):
         write_report(_report(ERRS), tmp_path / "file" / "sub")
+
+
+def test_rerun_replaces_its_own_report(tmp_path: Path) -> None:
+    write_report(_report(ERRS), tmp_path / "rep")
+    write_report(_report(ERRS, threshold=0.1), tmp_path / "rep")
+    assert json.loads((tmp_path / "rep" / JSON_NAME).read_text())["first_divergence"] is None
+
+
+def test_a_symlinked_report_file_is_replaced_never_followed(tmp_path: Path) -> None:
+    write_report(_report(ERRS), tmp_path / "rep")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "rep" / JSON_NAME).unlink()
+    (tmp_path / "rep" / JSON_NAME).symlink_to(victim)
+    write_report(_report(ERRS), tmp_path / "rep")
+    assert victim.read_text() == "precious" and not (tmp_path / "rep" / JSON_NAME).is_symlink()
+
+
+def test_a_directory_glmconv_did_not_write_is_refused(tmp_path: Path) -> None:
+    from glmconv.errors import GlmconvError
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / MD_NAME).write_text("my notes")
+    with pytest.raises(GlmconvError, match="not empty and not a report directory glmconv wrote"):
+        write_report(_report(ERRS), tmp_path / "mine")
+    assert (tmp_path / "mine" / MD_NAME).read_text() == "my notes"

@@ -67,15 +67,14 @@ def kernel_line(report: dict[str, Any]) -> list[str]:
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """report.json, report.md and error_per_layer.png in `out_dir` (created); returns the paths."""
+    from glmconv.output import claim_report_dir, replace_file
+
     d = Path(out_dir)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        paths = [d / JSON_NAME, d / MD_NAME, d / PNG_NAME]
-        paths[0].write_text(to_json(report) + "\n")
-        paths[1].write_text(to_markdown(report))
-        plot(report, paths[2])
-    except OSError as exc:
-        raise GlmconvError(f"{d}: cannot write the report ({exc.strerror or exc})") from None
+    claim_report_dir(d)
+    paths = [d / JSON_NAME, d / MD_NAME, d / PNG_NAME]
+    replace_file(paths[0], (to_json(report) + "\n").encode())
+    replace_file(paths[1], to_markdown(report).encode())
+    replace_file(paths[2], plot(report))
     return paths
 
 
@@ -183,8 +182,10 @@ def to_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Log-scale rel err per layer, one series per sub-block, the threshold as a line."""
+def plot(report: dict[str, Any]) -> bytes:
+    """PNG bytes: log-scale rel err per layer, one series per sub-block, the threshold as a line."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,7 +208,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(path, format="png")
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        return png.getvalue()
     finally:
         plt.close(fig)
 
