@@ -17,7 +17,7 @@ for fx in tiny cut8; do
     for dt in fp32 bf16; do
       for conv in serve default; do
         s=$(date +%s.%N)
-        python3 -m glmconv parity out/gpu/hf-$fx out/gpu/mc-$fx --device $dev --dtype $dt --train-conventions $conv \
+        python3 -m glmconv parity out/gpu/hf-$fx out/gpu/mc-$fx --device $dev --dtype $dt --train-conventions $conv --kernels reference \
           --tokens 512 --sequences 4 --json > "$OUT/parity-$fx-$dev-$dt-$conv.json" 2> "$OUT/parity-$fx-$dev-$dt-$conv.err"
         rc=$?; e=$(date +%s.%N)
         echo "$fx $dev $dt $conv rc=$rc wall=$(python3 -c "print(round($e-$s,2))")s" >> "$OUT/timings.txt"

@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("fla.ops.kda.naive")
 
-from fla.ops.kda.gate import naive_kda_lowerbound_gate  # noqa: E402
-from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda  # noqa: E402
+from fla.ops.kda.gate import naive_kda_lowerbound_gate
+from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
-from glmconv.kernels.bench import cu_seqlens, kda_inputs  # noqa: E402
-from glmconv.ops.kda import KdaParams, chunk_kda, forget_gate, l2norm, recurrent_kda, segments  # noqa: E402
+from glmconv.kernels.bench import cu_seqlens, kda_inputs
+from glmconv.ops.kda import KdaParams, chunk_kda, forget_gate, l2norm, recurrent_kda, segments
 
 P = KdaParams(heads=4, head_dim=16, lower_bound=-5.0, norm_eps=1e-5)
 LENGTHS = (70, 1, 64, 5)

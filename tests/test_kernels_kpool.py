@@ -18,9 +18,10 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from glmconv.kernels.bench import cu_seqlens, indexer_inputs, kpool_disagreements  # noqa: E402
-from glmconv.kernels.kpool import kpool_topk, layout  # noqa: E402
-from glmconv.ops.kpool import KpoolParams, kpool_topk as reference  # noqa: E402
+from glmconv.kernels.bench import cu_seqlens, indexer_inputs, kpool_disagreements
+from glmconv.kernels.kpool import kpool_topk, layout
+from glmconv.ops.kpool import KpoolParams
+from glmconv.ops.kpool import kpool_topk as reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = (100, 1, 3, 4, 16, 17, 45)

@@ -43,7 +43,11 @@ def reference_ops() -> OpSet:
 
 def kernel_ops(index_width: int) -> OpSet:
     """fla KDA, tilelang SparseMLA, triton kpool (its ids come out int32 and -1 padded as the kernel takes them)."""
-    try:
+    try:  # the packages the kernels call, imported now so a missing one is a one-line error, not a mid-run crash
+        import fla.modules.causal_conv1d
+        import fla.ops.kda  # noqa: F401
+        import megatron.core.transformer.experimental_attention_variant.ops.tilelang_sparse_mla_fwd  # noqa: F401
+
         from glmconv.kernels import dsa, kda, kpool
     except ImportError as exc:
         raise GlmconvError(f"--kernels auto on CUDA needs fla-core, tilelang and megatron-core ({exc}); "

@@ -139,7 +139,8 @@ def bench_kda(tokens: int, device: str = "cuda") -> list[Row]:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from glmconv.kernels.kda import kda_core
-    from glmconv.ops.kda import chunk_kda as reference, forget_gate
+    from glmconv.ops.kda import chunk_kda as reference
+    from glmconv.ops.kda import forget_gate
 
     p, a = REAL_KDA, kda_inputs(tokens, device)
     cu = cu_seqlens([tokens], device)

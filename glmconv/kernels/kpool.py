@@ -174,7 +174,10 @@ def select(iq: torch.Tensor, ik: torch.Tensor, gate: torch.Tensor, head_w: torch
     lay = layout(cu_seqlens.to(iq.device), t, p.kpool, p.topk // p.kpool)
     keys = pool_keys(ik, gate, ape, lay, p.kpool)
     scores = pool_scores(iq, keys, head_w, lay)
-    chosen = scores.topk(pools_per_row, dim=-1).indices.int() if pools_per_row else scores.new_empty(t, 0, dtype=torch.int32)
+    if pools_per_row:
+        chosen = scores.topk(pools_per_row, dim=-1).indices.int()
+    else:
+        chosen = scores.new_empty(t, 0, dtype=torch.int32)
     return expand(chosen, lay, p, width, dtype)
 
 

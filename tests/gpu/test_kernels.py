@@ -79,7 +79,8 @@ def test_kda_layer_kernels_match_reference_layer(dtype: torch.dtype) -> None:
     """The whole sub-block (fla conv + chunk_kda) at small dims, packed, in both model dtypes."""
     from glmconv.kernels.bench import cu_seqlens, rel_err
     from glmconv.kernels.kda import kda_layer
-    from glmconv.ops.kda import KdaParams, KdaTensors, kda_layer as reference
+    from glmconv.ops.kda import KdaParams, KdaTensors
+    from glmconv.ops.kda import kda_layer as reference
 
     g = torch.Generator().manual_seed(5)
     hid, h, d = 256, 4, 64

@@ -22,8 +22,8 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     given = os.environ.get("GLMCONV_GPU_FIXTURES")
     if given:
         return Path(given) / "hf-tiny", Path(given) / "mc-tiny"
-    from glmconv.convert import RunOptions, convert, prepare
     from glmconv.fixtures.generate import make_fixture
+    from glmconv.runners.convert import RunOptions, convert, prepare
 
     d = tmp_path_factory.mktemp("gpu")
     make_fixture(d / "hf-tiny", "tiny", seed=0)
@@ -64,7 +64,8 @@ def test_fp32_serve_model_on_cuda_matches_cpu(tiny_pair: tuple[Path, Path]) -> N
 def test_bf16_serve_model_on_cuda_is_as_close_to_fp32_as_bf16_on_cpu(tiny_pair: tuple[Path, Path]) -> None:
     """Whole-model bf16 logits drift ~7e-2 from fp32 on CPU (4 layers, random weights); CUDA must not be worse."""
     ref = _logits(tiny_pair[0], "cpu", torch.float32)
-    cpu, cuda = _rel(_logits(tiny_pair[0], "cpu", torch.bfloat16), ref), _rel(_logits(tiny_pair[0], "cuda", torch.bfloat16), ref)
+    cpu = _rel(_logits(tiny_pair[0], "cpu", torch.bfloat16), ref)
+    cuda = _rel(_logits(tiny_pair[0], "cuda", torch.bfloat16), ref)
     print(f"\nbf16 logits rel err vs fp32: cpu {cpu:.3e}, cuda {cuda:.3e}")
     assert 1e-3 < cuda < 1.5 * cpu
 
