@@ -5,12 +5,12 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SHELL := /bin/bash
 
-.PHONY: env demo test fuzz gate bench gpu-wheels clean
+.PHONY: env demo test lint fuzz gate bench gpu-wheels clean
 
 env: $(STAMP)
 
 # torch 2.13.0 comes from local disk (CPU wheel); megatron-core 0.19.2 declares python>=3.12 but its
-# cp311 wheel works, so it is installed with --ignore-requires-python (see DEVELOPERS.md).
+# cp311 wheel works, so it is installed with --ignore-requires-python (on 3.12+ `pip install -e .[megatron]`).
 $(STAMP): setup.cfg setup.py requirements-dev.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
@@ -27,9 +27,12 @@ $(STAMP): setup.cfg setup.py requirements-dev.txt
 demo: env
 	bash scripts/demo.sh
 
-# CI: the parity gate the way users run it (fixture -> convert -> parity --fail-on), then the suite.
-test: env gate
+# CI: lint, the parity gate the way users run it (fixture -> convert -> parity --fail-on), then the suite.
+test: env lint gate
 	$(VPY) -m pytest -q -n 2 tests
+
+lint: env
+	$(VENV)/bin/ruff check glmconv cli tests benchmarks scripts
 
 # The fuzz tests with fresh random examples, 20x the CI count (CI runs them derandomized: tests/fuzzing.py).
 fuzz: env

@@ -52,8 +52,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def parse_size(text: str) -> int:
-    sys.path.insert(0, str(ROOT))
-    from cli.sizes import parse_size as parse
+    from glmconv_cli.sizes import parse_size as parse
 
     return parse(text)
 

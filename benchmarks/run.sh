@@ -9,9 +9,8 @@ PY=${PY:-.venv/bin/python}
 export BENCH_DIR=${BENCH_DIR:-bench-data}
 mkdir -p "$BENCH_DIR"
 largest=$("$PY" - <<'PYEOF'
-import os, sys
-sys.path.insert(0, ".")
-from cli.sizes import parse_size
+import os
+from glmconv_cli.sizes import parse_size
 sizes = [parse_size(s) for k in ("BENCH_SIZES", "BENCH_FP8_SIZES")
          for s in os.environ.get(k, "1GB,4GB" if k == "BENCH_SIZES" else "1GB").split(",") if s.strip()]
 print(max(sizes, default=0))

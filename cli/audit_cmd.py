@@ -8,7 +8,7 @@ from itertools import groupby
 
 import click
 
-from glmconv.audit import KINDS, AuditReport, Finding, audit, expected_tensors
+from glmconv.runners.audit import KINDS, AuditReport, Finding, audit, expected_tensors
 from glmconv.text import printable
 
 ROWS_PER_KIND = 20

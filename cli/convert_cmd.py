@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cli.sizes import SIZE
+from glmconv_cli.sizes import SIZE
 from glmconv.text import printable
 
 
@@ -29,8 +29,8 @@ from glmconv.text import printable
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, as_json: bool, workers: int, force: bool, mtp: bool,
             vision: bool, group_size: int, check_finite: bool) -> None:
     """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
-    from glmconv.convert import RunOptions, dry_run_summary, prepare
-    from glmconv.convert import convert as run
+    from glmconv.runners.convert import RunOptions, dry_run_summary, prepare
+    from glmconv.runners.convert import convert as run
 
     job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision)
     opts = RunOptions(workers=workers, group_bytes=group_size, progress=not as_json,

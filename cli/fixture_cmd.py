@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cli.sizes import SEED, SIZE
+from glmconv_cli.sizes import SEED, SIZE
 from glmconv.fixtures.presets import PRESETS
 from glmconv.text import printable
 

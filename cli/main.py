@@ -88,12 +88,12 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from cli.audit_cmd import audit_names
-    from cli.bench_cmd import bench
-    from cli.convert_cmd import convert
-    from cli.export_cmd import export
-    from cli.fixture_cmd import fixture
-    from cli.parity_cmd import parity
+    from glmconv_cli.audit_cmd import audit_names
+    from glmconv_cli.bench_cmd import bench
+    from glmconv_cli.convert_cmd import convert
+    from glmconv_cli.export_cmd import export
+    from glmconv_cli.fixture_cmd import fixture
+    from glmconv_cli.parity_cmd import parity
 
     cli.add_command(audit_names)
     cli.add_command(bench)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from cli.sizes import SEED
+from glmconv_cli.sizes import SEED
 from glmconv.text import printable
 
 

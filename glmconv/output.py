@@ -18,7 +18,7 @@ Policy (docs/errors.md, "Output directory and interruption"):
 * Every file glmconv creates is opened O_CREAT|O_EXCL|O_NOFOLLOW (`create_new`): never through a symlink,
   never over an existing file. The lock file, which a killed run leaves behind, is opened O_NOFOLLOW and
   taken over only when it is plainly glmconv's (glmconv/lock.py).
-* Only the launching process publishes (glmconv/runner.py): `--workers` children write into the staging
+* Only the launching process publishes (glmconv/runners/ranks.py): `--workers` children write into the staging
   directory and die with their parent.
 """
 

@@ -9,7 +9,7 @@ import torch
 from test_dcp_metadata import mcore_tensors, write_torch_dist
 from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
-from glmconv.audit import AuditReport, Finding, audit, expected_tensors
+from glmconv.runners.audit import AuditReport, Finding, audit, expected_tensors
 from glmconv.config import parse_config
 from glmconv.errors import CheckpointError
 from glmconv.plan import build_plan

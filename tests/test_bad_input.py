@@ -37,8 +37,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cli.main import cli
-from glmconv import convert as convert_mod
+from glmconv_cli.main import cli
+from glmconv.runners import convert as convert_mod
 from glmconv.config import load_config
 from glmconv.io.common_state import COMMON_STATE_KEY
 from glmconv.io.dcp_writer import DCP_METADATA_FILE, RELEASE, TRACKER_FILE

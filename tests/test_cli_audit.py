@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from test_dcp_metadata import mcore_tensors, write_torch_dist
 from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
-from cli.main import cli
+from glmconv_cli.main import cli
 from glmconv.io.hf_checkpoint import INDEX_NAME
 from glmconv.rules.names import HF_FLAT_PREFIX
 

@@ -17,8 +17,8 @@ import torch
 from click.testing import CliRunner
 
 import mcore_helpers as mh
-from cli.main import cli
-from glmconv.convert import RunOptions, convert, prepare
+from glmconv_cli.main import cli
+from glmconv.runners.convert import RunOptions, convert, prepare
 from glmconv.errors import GlmconvError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -114,7 +114,7 @@ def test_byte_moves_are_copied_by_the_kernel_and_equal_the_computed_path(
     """Renames, dim-0 concats, splits and stacked experts of a BF16 source never pass through memory."""
     import os
 
-    import glmconv.convert as conv
+    import glmconv.runners.convert as conv
 
     copied: list[int] = []
     real = os.copy_file_range

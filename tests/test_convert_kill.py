@@ -257,7 +257,7 @@ def test_force_rerun_after_a_kill_succeeds_and_matches_an_uninterrupted_run(big_
                                                                              tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from cli.main import cli
+    from glmconv_cli.main import cli
 
     out = tmp_path / "out"
     k = RNG.randint(1, baseline.files - 1)

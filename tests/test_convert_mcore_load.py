@@ -26,7 +26,7 @@ LAYOUTS = {"tp1": dict(tp=1, ep=1), "tp2": dict(tp=2, ep=1), "ep2": dict(tp=1, e
 def converted(tiny_ckpt: Path, tiny_fp8_ckpt: Path, cut8_ckpt: Path,
               tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, str, str]]:
     """(fixture, HF dir, converted root) for each fixture, converted once in this process."""
-    from glmconv.convert import RunOptions, convert, prepare
+    from glmconv.runners.convert import RunOptions, convert, prepare
 
     root = tmp_path_factory.mktemp("converted")
     out = []
@@ -38,7 +38,7 @@ def converted(tiny_ckpt: Path, tiny_fp8_ckpt: Path, cut8_ckpt: Path,
 
 def _check_fixture(name: str, src: str, root: str, r: mh.Ranks) -> int:
     """Load one converted checkpoint at this rank's layout; returns the number of local pieces compared."""
-    from glmconv.convert import prepare
+    from glmconv.runners.convert import prepare
     from glmconv.io.dcp_writer import TORCH_DTYPES
 
     plan = prepare(src, Path(root) / "unused").plan
@@ -89,7 +89,7 @@ def test_common_state_and_tensor_metadata_read_through_megatron(converted: list[
     """`load_common_state_dict` and `load_tensors_metadata`, in this process (neither needs a process group)."""
     from megatron.core import dist_checkpointing
 
-    from glmconv.convert import prepare
+    from glmconv.runners.convert import prepare
 
     for name, src, root in converted:
         ckpt = str(Path(root) / "release")

@@ -74,7 +74,7 @@ def test_byte_ranges_of_a_chunked_tensor_map_onto_its_items(tmp_path: Path, dtyp
 
 
 def test_every_item_of_a_converted_checkpoint_is_located(tiny_ckpt: Path, tmp_path: Path) -> None:
-    from glmconv import convert as convert_mod
+    from glmconv.runners import convert as convert_mod
 
     mc = tmp_path / "mc"
     convert_mod.convert(convert_mod.prepare(tiny_ckpt, mc), convert_mod.RunOptions(progress=False))

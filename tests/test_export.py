@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from glmconv import convert as convert_mod
-from glmconv import export as export_mod
+from glmconv.runners import convert as convert_mod
+from glmconv.runners import export as export_mod
 from glmconv.config import load_config
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.common_state import COMMON_STATE_KEY, LEGACY_COMMON_FILE, read_common_state
@@ -485,7 +485,7 @@ def test_existing_output_needs_force(tiny_ckpt: Path, tiny_mc: Path, tmp_path: P
 def test_cli_json_summary_and_one_line_errors(tiny_mc: Path, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from cli.main import cli
+    from glmconv_cli.main import cli
 
     runner = CliRunner()
     res = runner.invoke(cli, ["export", str(tiny_mc), str(tmp_path / "hf"), "--json", "--max-shard-size", "400KB"])

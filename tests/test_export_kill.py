@@ -21,9 +21,9 @@ from click.testing import CliRunner
 from test_bad_input import sha256_tree
 from test_export import _raw as raw_tensors
 
-from cli.main import cli
-from glmconv import convert as convert_mod
-from glmconv import runner
+from glmconv_cli.main import cli
+from glmconv.runners import convert as convert_mod
+from glmconv.runners import ranks as runner
 from glmconv.lock import lock_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -41,7 +41,7 @@ def slow_open_shard(self, no):
     time.sleep(pause)
     open_shard(self, no)
 hf_writer.PlannedShardWriter._open_shard = slow_open_shard
-from cli.main import main
+from glmconv_cli.main import main
 sys.argv[0] = "glmconv"
 main()
 """
@@ -59,7 +59,7 @@ def and_stop(move):
             time.sleep(120)
     return moved
 os.replace, os.rename = and_stop(os.replace), and_stop(os.rename)
-from cli.main import main
+from glmconv_cli.main import main
 sys.argv[0] = "glmconv"
 main()
 """

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import mcore_helpers as mh
 from glmconv.config import parse_config
-from glmconv.export import export_mappings
+from glmconv.runners.export import export_mappings
 from glmconv.io.dcp_reader import DcpReader
 from glmconv.io.dcp_writer import TORCH_DTYPES, TRACKER_FILE
 from glmconv.plan import Mapping, Plan, build_plan

@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from cli.fixture_cmd import fixture
-from glmconv.audit import audit
+from glmconv_cli.fixture_cmd import fixture
+from glmconv.runners.audit import audit
 from glmconv.config import DSA, KDA, MOE, parse_config
 from glmconv.fixtures import FixtureError, make_fixture, preset_config
 from glmconv.fixtures import bench
@@ -74,7 +74,7 @@ def test_same_seed_same_bytes(bench_ckpt, tmp_path):
 
 @pytest.mark.parametrize("which", ["bench_ckpt", "bench_fp8_ckpt"])
 def test_bench_fixture_converts(which, request, tmp_path):
-    from glmconv.convert import RunOptions, convert, prepare
+    from glmconv.runners.convert import RunOptions, convert, prepare
 
     src = request.getfixturevalue(which)
     summary = convert(prepare(src, tmp_path / "out"), RunOptions(progress=False))

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from cli.fixture_cmd import fixture
+from glmconv_cli.fixture_cmd import fixture
 from glmconv.config import DSA, KDA, parse_config
 from glmconv.errors import GlmconvError
 from glmconv.fixtures import FixtureError, generate, make_fixture, preset_config
@@ -345,7 +345,7 @@ def test_cli_make_prints_one_line(tmp_path):
 
 
 def test_cli_refusal_is_one_error_line_and_exit_2(tmp_path):
-    from cli.main import cli
+    from glmconv_cli.main import cli
 
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "x").write_text("")

@@ -28,8 +28,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from test_bad_input import add_tensor, assert_refused, edit_shard, invoke, mc_ckpt, weight_map  # noqa: F401
 
-from cli.main import cli
-from cli.sizes import MAX_SIZE, parse_size
+from glmconv_cli.main import cli
+from glmconv_cli.sizes import MAX_SIZE, parse_size
 from glmconv.config import LAC_SCHEMA, TEXT_SCHEMA, VISION_SCHEMA, load_config
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.dcp_writer import RELEASE
@@ -244,7 +244,7 @@ def test_unexpected_exception_is_an_internal_error_line_exit_3(exc: Exception, m
     def boom(*_: object, **__: object) -> None:
         raise exc
 
-    monkeypatch.setattr("glmconv.convert.prepare", boom)
+    monkeypatch.setattr("glmconv.runners.convert.prepare", boom)
     res = CliRunner().invoke(cli, ["convert", str(tmp_path), str(tmp_path / "out")])
     assert res.exit_code == 3
     message = f": {printable(str(exc))}" if str(exc) else ""
@@ -257,7 +257,7 @@ def test_glmconv_error_keeps_exit_2(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     def refuse(*_: object, **__: object) -> None:
         raise CheckpointError("x.safetensors: bad")
 
-    monkeypatch.setattr("glmconv.convert.prepare", refuse)
+    monkeypatch.setattr("glmconv.runners.convert.prepare", refuse)
     res = CliRunner().invoke(cli, ["convert", str(tmp_path), str(tmp_path / "out")])
     assert (res.exit_code, res.stderr) == (2, "error: x.safetensors: bad\n")
 
@@ -266,7 +266,7 @@ def test_keyboard_interrupt_is_not_an_internal_error(monkeypatch: pytest.MonkeyP
     def interrupt(*_: object, **__: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("glmconv.convert.prepare", interrupt)
+    monkeypatch.setattr("glmconv.runners.convert.prepare", interrupt)
     res = CliRunner().invoke(cli, ["convert", str(tmp_path), str(tmp_path / "out")])
     assert res.exit_code != 3 and "internal error" not in res.output
 

@@ -28,8 +28,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_export import _raw as raw_tensors
 
-from glmconv import convert as convert_mod
-from glmconv import export as export_mod
+from glmconv.runners import convert as convert_mod
+from glmconv.runners import export as export_mod
 from glmconv.config import DSA, parse_config
 from glmconv.io.dcp_writer import TORCH_DTYPES
 from glmconv.io.hf_writer import ShardWriter

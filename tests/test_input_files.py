@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmconv import convert as convert_mod
+from glmconv.runners import convert as convert_mod
 from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME
 from test_bad_input import Q_B3, assert_refused, edit_tensor, invoke, sha256_tree, weight_map
 

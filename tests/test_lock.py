@@ -1,7 +1,7 @@
 """Two runs on one output directory never interleave: the second fails at once, naming the first's pid.
 
 The lock is `fcntl.flock` on `OUT.glmconv-lock` (glmconv/lock.py), taken by the launching process of convert
-and export (glmconv/runner.py `run_on_output`) for the whole run and removed at its end.
+and export (glmconv/runners/ranks.py `run_on_output`) for the whole run and removed at its end.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from glmconv import convert as convert_mod
-from glmconv import runner
+from glmconv_cli.main import cli
+from glmconv.runners import convert as convert_mod
+from glmconv.runners import ranks as runner
 from glmconv.errors import GlmconvError
 from glmconv.lock import OutputLock, OutputLockedError, lock_path
 
@@ -48,7 +48,7 @@ def gated(self, *a, **k):
         time.sleep(0.02)
     return entry(self, *a, **k)
 hf_reader.HfTensorSource.entry = gated
-from cli.main import main
+from glmconv_cli.main import main
 sys.argv[0] = "glmconv"
 main()
 """

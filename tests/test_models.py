@@ -32,7 +32,7 @@ PRESETS = ("tiny", "cut8")
 @pytest.fixture(scope="module")
 def ckpts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """preset -> (HF dir, converted torch_dist dir), converted once per module on first use."""
-    from cli.main import cli
+    from glmconv_cli.main import cli
 
     done: dict[str, tuple[Path, Path]] = {}
 

@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_bad_input import assert_refused, invoke, listing, sha256_tree
 
-from cli.main import cli
-from glmconv import convert as convert_mod
+from glmconv_cli.main import cli
+from glmconv.runners import convert as convert_mod
 from glmconv import output
 from glmconv.errors import GlmconvError
 from glmconv.lock import lock_path
@@ -527,7 +527,7 @@ SITECUSTOMIZE = textwrap.dedent("""
             return entry(self, *a, **k)
         hf_reader.HfTensorSource.entry = gated
         if os.environ.get("GLMCONV_TEST_GATE_AUDIT"):  # stall earlier: while the source is audited
-            import glmconv.audit as audit
+            import glmconv.runners.audit as audit
             load_side = audit.load_side
             def gated_audit(*a, **k):
                 wait()

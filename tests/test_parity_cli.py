@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 import glmconv.parity as parity_mod
-from cli.main import cli
+from glmconv_cli.main import cli
 from glmconv.errors import GlmconvError
 from glmconv.parity import ParityOptions
 from glmconv.parity.capture import capture

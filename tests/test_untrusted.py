@@ -25,8 +25,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
-from glmconv import convert as convert_mod
+from glmconv_cli.main import cli
+from glmconv.runners import convert as convert_mod
 from glmconv.errors import CheckpointError
 from glmconv.io.common_state import COMMON_STATE_KEY, LEGACY_COMMON_FILE
 from glmconv.io.dcp_writer import DCP_METADATA_FILE, RELEASE

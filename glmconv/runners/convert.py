@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv import audit as audit_mod
+from glmconv.runners import audit as audit_mod
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
-from glmconv.runner import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
+from glmconv.runners.ranks import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
     STAGING_SUFFIX,
     collective_error,
     gather,

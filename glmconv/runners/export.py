@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv import audit as audit_mod
+from glmconv.runners import audit as audit_mod
 from glmconv.config import GlmConfig, load_config
-from glmconv.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, shares
+from glmconv.runners.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, shares
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
@@ -49,7 +49,7 @@ from glmconv.io.jsonfile import load_json_file
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
-from glmconv.runner import broadcast, gather, progress, run_on_output, try_
+from glmconv.runners.ranks import broadcast, gather, progress, run_on_output, try_
 
 if TYPE_CHECKING:
     import torch
