@@ -45,12 +45,17 @@ def test_kpool_selections_equal_reference_except_near_ties(lengths: tuple[int, .
 @pytest.mark.parametrize("lengths", [(8192,), PACKED], ids=["single-8192", "packed"])
 @torch.inference_mode()
 def test_kpool_on_gpu_equals_the_cpu_reference_except_near_ties(lengths: tuple[int, ...]) -> None:
-    """The triton indexer on the GPU against glmconv's torch reference run on the CPU, same bf16 inputs."""
+    """The triton indexer on the GPU against glmconv's torch reference run on the CPU, same fp32 inputs.
+
+    fp32, because in bf16 the projections themselves (iq, ik, gate: bf16 matmuls) round differently on the two
+    devices, and that, not the kernel, moves ~4% of the rows (measured: 350/8192); the bf16 kernel is held to
+    the reference on the same device above.
+    """
     from glmconv.kernels.bench import REAL_KPOOL, cu_seqlens, indexer_inputs, kpool_disagreements
     from glmconv.kernels.kpool import kpool_topk
     from glmconv.ops.kpool import kpool_topk as reference
 
-    x, q, w = indexer_inputs(sum(lengths), "cpu", seed=11)
+    x, q, w = indexer_inputs(sum(lengths), "cpu", dtype=torch.float32, seed=11)
     cu = cu_seqlens(lengths, "cpu")
     want = reference(x, q, w, REAL_KPOOL, cu)
     gpu = [t.to(DEV) for t in (x, q)]
