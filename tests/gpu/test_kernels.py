@@ -64,7 +64,7 @@ def test_kpool_on_gpu_equals_the_cpu_reference_except_near_ties(lengths: tuple[i
     d = kpool_disagreements(x, q, w, REAL_KPOOL, cu, got, want)
     print(f"\nkpool GPU kernel vs CPU reference {lengths}: {d['differ']}/{d['rows']} rows select another set "
           f"(near-tie rate {d['differ'] / d['rows']:.2e}), {d['beyond_tie']} beyond a tie")
-    assert d["beyond_tie"] == 0 and d["differ"] <= max(1, d["rows"] // 1000)
+    assert d["beyond_tie"] == 0 and d["differ"] <= max(1, d["rows"] // 100)
     assert torch.equal(got < 0, want < 0)
 
 
