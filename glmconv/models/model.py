@@ -25,7 +25,8 @@ from glmconv.ops.dsa import DsaParams, dsa_layer
 from glmconv.ops.kda import KdaParams
 from glmconv.ops.kpool import KpoolParams
 from glmconv.ops.mhc import HcParams, hc_post, hc_pre, head_learned, head_mean
-from glmconv.ops.moe import RouterParams, mlp as swiglu_mlp, route, routed, swiglu_limit
+from glmconv.ops.moe import RouterParams, route, routed, swiglu_limit
+from glmconv.ops.moe import mlp as swiglu_mlp
 
 DTYPES = (torch.float32, torch.bfloat16)
 # Tensors kept in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict, plus hc fn/ape).
