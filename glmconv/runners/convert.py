@@ -8,23 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv.runners import audit as audit_mod
-from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
-from glmconv.runners.ranks import (  # noqa: F401 - STAGING_SUFFIX, torchrun_env: re-exported for convert's callers
-    STAGING_SUFFIX,
-    collective_error,
-    gather,
-    progress,
-    run_on_output,
-    staging_dir,
-    torchrun_env,
-    try_,
-    try_none,
-)
+from glmconv.runners import audit as audit_mod
+from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
+from glmconv.runners.ranks import run_on_output
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +25,6 @@ if TYPE_CHECKING:
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "glmconv.json"
 DEFAULT_GROUP_BYTES = 1 << 30  # tensors written per data file: the peak memory of one worker
-DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are produced in chunks of at most this many bytes
 
 
 @dataclass
@@ -79,17 +69,6 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
     ck = inspect_hf_checkpoint(src_p)
     files = {n: shard_path(src_p, t.file) for n, t in ck.tensors.items()}
     return ConvertJob(src=src_p, out=out_p, plan=plan, files=files, left_out=left_out)
-
-
-def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:
-    """Split the plan across `n` workers, balanced by bytes (largest first onto the lightest worker)."""
-    buckets: list[list[Mapping]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for m in sorted(mappings, key=lambda m: -m.hf_bytes):
-        i = loads.index(min(loads))
-        buckets[i].append(m)
-        loads[i] += m.hf_bytes
-    return buckets
 
 
 def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int) -> int:
@@ -197,18 +176,6 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any,
     return ShareResult(consumed=consumed, written=state["written"], bytes_in=state["bytes"])
 
 
-def check_consumed(job: ConvertJob, consumed: list[str]) -> None:
-    """Every planned source tensor read exactly once; anything else is a bug worth stopping for."""
-    seen: set[str] = set()
-    for name in consumed:
-        if name in seen:
-            raise CheckpointError(f"{name}: consumed twice")
-        seen.add(name)
-    missing = sorted(set(job.plan.hf_index) - seen)
-    if missing:
-        raise CheckpointError(f"{missing[0]}: never consumed ({len(missing)} source tensors were not converted)")
-
-
 # ---- sidecars and verification --------------------------------------------------------------------------
 
 def write_sidecars(job: ConvertJob, stage: Path) -> None:
@@ -265,50 +232,45 @@ def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
-    return run_on_output(job.out, {"input": job.src}, force, run_rank, (job, opts), opts.workers, "convert")
+    return run_on_output(job.out, {"input": job.src}, force, run_plan, (ConvertRun(job, opts),), opts.workers,
+                         "convert")
 
 
-def run_rank(job: ConvertJob, opts: RunOptions, stage: Path, rank: int, world: int, group: Any) -> dict[str, Any]:
-    """One rank's part into `stage`; rank 0 checks everything every rank did and verifies (the runner publishes)."""
-    from glmconv.io.common_state import build_common_state
-    from glmconv.io.dcp_writer import DcpWriter
+class ConvertRun(PlanRun):
+    """Convert's steps of the shared flow: each rank writes its own DCP data files; rank 0 the metadata."""
 
-    writer = DcpWriter(stage, specs=job.plan.mcore_index, group=group)
-    share = shares(job.plan.mappings, world)[rank]
-    total = sum(m.hf_bytes for m in share)
-    label = f"convert [{rank}/{world}]" if world > 1 else "convert"
-    result: ShareResult | None = None
-    with progress(label, total, sum(len(m.hf) for m in share), opts.progress and rank == 0) as prog:
-        outcome = try_(lambda: run_share(job, share, writer, prog, group_bytes=opts.group_bytes,
-                                        chunk_bytes=opts.chunk_bytes, check_finite=opts.check_finite))
-    if not isinstance(outcome, str):
-        result, outcome = outcome, None
-    consumed = gather(group, (outcome, result.consumed if result else []), world)
-    error = None
-    if rank == 0:
-        error = next((e for e, _ in consumed if e), None) or try_none(
-            lambda: check_consumed(job, [n for _, names in consumed for n in names]))
-    error = collective_error(group, error)
-    if error:
-        raise GlmconvError(error)
-    if rank == 0:
-        write_extra_states(job, writer)
-    writer.finish(build_common_state(job.plan.config) if rank == 0 else None)
-    if rank == 0:
-        error = try_none(lambda: _finalize(job, stage))
-    error = collective_error(group, error)
-    if error:
-        raise GlmconvError(error)
-    return {**dry_run_summary(job, RunOptions(workers=world)), "published": str(job.out)}
+    verb = "convert"
 
+    def __init__(self, job: ConvertJob, opts: RunOptions) -> None:
+        self.job, self.opts, self.show_progress = job, opts, opts.progress
+        self._writer: Any = None  # this rank's DcpWriter, made in its own process
 
-def write_extra_states(job: ConvertJob, writer: Any) -> None:
-    """Empty `_extra_state` for every Megatron linear: a BF16 module's "no FP8 state", loadable by all specs."""
-    from glmconv.io.dcp_writer import empty_extra_state
+    def share_of(self, rank: int, world: int) -> list[Mapping]:
+        return shares(self.job.plan.mappings, world)[rank]
 
-    writer.write_objects({key: empty_extra_state() for key in job.plan.mcore_objects()})
+    def share_bytes(self, share: list[Mapping]) -> int:
+        return sum(m.hf_bytes for m in share)
 
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
+        from glmconv.io.dcp_writer import DcpWriter
 
-def _finalize(job: ConvertJob, stage: Path) -> None:
-    write_sidecars(job, stage)
-    verify_staged(job, stage)
+        self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group)
+        return run_share(self.job, share, self._writer, prog, group_bytes=self.opts.group_bytes,
+                         chunk_bytes=self.opts.chunk_bytes, check_finite=self.opts.check_finite)
+
+    def check(self, results: list[ShareResult]) -> None:
+        check_once((n for r in results for n in r.consumed), self.job.plan.hf_index, "consumed")
+
+    def after_check(self, rank: int, stage: Path, group: Any) -> None:
+        """The `_extra_state` objects (rank 0), then DCP's global metadata and the common state, collectively."""
+        from glmconv.io.common_state import build_common_state
+        from glmconv.io.dcp_writer import empty_extra_state
+
+        if rank == 0:
+            self._writer.write_objects({key: empty_extra_state() for key in self.job.plan.mcore_objects()})
+        self._writer.finish(build_common_state(self.job.plan.config) if rank == 0 else None)
+
+    def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
+        write_sidecars(self.job, stage)
+        verify_staged(self.job, stage)
+        return {**dry_run_summary(self.job, RunOptions(workers=world)), "published": str(self.job.out)}

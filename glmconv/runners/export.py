@@ -38,9 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv.runners import audit as audit_mod
 from glmconv.config import GlmConfig, load_config
-from glmconv.runners.convert import DEFAULT_CHUNK_BYTES, MANIFEST_NAME, shares
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
@@ -49,7 +47,10 @@ from glmconv.io.jsonfile import load_json_file
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
-from glmconv.runners.ranks import broadcast, gather, progress, run_on_output, try_
+from glmconv.runners import audit as audit_mod
+from glmconv.runners.convert import MANIFEST_NAME
+from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
+from glmconv.runners.ranks import run_on_output
 
 if TYPE_CHECKING:
     import torch
@@ -424,20 +425,6 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     return ShareResult(rank, weight_map, writer.total_size, consumed, reader.bytes_read, stats)
 
 
-def check_results(job: ExportJob, results: list[ShareResult]) -> None:
-    """Every Megatron tensor consumed once and every HF tensor written once, across all ranks."""
-    for what, got, want in (("consumed", [n for r in results for n in r.consumed], job.plan.mcore_index),
-                            ("written", [n for r in results for n in r.weight_map], job.plan.hf_index)):
-        seen: set[str] = set()
-        for name in got:
-            if name in seen:
-                raise CheckpointError(f"{name}: {what} twice")
-            seen.add(name)
-        if seen != set(want):
-            odd = sorted(set(want) - seen) or sorted(seen - set(want))
-            raise CheckpointError(f"{odd[0]}: {'never ' + what if odd[0] in want else what + ' but not planned'}")
-
-
 # ---- assembling, verifying, publishing (rank 0) ------------------------------------------------------
 
 def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
@@ -502,42 +489,42 @@ def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[
     """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     start = time.monotonic()
     inputs = _inputs(job.src, job.like, job.config_path)
-    summary = run_on_output(job.out, inputs, force, run_rank, (job, opts), opts.workers, "export")
+    summary = run_on_output(job.out, inputs, force, run_plan, (ExportRun(job, opts),), opts.workers, "export")
     return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
 
 
-def run_rank(job: ExportJob, opts: ExportOptions, stage: Path, rank: int, world: int, group: Any) -> dict[str, Any]:
-    """One rank's share into `stage`; rank 0 checks what every rank wrote, names the shards, verifies.
+class ExportRun(PlanRun):
+    """Export's steps of the shared flow: each rank writes shards into its own folder; rank 0 names them."""
 
-    The runner publishes (and removes the staging directory on failure).
-    """
-    order = {id(m): i for i, m in enumerate(job.plan.mappings)}
-    share = sorted(shares(job.plan.mappings, world)[rank], key=lambda m: order[id(m)])
-    label = f"export [{rank}/{world}]" if world > 1 else "export"
-    with progress(label, sum(m.mcore_bytes for m in share), sum(len(m.hf) for m in share),
-                  opts.progress and rank == 0) as prog:
-        outcome = try_(lambda: run_share(job, share, rank, stage, prog, opts.chunk_bytes, opts.check_finite,
-                                         opts.zero_copy))
-    results = gather(group, outcome, world)
-    verdict: Any = None
-    if rank == 0:
-        error = next((r for r in results if isinstance(r, str)), None)
-        verdict = error or try_(lambda: _finalize(job, stage, results, world))
-    verdict = broadcast(group, verdict)
-    if isinstance(verdict, str):
-        raise GlmconvError(verdict)
-    return verdict
+    verb = "export"
 
+    def __init__(self, job: ExportJob, opts: ExportOptions) -> None:
+        self.job, self.opts, self.show_progress = job, opts, opts.progress
 
-def _finalize(job: ExportJob, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
-    try:
-        check_results(job, results)
-        shards, total = merge_shards(stage, results)
-        write_sidecars(job, stage)
-        verify_staged(job, stage)
-    except OSError as exc:
-        raise CheckpointError(f"{job.out}: cannot write the export ({exc.strerror or exc})") from None
-    return summary(job, results, shards, total, world)
+    def share_of(self, rank: int, world: int) -> list[Mapping]:
+        order = {id(m): i for i, m in enumerate(self.job.plan.mappings)}
+        return sorted(shares(self.job.plan.mappings, world)[rank], key=lambda m: order[id(m)])
+
+    def share_bytes(self, share: list[Mapping]) -> int:
+        return sum(m.mcore_bytes for m in share)
+
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
+        o = self.opts
+        return run_share(self.job, share, rank, stage, prog, o.chunk_bytes, o.check_finite, o.zero_copy)
+
+    def check(self, results: list[ShareResult]) -> None:
+        """Every Megatron tensor consumed once and every HF tensor written once, across all ranks."""
+        check_once((n for r in results for n in r.consumed), self.job.plan.mcore_index, "consumed")
+        check_once((n for r in results for n in r.weight_map), self.job.plan.hf_index, "written")
+
+    def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
+        try:
+            shards, total = merge_shards(stage, results)
+            write_sidecars(self.job, stage)
+            verify_staged(self.job, stage)
+        except OSError as exc:
+            raise CheckpointError(f"{self.job.out}: cannot write the export ({exc.strerror or exc})") from None
+        return summary(self.job, results, shards, total, world)
 
 
 def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int, world: int) -> dict[str, Any]:

@@ -1,0 +1,98 @@
+"""The steps convert and export share: every rank runs its share of the plan into the staging directory, rank 0
+checks what all ranks did and finishes the output, and every rank sees one verdict (so none hangs in a
+collective). A direction says only what is particular to it, as a `PlanRun`; `glmconv.runners.ranks` runs
+`run_plan` as 1, N or torchrun ranks and publishes rank 0's summary.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.plan import Mapping
+from glmconv.runners.ranks import broadcast, gather, progress, try_, try_none
+
+DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are moved in steps of at most this many bytes
+
+
+class PlanRun(ABC):
+    """One direction of the plan (convert or export); an instance travels to every worker process."""
+
+    verb: str
+    show_progress: bool = True
+
+    @abstractmethod
+    def share_of(self, rank: int, world: int) -> list[Mapping]:
+        """This rank's mappings, in the order it runs them."""
+
+    @abstractmethod
+    def share_bytes(self, share: list[Mapping]) -> int:
+        """The bytes the progress bar counts for `share`."""
+
+    @abstractmethod
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> Any:
+        """Write `share` into `stage` (`group`: the ranks' process group, None alone); the result goes to rank 0."""
+
+    @abstractmethod
+    def check(self, results: list[Any]) -> None:
+        """Rank 0: every source tensor read once and every destination written once, across all ranks."""
+
+    def after_check(self, rank: int, stage: Path, group: Any) -> None:  # noqa: B027 - an optional step
+        """Every rank, once the shares are checked: collective steps of the output format (none by default)."""
+
+    @abstractmethod
+    def finish(self, stage: Path, results: list[Any], world: int) -> dict[str, Any]:
+        """Rank 0: sidecars and verification of the staged output; the summary to publish."""
+
+
+def run_plan(run: PlanRun, stage: Path, rank: int, world: int, group: Any) -> dict[str, Any]:
+    """One rank's part of `run` (the `fn` that `ranks.run_on_output` calls); rank 0's summary on every rank."""
+    share = run.share_of(rank, world)
+    label = f"{run.verb} [{rank}/{world}]" if world > 1 else run.verb
+    with progress(label, run.share_bytes(share), sum(len(m.hf) for m in share),
+                  run.show_progress and rank == 0) as prog:
+        outcome = try_(lambda: run.run_share(share, rank, stage, prog, group))
+    results = gather(group, outcome, world)
+    error = None
+    if rank == 0:
+        error = next((r for r in results if isinstance(r, str)), None) or try_none(lambda: run.check(results))
+    _raise(broadcast(group, error))
+    run.after_check(rank, stage, group)
+    verdict = try_(lambda: run.finish(stage, results, world)) if rank == 0 else None
+    verdict = broadcast(group, verdict)
+    _raise(verdict if isinstance(verdict, str) else None)
+    return verdict
+
+
+def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:
+    """Split the plan across `n` ranks, balanced by source bytes (largest first onto the lightest rank)."""
+    buckets: list[list[Mapping]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for m in sorted(mappings, key=lambda m: -m.hf_bytes):
+        i = loads.index(min(loads))
+        buckets[i].append(m)
+        loads[i] += m.hf_bytes
+    return buckets
+
+
+def check_once(names: Iterable[str], planned: Iterable[str], what: str) -> None:
+    """Each of `planned` appears in `names` exactly once, and nothing else does; else the first culprit, named."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise CheckpointError(f"{name}: {what} twice")
+        seen.add(name)
+    want = set(planned)
+    missing, extra = sorted(want - seen), sorted(seen - want)
+    if missing:
+        raise CheckpointError(f"{missing[0]}: never {what} ({len(missing)} planned tensors were not)")
+    if extra:
+        raise CheckpointError(f"{extra[0]}: {what} but not planned")
+
+
+def _raise(error: str | None) -> None:
+    if error:
+        raise GlmconvError(error)
