@@ -14,17 +14,8 @@ ranges of the `.distcp` items that hold them are copied file to file by the kern
 path can be switched off (`ExportOptions(zero_copy=False)`, or `GLMCONV_ZERO_COPY=0` in the environment);
 both paths write byte-identical files (tests/test_export.py).
 
-FP8 (`--fp8`), measured on the `tiny` fixture (95 FP8 weights, 101 blocks, 247,808 values;
-tests/test_export.py::test_fp8_round_trip_codes_equal_scales_differ_dequantised_equal): the Megatron side holds
-w = bf16(q0 * s0). Re-quantising w with amax/448 gives back every e4m3 code q0 (0 of 247,808 differ: the block
-maximum dequantises to bf16(448 * s0) and maps to 448 again; every other value moves by < 2^-8 relative, far
-inside an e4m3 half-step of 2^-4), but none of the 101 scales: amax(w) / 448 = bf16(448 * s0) / 448 lost the
-low 16 bits of s0's mantissa in the bf16 cast (max relative difference 3.7e-3). With that scale 56,649 values
-(23%) dequantise to a different bf16. So export keeps the codes and moves each block's scale to the fp32 value
-nearest amax/448 at which every value of the block dequantises to exactly w (`quantize_fp8_exact`): the
-dequantised checkpoint is bit-identical to the source's, the codes are the source's codes, and the scale bytes
-differ from the source's (s0 itself is not recoverable: every fp32 scale in an interval reproduces w; on the
-fixture the intervals hold 2,169 to 65,506 fp32 values, median 10,064, and s0 lies in each of them).
+FP8 (`--fp8`): the codes are re-quantised and each block's scale moved so that every value dequantises to
+exactly the bf16 being exported (`glmconv.io.fp8_exact`; why and what was measured: docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -41,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.checkpoint_files import optional_file
-from glmconv.io.dcp_metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
-from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
 from glmconv.io.jsonfile import load_json_file
+from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
+from glmconv.io.torch_dist.metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
@@ -56,8 +47,8 @@ if TYPE_CHECKING:
     import torch
 
     from glmconv.io.byte_copy import Extent
-    from glmconv.io.dcp_reader import DcpReader
-    from glmconv.io.hf_writer import PlannedTensor
+    from glmconv.io.safetensors.writer import PlannedTensor
+    from glmconv.io.torch_dist.reader import DcpReader
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
@@ -101,7 +92,7 @@ class ExportOptions:
 def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
             fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportJob:
     """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch)."""
-    from glmconv.io.common_state import COMMON_STATE_KEY, read_common_state
+    from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY, read_common_state
 
     if max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
@@ -260,7 +251,7 @@ def _row_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], chunk_by
 
 def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> list[PlannedTensor]:
     """The HF tensors `mapping_tensors` yields for `m`, in its order, with the dtype and shape each is written as."""
-    from glmconv.io.hf_writer import PlannedTensor
+    from glmconv.io.safetensors.writer import PlannedTensor
 
     steps = m.row_steps(chunk_bytes)
     order = [i for _, picks in steps for i in picks] if steps is not None else range(len(m.hf))
@@ -303,7 +294,7 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
 
 def _encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: dict[str, str],
             stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
-    from glmconv.io.dcp_writer import TORCH_DTYPES
+    from glmconv.io.torch_dist.writer import TORCH_DTYPES
 
     if tuple(t.shape) != spec.shape:
         raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
@@ -313,66 +304,12 @@ def _encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes:
         return
     if scale is None:
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
+    from glmconv.io.fp8_exact import quantize_fp8_exact
+
     q, s, adjusted, inexact = quantize_fp8_exact(t)
     stats.add(Fp8Stats(1, s.numel(), adjusted, inexact))
     yield spec.name, q
     yield scale.name, s
-
-
-# ---- FP8: e4m3 codes with block scales that reproduce the bf16 values exactly ------------------------
-
-_SHRINK = 2.0**-20  # keeps a product q*s strictly inside its bf16 rounding interval despite fp32 rounding
-
-
-def quantize_fp8_exact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """`quantize_fp8_blocks`, then each block's scale moved to the nearest fp32 at which q * scale == w in bf16.
-
-    Returns (codes, scales, blocks whose scale moved off amax/448, blocks that still do not reproduce w).
-    """
-    import torch
-
-    from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-
-    w = w.contiguous()
-    q, s = quantize_fp8_blocks(w)
-    if w.dtype != torch.bfloat16:
-        return q, s, 0, 0
-    lo, hi = _scale_bounds(q, w)
-    moved = torch.where(lo <= hi, torch.minimum(torch.maximum(s, lo), hi), s)
-    exact = _blocks(dequantize_fp8_blocks(q, moved).view(torch.int16) != w.view(torch.int16), False).logical_not()
-    final = torch.where(exact, moved, s)
-    return q, final.contiguous(), int((final != s).sum()), int(exact.logical_not().sum())
-
-
-def _scale_bounds(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block, the fp32 scales s with bf16(q * s) == w for every element (lo > hi: none)."""
-    import torch
-
-    a = w.abs()
-    bits = a.view(torch.int16)
-    up = (bits + 1).view(torch.bfloat16).float()
-    down = (bits - 1).clamp_min(0).view(torch.bfloat16).float()
-    af, qa = a.float(), q.float().abs()
-    nz = qa > 0
-    lo = torch.where(nz, (af + down) / 2 / qa * (1 + _SHRINK), 0.0)
-    hi = torch.where(nz, (af + up) / 2 / qa * (1 - _SHRINK), float("inf"))
-    return _blocks(lo, 0.0, "amax"), _blocks(hi, float("inf"), "amin")
-
-
-def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tensor:
-    """Reduce a 2-D tensor over its 128x128 blocks (edge blocks padded with `fill`)."""
-    import torch
-
-    from glmconv.rules.table import FP8_BLOCK as B
-
-    rows, cols = x.shape
-    sr, sc = -(-rows // B), -(-cols // B)
-    padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype)
-    padded[:rows, :cols] = x
-    view = padded.view(sr, B, sc, B)
-    if how == "any":
-        return view.any(dim=3).any(dim=1)
-    return view.amax(dim=(1, 3)) if how == "amax" else view.amin(dim=(1, 3))
 
 
 # ---- one rank's share --------------------------------------------------------------------------------
@@ -397,8 +334,8 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
               chunk_bytes: int, check_finite: bool = False, zero_copy: bool = True) -> ShareResult:
     """Export one worker's mappings into its own shards (memory: one mapping step; shards are streamed)."""
     from glmconv.io.byte_copy import FileCopier
-    from glmconv.io.dcp_reader import DcpReader
-    from glmconv.io.hf_writer import PlannedShardWriter
+    from glmconv.io.safetensors.writer import PlannedShardWriter
+    from glmconv.io.torch_dist.reader import DcpReader
 
     reader = DcpReader(job.src, check_finite=check_finite)
     stats, consumed = Fp8Stats(), []
@@ -429,7 +366,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
 
 def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
     """Give every rank's shards their final `model-i-of-N` names and write one index; (shards, total_size)."""
-    from glmconv.io.hf_writer import _FINAL as SHARD_NAME  # the one spelling of HF shard names
+    from glmconv.io.safetensors.writer import _FINAL as SHARD_NAME  # the one spelling of HF shard names
 
     files = [(r.rank, f) for r in sorted(results, key=lambda r: r.rank) for f in sorted(set(r.weight_map.values()))]
     final = {key: SHARD_NAME.format(i, len(files)) for i, key in enumerate(files, 1)}

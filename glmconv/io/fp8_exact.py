@@ -1,0 +1,63 @@
+"""FP8 re-quantisation that reproduces bf16 values exactly: e4m3 codes with block scales moved so that
+`dequantize_fp8_blocks(q, s)` gives back the bf16 weight bit for bit (docs/fp8.md says why amax/448 does not).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_SHRINK = 2.0**-20  # keeps a product q*s strictly inside its bf16 rounding interval despite fp32 rounding
+
+
+def quantize_fp8_exact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """`quantize_fp8_blocks`, then each block's scale moved to the nearest fp32 at which q * scale == w in bf16.
+
+    Returns (codes, scales, blocks whose scale moved off amax/448, blocks that still do not reproduce w).
+    """
+    import torch
+
+    from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    w = w.contiguous()
+    q, s = quantize_fp8_blocks(w)
+    if w.dtype != torch.bfloat16:
+        return q, s, 0, 0
+    lo, hi = _scale_bounds(q, w)
+    moved = torch.where(lo <= hi, torch.minimum(torch.maximum(s, lo), hi), s)
+    exact = _blocks(dequantize_fp8_blocks(q, moved).view(torch.int16) != w.view(torch.int16), False).logical_not()
+    final = torch.where(exact, moved, s)
+    return q, final.contiguous(), int((final != s).sum()), int(exact.logical_not().sum())
+
+
+def _scale_bounds(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, the fp32 scales s with bf16(q * s) == w for every element (lo > hi: none)."""
+    import torch
+
+    a = w.abs()
+    bits = a.view(torch.int16)
+    up = (bits + 1).view(torch.bfloat16).float()
+    down = (bits - 1).clamp_min(0).view(torch.bfloat16).float()
+    af, qa = a.float(), q.float().abs()
+    nz = qa > 0
+    lo = torch.where(nz, (af + down) / 2 / qa * (1 + _SHRINK), 0.0)
+    hi = torch.where(nz, (af + up) / 2 / qa * (1 - _SHRINK), float("inf"))
+    return _blocks(lo, 0.0, "amax"), _blocks(hi, float("inf"), "amin")
+
+
+def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tensor:
+    """Reduce a 2-D tensor over its 128x128 blocks (edge blocks padded with `fill`)."""
+    import torch
+
+    from glmconv.rules.table import FP8_BLOCK as B
+
+    rows, cols = x.shape
+    sr, sc = -(-rows // B), -(-cols // B)
+    padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype)
+    padded[:rows, :cols] = x
+    view = padded.view(sr, B, sc, B)
+    if how == "any":
+        return view.any(dim=3).any(dim=1)
+    return view.amax(dim=(1, 3)) if how == "amax" else view.amin(dim=(1, 3))
