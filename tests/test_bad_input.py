@@ -36,15 +36,15 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from glmconv_cli.main import cli
-from glmconv.runners import convert as convert_mod
-from glmconv.config import load_config
-from glmconv.io.common_state import COMMON_STATE_KEY
-from glmconv.io.dcp_writer import DCP_METADATA_FILE, RELEASE, TRACKER_FILE
-from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME
-from glmconv.io.safe_unpickle import safe_load
 from test_export import _rewrite as rewrite_torch_dist
+
+from glmconv.config import load_config
+from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME
+from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY
+from glmconv.io.torch_dist.safe_unpickle import safe_load
+from glmconv.io.torch_dist.writer import DCP_METADATA_FILE, RELEASE, TRACKER_FILE
+from glmconv.runners import convert as convert_mod
+from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -532,8 +532,8 @@ def test_full_output_location(source: str, sources: dict[str, Path], mount_tmpfs
 
 
 def _simulate_enospc(monkeypatch: pytest.MonkeyPatch) -> None:
-    import glmconv.io.dcp_writer as dw
-    import glmconv.io.hf_writer as hw
+    import glmconv.io.safetensors.writer as hw
+    import glmconv.io.torch_dist.writer as dw
 
     def full(*a: object, **k: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")

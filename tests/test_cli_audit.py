@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from repo_files import REAL_CONFIG as REAL  # noqa: E402
 from test_dcp_metadata import mcore_tensors, write_torch_dist
 from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
-from glmconv_cli.main import cli
-from glmconv.io.hf_checkpoint import INDEX_NAME
+from glmconv.io.safetensors.checkpoint import INDEX_NAME
 from glmconv.rules.names import HF_FLAT_PREFIX
+from glmconv_cli.main import cli
 
-from repo_files import REAL_CONFIG as REAL  # noqa: E402
 L1 = "model.language_model.layers.1."
 FP8_W = L1 + "mlp.experts.2.down_proj.weight"
 

@@ -159,7 +159,7 @@ def big_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """cut8's schedule with hidden 128, 64 routed experts of width 64: ~20 MB, 4 shards, seed 0."""
     from glmconv.fixtures.generate import checked_plan, fixture_tensors
     from glmconv.fixtures.presets import generation_config, preset_config
-    from glmconv.io.hf_writer import ShardWriter
+    from glmconv.io.safetensors.writer import ShardWriter
 
     out = tmp_path_factory.mktemp("kill") / "big"
     cfg = preset_config("cut8")

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mcore_helpers as mh
 import pytest
 import torch
-
-import mcore_helpers as mh
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 FIXTURES = ("tiny", "tiny-fp8", "cut8")
@@ -38,8 +37,8 @@ def converted(tiny_ckpt: Path, tiny_fp8_ckpt: Path, cut8_ckpt: Path,
 
 def _check_fixture(name: str, src: str, root: str, r: mh.Ranks) -> int:
     """Load one converted checkpoint at this rank's layout; returns the number of local pieces compared."""
+    from glmconv.io.torch_dist.writer import TORCH_DTYPES
     from glmconv.runners.convert import prepare
-    from glmconv.io.dcp_writer import TORCH_DTYPES
 
     plan = prepare(src, Path(root) / "unused").plan
     want = mh.reference_mcore(src)

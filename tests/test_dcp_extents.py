@@ -14,8 +14,8 @@ import torch
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, read_into
-from glmconv.io.dcp_reader import DcpReader, locate_tensor_data
-from glmconv.io.dcp_writer import DCP_METADATA_FILE, Chunk, DcpWriter
+from glmconv.io.torch_dist.reader import DcpReader, locate_tensor_data
+from glmconv.io.torch_dist.writer import DCP_METADATA_FILE, Chunk, DcpWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -123,7 +123,7 @@ def test_an_archive_of_something_else_than_a_tensor_has_no_extent_and_runs_nothi
 
 
 def test_a_non_zip_item_is_an_error_for_the_locator_and_no_extent_for_the_reader(tmp_path: Path) -> None:
-    from glmconv.io.safe_unpickle import safe_load
+    from glmconv.io.torch_dist.safe_unpickle import safe_load
 
     path, offset, length = _item_file(tmp_path, b"\0" * 200)
     with pytest.raises(zipfile.BadZipFile):

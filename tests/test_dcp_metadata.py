@@ -20,9 +20,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from glmconv.config import parse_config
 from glmconv.errors import CheckpointError
-from glmconv.io.dcp_metadata import (DCP_METADATA_NAME, inspect_torch_dist, resolve_iter_dir,
-                                     torch_dtype_code)
-from glmconv.io.safe_unpickle import ALLOWED, safe_load
+from glmconv.io.torch_dist.metadata import DCP_METADATA_NAME, inspect_torch_dist, resolve_iter_dir, torch_dtype_code
+from glmconv.io.torch_dist.safe_unpickle import ALLOWED, safe_load
 from glmconv.plan import build_plan
 
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32}
@@ -208,8 +207,13 @@ def test_dtype_codes_match_the_plan():
 def test_megatron_saved_plans_inside_metadata_are_allowed(tmp_path):
     """megatron-core's saver keeps `all_local_plans` (SavePlan/WriteItem/...) on the Metadata it pickles."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, TensorWriteData, WriteItem,
-                                                      WriteItemType)
+    from torch.distributed.checkpoint.planner import (
+        BytesIOWriteData,
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
 
     it = _small(tmp_path / "ck") / "release"
     md = safe_load(it / DCP_METADATA_NAME)
@@ -226,7 +230,7 @@ def test_megatron_saved_plans_inside_metadata_are_allowed(tmp_path):
 
 
 def test_checkpoint_written_by_glmconv_dcp_writer_reads_through_the_allow_list(tmp_path):
-    from glmconv.io.dcp_writer import DcpWriter, sharded_object_key
+    from glmconv.io.torch_dist.writer import DcpWriter, sharded_object_key
 
     tensors = {"a.weight": torch.zeros(4, 3, dtype=torch.bfloat16), "b": torch.zeros(2)}
     with warnings.catch_warnings():

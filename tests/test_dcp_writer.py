@@ -13,22 +13,22 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import mcore_helpers as mh
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-import mcore_helpers as mh
 from glmconv.config import GlmConfig, parse_config
 from glmconv.errors import CheckpointError
-from glmconv.io.common_state import (
+from glmconv.io.torch_dist.common_state import (
     COMMON_STATE_KEY,
     LEGACY_COMMON_FILE,
     build_common_state,
     load_common_state,
     read_common_state,
 )
-from glmconv.io.dcp_writer import (
+from glmconv.io.torch_dist.writer import (
     BACKEND_CONFIG,
     CONFIG_FILE,
     DCP_METADATA_FILE,

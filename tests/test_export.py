@@ -13,20 +13,20 @@ from typing import Any
 import pytest
 import torch
 
-from glmconv.runners import convert as convert_mod
-from glmconv.runners import export as export_mod
 from glmconv.config import load_config
 from glmconv.errors import CheckpointError, GlmconvError
-from glmconv.io.common_state import COMMON_STATE_KEY, LEGACY_COMMON_FILE, read_common_state
-from glmconv.io.dcp_reader import DcpReader
-from glmconv.io.dcp_writer import DCP_METADATA_FILE, RELEASE, TRACKER_FILE, Chunk, DcpWriter, read_bytes_entry
 from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME
-from glmconv.io.hf_writer import ShardWriter
-from glmconv.io.safetensors_header import read_header
+from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME
+from glmconv.io.safetensors.header import read_header
+from glmconv.io.safetensors.writer import ShardWriter
+from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY, LEGACY_COMMON_FILE, read_common_state
+from glmconv.io.torch_dist.reader import DcpReader
+from glmconv.io.torch_dist.writer import DCP_METADATA_FILE, RELEASE, TRACKER_FILE, Chunk, DcpWriter, read_bytes_entry
 from glmconv.plan import build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import SplitVector
+from glmconv.runners import convert as convert_mod
+from glmconv.runners import export as export_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 SMALL_SHARDS = 300_000  # bytes: several shards even for the tiny fixture
@@ -363,7 +363,7 @@ def test_reader_refuses_rows_no_chunk_covers(tmp_path: Path) -> None:
     writer = DcpWriter(tmp_path)
     writer.write_chunks([Chunk("x", full[r:r + 2].clone(), r, (10, 2)) for r in range(0, 10, 2)])
     ckpt = writer.finish({"iteration": 0})
-    from glmconv.io.safe_unpickle import safe_load
+    from glmconv.io.torch_dist.safe_unpickle import safe_load
 
     md = safe_load(ckpt / DCP_METADATA_FILE)
     md.state_dict_metadata["x"].chunks = [c for c in md.state_dict_metadata["x"].chunks if c.offsets[0] != 4]
@@ -379,7 +379,7 @@ def test_reader_never_unpickles_objects_from_a_chunk(tmp_path: Path) -> None:
     import dataclasses
     import os
 
-    from glmconv.io.safe_unpickle import safe_load
+    from glmconv.io.torch_dist.safe_unpickle import safe_load
 
     class Evil:
         def __reduce__(self) -> tuple[Any, ...]:
@@ -455,7 +455,7 @@ def test_a_gap_between_stored_chunks_is_refused_and_nothing_published(tiny_mc: P
     root = tmp_path / "mc"
     shutil.copytree(tiny_mc, root)
     meta = root / RELEASE / DCP_METADATA_FILE
-    from glmconv.io.safe_unpickle import safe_load
+    from glmconv.io.torch_dist.safe_unpickle import safe_load
 
     md = safe_load(meta)
     name = next(n for n, e in md.state_dict_metadata.items() if getattr(e, "chunks", None) and len(e.size) == 3)

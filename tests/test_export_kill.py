@@ -21,10 +21,10 @@ from click.testing import CliRunner
 from test_bad_input import sha256_tree
 from test_export import _raw as raw_tensors
 
-from glmconv_cli.main import cli
+from glmconv.lock import lock_path
 from glmconv.runners import convert as convert_mod
 from glmconv.runners import ranks as runner
-from glmconv.lock import lock_path
+from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ FLUSH_S = 0.3  # per shard: 3.6 s or more of writing
 # `glmconv export ...` with a sleep before every shard is started; argv[1] is the sleep.
 SLOW = """
 import sys, time
-import glmconv.io.hf_writer as hf_writer
+import glmconv.io.safetensors.writer as hf_writer
 pause = float(sys.argv.pop(1))
 open_shard = hf_writer.PlannedShardWriter._open_shard
 def slow_open_shard(self, no):

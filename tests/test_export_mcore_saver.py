@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mcore_helpers as mh
 import pytest
 import torch
 import torch.distributed as dist
 
-import mcore_helpers as mh
 from glmconv.config import parse_config
-from glmconv.runners.export import export_mappings
-from glmconv.io.dcp_reader import DcpReader
-from glmconv.io.dcp_writer import TORCH_DTYPES, TRACKER_FILE
+from glmconv.io.torch_dist.reader import DcpReader
+from glmconv.io.torch_dist.writer import TORCH_DTYPES, TRACKER_FILE
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import Concat, StackExperts
+from glmconv.runners.export import export_mappings
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 CONFIG = dict(

@@ -11,15 +11,15 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from glmconv_cli.fixture_cmd import fixture
 from glmconv.config import DSA, KDA, parse_config
 from glmconv.errors import GlmconvError
 from glmconv.fixtures import FixtureError, generate, make_fixture, preset_config
 from glmconv.io.fp8 import dequantize_fp8_blocks
-from glmconv.io.hf_writer import INDEX_NAME, ShardWriter
+from glmconv.io.safetensors.writer import INDEX_NAME, ShardWriter
 from glmconv.plan import FP8, build_plan, fp8_scale_shape
 from glmconv.rules import names
 from glmconv.rules.table import MTP, VISION
+from glmconv_cli.fixture_cmd import fixture
 
 
 def _config(path: Path) -> dict:

@@ -28,16 +28,16 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from test_bad_input import add_tensor, assert_refused, edit_shard, invoke, mc_ckpt, weight_map  # noqa: F401
 
-from glmconv_cli.main import cli
-from glmconv_cli.sizes import MAX_SIZE, parse_size
 from glmconv.config import LAC_SCHEMA, TEXT_SCHEMA, VISION_SCHEMA, load_config
 from glmconv.errors import CheckpointError, GlmconvError
-from glmconv.io.dcp_writer import RELEASE
-from glmconv.io.hf_checkpoint import CONFIG_NAME, INDEX_NAME
+from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME
+from glmconv.io.torch_dist.writer import RELEASE
 from glmconv.plan import FP8, build_plan
 from glmconv.progress import Progress
 from glmconv.rules import names
 from glmconv.text import printable
+from glmconv_cli.main import cli
+from glmconv_cli.sizes import MAX_SIZE, parse_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 MANIFEST = "glmconv.json"

@@ -28,13 +28,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_export import _raw as raw_tensors
 
-from glmconv.runners import convert as convert_mod
-from glmconv.runners import export as export_mod
 from glmconv.config import DSA, parse_config
-from glmconv.io.dcp_writer import TORCH_DTYPES
-from glmconv.io.hf_writer import ShardWriter
+from glmconv.io.safetensors.writer import ShardWriter
+from glmconv.io.torch_dist.writer import TORCH_DTYPES
 from glmconv.plan import FP8, Plan, build_plan
 from glmconv.rules import names
+from glmconv.runners import convert as convert_mod
+from glmconv.runners import export as export_mod
 
 KDA_T, DSA_T = "linear_attention", "deepseek_sparse_attention"
 

@@ -15,9 +15,15 @@ from safetensors.torch import save_file
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
-from glmconv.io.hf_writer import (INDEX_NAME, PlannedShardWriter, PlannedTensor, ShardWriter, plan_shards,
-                                  shard_header)
-from glmconv.io.safetensors_header import read_header
+from glmconv.io.safetensors.header import read_header
+from glmconv.io.safetensors.writer import (
+    INDEX_NAME,
+    PlannedShardWriter,
+    PlannedTensor,
+    ShardWriter,
+    plan_shards,
+    shard_header,
+)
 
 CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from glmconv_cli.main import cli
-from glmconv.runners import convert as convert_mod
-from glmconv.runners import ranks as runner
 from glmconv.errors import GlmconvError
 from glmconv.lock import OutputLock, OutputLockedError, lock_path
+from glmconv.runners import convert as convert_mod
+from glmconv.runners import ranks as runner
+from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ time.sleep(120)
 # certainly still in progress (lock taken, staging begun) for as long as the test wants.
 GATED = """
 import os, sys, time
-import glmconv.io.hf_reader as hf_reader
+import glmconv.io.safetensors.reader as hf_reader
 gate = sys.argv.pop(1)
 entry = hf_reader.HfTensorSource.entry  # every tensor read or copied is located first
 def gated(self, *a, **k):
@@ -138,7 +138,7 @@ def test_second_convert_while_the_first_is_running(tiny_ckpt: Path, tmp_path: Pa
 
 
 def test_lock_is_removed_when_the_run_fails(tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import glmconv.io.hf_reader as hf_reader
+    import glmconv.io.safetensors.reader as hf_reader
 
     def broken(self, name):
         raise GlmconvError(f"{name}: simulated read failure")

@@ -33,11 +33,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_bad_input import assert_refused, invoke, listing, sha256_tree
 
-from glmconv_cli.main import cli
-from glmconv.runners import convert as convert_mod
 from glmconv import output
 from glmconv.errors import GlmconvError
 from glmconv.lock import lock_path
+from glmconv.runners import convert as convert_mod
+from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ROOT = Path(__file__).resolve().parents[1]
@@ -513,7 +513,7 @@ SITECUSTOMIZE = textwrap.dedent("""
     gate = os.environ.get("GLMCONV_TEST_GATE")
     if gate:
         import time
-        import glmconv.io.hf_reader as hf_reader
+        import glmconv.io.safetensors.reader as hf_reader
         entry = hf_reader.HfTensorSource.entry
         def wait():
             mark = f"{gate}.pid-{os.getpid()}"
@@ -652,7 +652,7 @@ def test_signal_before_the_run_starts_is_one_line(sig: signal.Signals, code: int
 def test_interrupt_wrapped_by_torch_is_still_an_interruption(src: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.save turns an exception raised in its write callback into a RuntimeError: still `interrupted`."""
-    import glmconv.io.dcp_writer as dw
+    import glmconv.io.torch_dist.writer as dw
     from glmconv.interrupt import Interrupted
 
     def interrupted_inside_torch(*a: object, **k: object) -> None:

@@ -16,11 +16,11 @@ import torch
 from click.testing import CliRunner
 
 import glmconv.parity as parity_mod
-from glmconv_cli.main import cli
 from glmconv.errors import GlmconvError
 from glmconv.parity import ParityOptions
 from glmconv.parity.capture import capture
 from glmconv.parity.inputs import load_prompt_file, random_batch
+from glmconv_cli.main import cli
 
 VOCAB = 512  # the tiny preset's vocabulary (the driver reads HF_DIR's config.json)
 
@@ -259,7 +259,7 @@ def _swap_expert_gate_up(mcore: Path, dst: Path, layer: int, expert: int) -> Pat
     import io
     import shutil
 
-    from glmconv.io.dcp_writer import read_metadata
+    from glmconv.io.torch_dist.writer import read_metadata
 
     shutil.copytree(mcore, dst)
     iter_dir = dst / "release"

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import glmconv.io.torch_save as ts
+import glmconv.io.torch_dist.torch_save as ts
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
-from glmconv.io.torch_save import FileTensor, save_tensor
+from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 
 
 def _save(path: Path, tensor: torch.Tensor | FileTensor) -> bytes:

@@ -25,12 +25,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from glmconv_cli.main import cli
-from glmconv.runners import convert as convert_mod
 from glmconv.errors import CheckpointError
-from glmconv.io.common_state import COMMON_STATE_KEY, LEGACY_COMMON_FILE
-from glmconv.io.dcp_writer import DCP_METADATA_FILE, RELEASE
-from glmconv.io.safe_unpickle import safe_load
+from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY, LEGACY_COMMON_FILE
+from glmconv.io.torch_dist.safe_unpickle import safe_load
+from glmconv.io.torch_dist.writer import DCP_METADATA_FILE, RELEASE
+from glmconv.runners import convert as convert_mod
+from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 REFUSED = r"refusing to unpickle|weights.only"

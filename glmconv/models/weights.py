@@ -201,8 +201,8 @@ class HfWeights(WeightSource):
     """The HF checkpoint through `HfTensorSource` (lazy, memory-mapped; FP8 dequantised to BF16)."""
 
     def __init__(self, hf_dir: str | Path) -> None:
-        from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
-        from glmconv.io.hf_reader import HfTensorSource
+        from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+        from glmconv.io.safetensors.reader import HfTensorSource
 
         ck = inspect_hf_checkpoint(hf_dir)
         if ck.text_prefix is None:
@@ -265,7 +265,7 @@ class MegatronWeights(WeightSource):
     """The torch_dist checkpoint read tensor by tensor (or by expert rows), in Megatron's own layout."""
 
     def __init__(self, mcore_dir: str | Path, config: GlmConfig | None = None) -> None:
-        from glmconv.io.dcp_reader import DcpReader
+        from glmconv.io.torch_dist.reader import DcpReader
 
         root = Path(mcore_dir)
         if config is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError
-from glmconv.io.hf_checkpoint import CONFIG_NAME, inspect_hf_checkpoint, is_hf_checkpoint
+from glmconv.io.safetensors.checkpoint import CONFIG_NAME, inspect_hf_checkpoint, is_hf_checkpoint
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
 
@@ -117,7 +117,7 @@ class AuditReport:
 def detect_kind(path: Path) -> str:
     """config.json file, HF checkpoint dir, or torch_dist dir."""
     from glmconv.io.checkpoint_files import check_checkpoint_dir
-    from glmconv.io.dcp_metadata import is_torch_dist
+    from glmconv.io.torch_dist.metadata import is_torch_dist
 
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
@@ -163,7 +163,7 @@ def _apply_layers(s: Side, opts: Options) -> Side:
 
 
 def _load_mcore(p: Path, opts: Options, side: str) -> Side:
-    from glmconv.io.dcp_metadata import inspect_torch_dist
+    from glmconv.io.torch_dist.metadata import inspect_torch_dist
 
     ck = inspect_torch_dist(p)
     config = load_config(_mcore_config_path(p, ck.iter_dir, opts))
@@ -494,6 +494,6 @@ def _config_of(p: Path, override: str | Path | None) -> GlmConfig:
     kind = detect_kind(p)
     if kind in (CONFIG, HF):
         return load_config(p)
-    from glmconv.io.dcp_metadata import resolve_iter_dir
+    from glmconv.io.torch_dist.metadata import resolve_iter_dir
 
     return load_config(_mcore_config_path(p, resolve_iter_dir(p)[0], Options()))

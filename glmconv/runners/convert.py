@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, Piece, take
-from glmconv.io.hf_checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.runners import audit as audit_mod
@@ -20,7 +20,7 @@ from glmconv.runners.ranks import run_on_output
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.dcp_writer import Chunk
+    from glmconv.io.torch_dist.writer import Chunk
 
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "glmconv.json"
@@ -98,7 +98,7 @@ def mapping_chunks(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Chunk]
     Where the mapping only moves bytes (same dtype on both sides, no check to make on the values), the
     chunks are `FileTensor`s: the writer copies the source bytes file to file without reading them.
     """
-    from glmconv.io.dcp_writer import TORCH_DTYPES, Chunk
+    from glmconv.io.torch_dist.writer import TORCH_DTYPES, Chunk
 
     out_dtype = TORCH_DTYPES[m.mcore[0].dtype]
     layout = byte_layout(m, source)
@@ -124,7 +124,7 @@ def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece]
     import torch
 
     from glmconv.io.byte_copy import Extent
-    from glmconv.io.torch_save import FileTensor
+    from glmconv.io.torch_dist.torch_save import FileTensor
 
     return FileTensor(torch.Size(shape), dtype, tuple(
         Extent(extents[p.source].path, extents[p.source].offset + p.offset, p.length) for p in pieces))
@@ -132,7 +132,7 @@ def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece]
 
 def _row_chunks(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
                 layout: list[list[Piece]] | None) -> Iterator[Chunk]:
-    from glmconv.io.dcp_writer import Chunk
+    from glmconv.io.torch_dist.writer import Chunk
 
     spec = m.mcore[0]
     row_bytes = spec.nbytes // spec.shape[0]
@@ -157,7 +157,7 @@ class ShareResult:
 def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any, *, group_bytes: int,
               chunk_bytes: int, check_finite: bool = False) -> ShareResult:
     """Convert one worker's mappings into its own data files."""
-    from glmconv.io.hf_reader import HfTensorSource
+    from glmconv.io.safetensors.reader import HfTensorSource
 
     consumed: list[str] = []
     state = {"written": 0, "bytes": 0}
@@ -252,7 +252,7 @@ class ConvertRun(PlanRun):
         return sum(m.hf_bytes for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
-        from glmconv.io.dcp_writer import DcpWriter
+        from glmconv.io.torch_dist.writer import DcpWriter
 
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group)
         return run_share(self.job, share, self._writer, prog, group_bytes=self.opts.group_bytes,
@@ -263,8 +263,8 @@ class ConvertRun(PlanRun):
 
     def after_check(self, rank: int, stage: Path, group: Any) -> None:
         """The `_extra_state` objects (rank 0), then DCP's global metadata and the common state, collectively."""
-        from glmconv.io.common_state import build_common_state
-        from glmconv.io.dcp_writer import empty_extra_state
+        from glmconv.io.torch_dist.common_state import build_common_state
+        from glmconv.io.torch_dist.writer import empty_extra_state
 
         if rank == 0:
             self._writer.write_objects({key: empty_extra_state() for key in self.job.plan.mcore_objects()})

@@ -10,7 +10,7 @@ from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file, require_file
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.safetensors_header import read_header
+from glmconv.io.safetensors.header import read_header
 from glmconv.rules.names import detect_text_prefix
 from glmconv.text import show
 

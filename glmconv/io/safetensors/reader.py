@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
-from glmconv.io.safetensors_header import HeaderEntry, SafetensorsHeader, read_header
+from glmconv.io.safetensors.header import HeaderEntry, SafetensorsHeader, read_header
 from glmconv.rules import names
 
 if TYPE_CHECKING:

@@ -139,7 +139,7 @@ def read_common_state(ckpt_dir: str | Path) -> dict[str, Any]:
     legacy = optional_file(d, LEGACY_COMMON_FILE)
     if legacy is not None:
         return load_common_state(legacy.read_bytes(), source=str(legacy))
-    from glmconv.io.dcp_writer import read_bytes_entry
+    from glmconv.io.torch_dist.writer import read_bytes_entry
 
     return load_common_state(read_bytes_entry(d, COMMON_STATE_KEY), source=f"{d}:{COMMON_STATE_KEY}")
 

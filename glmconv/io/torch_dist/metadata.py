@@ -10,7 +10,7 @@ from typing import Any
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, inside, optional_file, require_file
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.safe_unpickle import safe_load
+from glmconv.io.torch_dist.safe_unpickle import safe_load
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MCORE_METADATA_NAME = "metadata.json"

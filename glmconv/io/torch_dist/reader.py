@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import require_file
-from glmconv.io.dcp_metadata import DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
-from glmconv.io.safe_unpickle import safe_load
+from glmconv.io.torch_dist.metadata import DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
+from glmconv.io.torch_dist.safe_unpickle import safe_load
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +85,7 @@ class DcpReader:
             boxes.append(box)
         _check_cover(name, boxes, (stop - start, *size[1:]) if size else (), start)
         if self._check_finite:
-            from glmconv.io.hf_reader import require_finite
+            from glmconv.io.safetensors.reader import require_finite
 
             require_finite(out, name, str(self.iter_dir), start)
         return out

@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import FileCopier, write_all
-from glmconv.io.common_state import COMMON_STATE_KEY
 from glmconv.io.dtypes import TORCH_DTYPES
-from glmconv.io.torch_save import FileTensor, save_tensor
+from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY
+from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 from glmconv.output import new_file
 from glmconv.rules.names import sharded_object_key  # noqa: F401 - re-exported for writers of objects
 
