@@ -48,9 +48,9 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
            allow_different_weights: bool, kernels: str) -> None:
     """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block."""
     from glmconv.errors import GlmconvError
-    from glmconv.parity import DEFAULT_TOKENS, ParityOptions, run_parity
-    from glmconv.parity.metrics import parse_bound
-    from glmconv.parity.report import to_json, write_report
+    from glmconv.compare import DEFAULT_TOKENS, ParityOptions, run_parity
+    from glmconv.compare.metrics import parse_bound
+    from glmconv.compare.report import to_json, write_report
 
     bounds = tuple(parse_bound(b) for b in fail_on)  # bad syntax fails before any model is built
     if prompt_file is not None and (tokens is not None or sequences is not None):
@@ -77,7 +77,7 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
 def _print(report: dict, paths: list[Path]) -> None:
     from rich.console import Console
 
-    from glmconv.parity.report import print_table
+    from glmconv.compare.report import print_table
 
     console = Console()
     print_table(report, console)

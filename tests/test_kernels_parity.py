@@ -34,10 +34,10 @@ def test_auto_is_the_reference_off_cuda(tiny_ckpt: Path) -> None:
 def test_kernel_error_rows_in_capture_and_report(tiny_ckpt: Path) -> None:
     from rich.console import Console
 
-    from glmconv.parity import ParityOptions
-    from glmconv.parity.capture import capture
-    from glmconv.parity.inputs import random_batch
-    from glmconv.parity.report import build_report, print_table, to_markdown
+    from glmconv.compare import ParityOptions
+    from glmconv.compare.capture import capture
+    from glmconv.compare.inputs import random_batch
+    from glmconv.compare.report import build_report, print_table, to_markdown
 
     serve, train, twin = _model(tiny_ckpt), _model(tiny_ckpt), _model(tiny_ckpt, "reference")
     train.record_out = twin.record_out = True
@@ -70,8 +70,8 @@ def test_one_forward_code_with_a_kernel_op_set(tiny_ckpt: Path, monkeypatch: pyt
     import glmconv.models.model as model_mod
     from glmconv.kernels import OpSet, reference_ops
     from glmconv.kernels.kpool import kpool_topk
-    from glmconv.parity.capture import capture
-    from glmconv.parity.inputs import random_batch
+    from glmconv.compare.capture import capture
+    from glmconv.compare.inputs import random_batch
 
     ref = reference_ops()
     fake = OpSet("kernels", ref.kda_layer, partial(kpool_topk, width=64, dtype=torch.int32), ref.sparse_mla)

@@ -15,11 +15,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import glmconv.parity as parity_mod
+import glmconv.compare as parity_mod
 from glmconv.errors import GlmconvError
-from glmconv.parity import ParityOptions
-from glmconv.parity.capture import capture
-from glmconv.parity.inputs import load_prompt_file, random_batch
+from glmconv.compare import ParityOptions
+from glmconv.compare.capture import capture
+from glmconv.compare.inputs import load_prompt_file, random_batch
 from glmconv_cli.main import cli
 
 VOCAB = 512  # the tiny preset's vocabulary (the driver reads HF_DIR's config.json)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glmconv.errors import GlmconvError
-from glmconv.parity import metrics as m
+from glmconv.compare import metrics as m
 
 
 def test_rel_err_and_max_abs() -> None:

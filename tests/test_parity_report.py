@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from glmconv.parity import ParityOptions
-from glmconv.parity.capture import Capture
-from glmconv.parity.inputs import random_batch
-from glmconv.parity.metrics import parse_bound
-from glmconv.parity.report import JSON_NAME, MD_NAME, PNG_NAME, build_report, print_table, to_json, write_report
+from glmconv.compare import ParityOptions
+from glmconv.compare.capture import Capture
+from glmconv.compare.inputs import random_batch
+from glmconv.compare.metrics import parse_bound
+from glmconv.compare.report import JSON_NAME, MD_NAME, PNG_NAME, build_report, print_table, to_json, write_report
 
 _TYPES = [("kda", "dense"), ("kda", "dense"), ("kda", "moe"), ("dsa", "moe")]
 

@@ -43,7 +43,7 @@ def _logits(hf: Path, device: str, dtype: torch.dtype) -> torch.Tensor:
     from glmconv.models.conventions import Conventions
     from glmconv.models.model import GlmModel
     from glmconv.models.weights import HfWeights
-    from glmconv.parity.inputs import random_batch
+    from glmconv.compare.inputs import random_batch
 
     config = load_config(hf)
     batch = random_batch(config.dim("vocab_size"), TOKENS, SEQUENCES, 0).to(device)
@@ -71,7 +71,7 @@ def test_bf16_serve_model_on_cuda_is_as_close_to_fp32_as_bf16_on_cpu(tiny_pair: 
 
 
 def _parity(tiny_pair: tuple[Path, Path], **kw: object) -> dict:
-    from glmconv.parity import ParityOptions, run_parity
+    from glmconv.compare import ParityOptions, run_parity
 
     hf, mc = tiny_pair
     return run_parity(ParityOptions(hf_dir=hf, mcore_dir=mc, tokens=TOKENS, sequences=SEQUENCES, device="cuda",

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv import __version__
 from glmconv.errors import GlmconvError
-from glmconv.parity import metrics
+from glmconv.compare import metrics
 from glmconv.text import printable
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from glmconv.parity import ParityOptions
-    from glmconv.parity.capture import Capture
-    from glmconv.parity.inputs import Batch
+    from glmconv.compare import ParityOptions
+    from glmconv.compare.capture import Capture
+    from glmconv.compare.inputs import Batch
 
 JSON_NAME, MD_NAME, PNG_NAME = "report.json", "report.md", "error_per_layer.png"
 _PLOT_FLOOR = 1e-12  # log-scale floor for exact zeros

@@ -26,9 +26,9 @@ from glmconv.errors import GlmconvError
 
 if TYPE_CHECKING:
     from glmconv.config import GlmConfig
-    from glmconv.parity.capture import Model
-    from glmconv.parity.inputs import Batch
-    from glmconv.parity.metrics import Bound
+    from glmconv.compare.capture import Model
+    from glmconv.compare.inputs import Batch
+    from glmconv.compare.metrics import Bound
 
 DEFAULT_THRESHOLDS = {"fp32": 1e-4, "bf16": 2e-2}
 DTYPES = ("fp32", "bf16")
@@ -65,8 +65,8 @@ class ParityOptions:
 def run_parity(opts: ParityOptions) -> dict[str, Any]:
     """Build both models, run them over the batch, and return the report (see `report.build_report`)."""
     from glmconv.config import load_config
-    from glmconv.parity.capture import StepProgress, capture, steps
-    from glmconv.parity.report import build_report
+    from glmconv.compare.capture import StepProgress, capture, steps
+    from glmconv.compare.report import build_report
 
     if opts.dtype not in DTYPES:
         raise GlmconvError(f"--dtype {opts.dtype!r}: choose from {', '.join(DTYPES)}")
@@ -82,7 +82,7 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
 
 def make_batch(opts: ParityOptions, vocab: int) -> Batch:
     """Random tokens from --seed, or the ids of --prompt-file."""
-    from glmconv.parity.inputs import load_prompt_file, random_batch
+    from glmconv.compare.inputs import load_prompt_file, random_batch
 
     if opts.prompt_file is not None:
         return load_prompt_file(opts.prompt_file, vocab)
@@ -95,7 +95,7 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
 
     from glmconv.models.model import GlmModel
     from glmconv.models.weights import HfWeights, MegatronWeights
-    from glmconv.parity.fingerprint import check_same_weights
+    from glmconv.compare.fingerprint import check_same_weights
 
     device = check_device(opts.device)
     serve_w, train_w = HfWeights(opts.hf_dir), MegatronWeights(opts.mcore_dir)

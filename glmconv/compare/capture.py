@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 
 from glmconv.errors import GlmconvError
-from glmconv.parity import metrics
-from glmconv.parity.inputs import Batch
+from glmconv.compare import metrics
+from glmconv.compare.inputs import Batch
 from glmconv.text import printable
 
 MODES = ("propagated", "isolated")
