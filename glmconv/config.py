@@ -105,11 +105,12 @@ class GlmConfig:
 
 def load_config(path: str | Path) -> GlmConfig:
     """Read a config.json (file, or a checkpoint directory holding one)."""
+    from glmconv.io.file_names import CONFIG_NAME
     from glmconv.io.jsonfile import load_json_file
 
     p = Path(path)
     if p.is_dir():
-        p = p / "config.json"
+        p = p / CONFIG_NAME
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     raw = load_json_file(p, error=ConfigError, max_bytes=MAX_CONFIG_BYTES)

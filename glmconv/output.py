@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from glmconv.errors import GlmconvError
+from glmconv.io.file_names import MANIFEST_NAME
 from glmconv.lock import LOCK_SUFFIX
 
 STAGING_SUFFIX = ".glmconv-staging"
 OLD_SUFFIX = ".glmconv-old"
 MARKER = ".glmconv-run"
-MANIFEST = "glmconv.json"
 WRITTEN_BY = "glmconv"
 MARKER_MAX_BYTES = 1 << 16  # a marker or manifest is a few hundred bytes; anything larger is not ours
 STALE_WAIT_S = 10.0  # how long a leftover staging directory's workers get to die (they follow their parent)
@@ -120,7 +120,8 @@ def claim_report_dir(d: Path) -> None:
         return
     if _not_empty(d):
         raise GlmconvError(f"{d}: not empty and not a report directory glmconv wrote; choose a new or empty one")
-    replace_file(d / MANIFEST, (json.dumps({**manifest_fields(), "format": "parity-report"}, indent=2) + "\n").encode())
+    manifest = json.dumps({**manifest_fields(), "format": "parity-report"}, indent=2) + "\n"
+    replace_file(d / MANIFEST_NAME, manifest.encode())
 
 
 def _why(exc: OSError, path: Path | None = None) -> str:
@@ -199,7 +200,7 @@ def check_target(out: Path, real: Path, force: bool) -> None:
         if not force:
             raise GlmconvError(f"{out}: already exists and is not empty; pass --force to replace it")
         if not published_by_glmconv(real):
-            raise GlmconvError(f"{out}: not a directory glmconv published (no {MANIFEST} written by glmconv); "
+            raise GlmconvError(f"{out}: not a directory glmconv published (no {MANIFEST_NAME} written by glmconv); "
                                f"--force replaces only those: remove it yourself or choose another OUT")
     parent = real.parent
     if not parent.is_dir():
@@ -222,7 +223,7 @@ def _not_empty(d: Path) -> bool:
 
 def published_by_glmconv(d: Path) -> bool:
     """`d` holds the manifest glmconv writes last before publishing (a plain file, `written_by` glmconv)."""
-    data = _small_json(d / MANIFEST)
+    data = _small_json(d / MANIFEST_NAME)
     return isinstance(data, dict) and data.get("written_by") == WRITTEN_BY
 
 

@@ -39,10 +39,8 @@ from safetensors.torch import save_file
 from test_export import _rewrite as rewrite_torch_dist
 
 from glmconv.config import load_config
-from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME
-from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY
+from glmconv.io.file_names import COMMON_STATE_KEY, CONFIG_NAME, DCP_METADATA_NAME, INDEX_NAME, RELEASE, TRACKER_NAME
 from glmconv.io.torch_dist.safe_unpickle import safe_load
-from glmconv.io.torch_dist.writer import DCP_METADATA_FILE, RELEASE, TRACKER_FILE
 from glmconv.runners import convert as convert_mod
 from glmconv_cli.main import cli
 
@@ -198,7 +196,7 @@ def fp8_nan_code(t: torch.Tensor) -> torch.Tensor:
 # ---- breaking a torch_dist checkpoint ----------------------------------------------------------------
 
 def edit_metadata(mc: Path, fn: Callable[[object], None]) -> None:
-    path = mc / RELEASE / DCP_METADATA_FILE
+    path = mc / RELEASE / DCP_METADATA_NAME
     md = safe_load(path)
     fn(md)
     path.write_bytes(pickle.dumps(md))
@@ -370,19 +368,19 @@ HF_CASES = [
 ]
 
 MCORE_CASES = [
-    Case("tracker-points-nowhere", "export", "mc", lambda m, t: (m / TRACKER_FILE).write_text("7"),
-         _q(f"{TRACKER_FILE}: points to iter_0000007, which is missing")),
-    Case("tracker-garbage", "export", "mc", lambda m, t: (m / TRACKER_FILE).write_text("latest\n"),
-         _q(f"{TRACKER_FILE}: expected an iteration number or 'release', got 'latest'")),
+    Case("tracker-points-nowhere", "export", "mc", lambda m, t: (m / TRACKER_NAME).write_text("7"),
+         _q(f"{TRACKER_NAME}: points to iter_0000007, which is missing")),
+    Case("tracker-garbage", "export", "mc", lambda m, t: (m / TRACKER_NAME).write_text("latest\n"),
+         _q(f"{TRACKER_NAME}: expected an iteration number or 'release', got 'latest'")),
     Case("distcp-data-file-missing", "export", "mc", _missing_distcp,
          r"__0_0\.distcp: data file listed in \.metadata is missing$"),
     Case("distcp-data-file-truncated", "export", "mc", _truncated_distcp,
          r"__0_0\.distcp: truncated: metadata needs \d+ bytes, file has \d+$"),
-    Case("dcp-metadata-missing", "export", "mc", lambda m, t: (m / RELEASE / DCP_METADATA_FILE).unlink(),
-         _q(f"{RELEASE}/{DCP_METADATA_FILE}: missing (checkpoint incomplete?)")),
+    Case("dcp-metadata-missing", "export", "mc", lambda m, t: (m / RELEASE / DCP_METADATA_NAME).unlink(),
+         _q(f"{RELEASE}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")),
     Case("dcp-metadata-truncated", "export", "mc",
-         lambda m, t: _truncate(m / RELEASE / DCP_METADATA_FILE, 99),
-         _q(f"{DCP_METADATA_FILE}: corrupt or truncated pickle")),
+         lambda m, t: _truncate(m / RELEASE / DCP_METADATA_NAME, 99),
+         _q(f"{DCP_METADATA_NAME}: corrupt or truncated pickle")),
     Case("common-state-missing", "export", "mc", lambda m, t: edit_metadata(m, drop_common_state),
          r"release: common state missing: no common\.pt and no " + _q(COMMON_STATE_KEY) + r" entry in \.metadata"),
     Case("mcore-config-missing", "export", "mc", lambda m, t: (m / CONFIG_NAME).unlink(),
@@ -394,7 +392,7 @@ MCORE_CASES = [
                        shutil.rmtree(m), (t / "edited").rename(m), ["--check-finite"])[3],
          _q(f"{EXPERTS_FC2} (") + r".*release\): non-finite value inf at index \[5, 3, 7\]"),
     Case("empty-directory", "export", "mc", _empty,
-         _q(f"src: not a torch_dist checkpoint (no {TRACKER_FILE} or metadata.json)")),
+         _q(f"src: not a torch_dist checkpoint (no {TRACKER_NAME} or metadata.json)")),
 ]
 
 AUDIT_CASES = [  # audit-names exits 2 (not 1) when it cannot read its input at all
@@ -405,8 +403,8 @@ AUDIT_CASES = [  # audit-names exits 2 (not 1) when it cannot read its input at 
          ["outside.safetensors"]),
     Case("empty-directory", "audit-names", "tiny", _empty, r"src: empty directory$"),
     Case("dcp-metadata-truncated", "audit-names", "mc",
-         lambda m, t: _truncate(m / RELEASE / DCP_METADATA_FILE, 99),
-         _q(f"{DCP_METADATA_FILE}: corrupt or truncated pickle")),
+         lambda m, t: _truncate(m / RELEASE / DCP_METADATA_NAME, 99),
+         _q(f"{DCP_METADATA_NAME}: corrupt or truncated pickle")),
 ]
 
 

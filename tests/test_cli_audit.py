@@ -12,7 +12,7 @@ from repo_files import REAL_CONFIG as REAL  # noqa: E402
 from test_dcp_metadata import mcore_tensors, write_torch_dist
 from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
-from glmconv.io.safetensors.checkpoint import INDEX_NAME
+from glmconv.io.file_names import INDEX_NAME
 from glmconv.rules.names import HF_FLAT_PREFIX
 from glmconv_cli.main import cli
 

@@ -37,7 +37,7 @@ def converted(tiny_ckpt: Path, tiny_fp8_ckpt: Path, cut8_ckpt: Path,
 
 def _check_fixture(name: str, src: str, root: str, r: mh.Ranks) -> int:
     """Load one converted checkpoint at this rank's layout; returns the number of local pieces compared."""
-    from glmconv.io.torch_dist.writer import TORCH_DTYPES
+    from glmconv.io.dtypes import TORCH_DTYPES
     from glmconv.runners.convert import prepare
 
     plan = prepare(src, Path(root) / "unused").plan

@@ -14,8 +14,9 @@ import torch
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, read_into
+from glmconv.io.file_names import DCP_METADATA_NAME
 from glmconv.io.torch_dist.reader import DcpReader, locate_tensor_data
-from glmconv.io.torch_dist.writer import DCP_METADATA_FILE, Chunk, DcpWriter
+from glmconv.io.torch_dist.writer import Chunk, DcpWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -131,7 +132,7 @@ def test_a_non_zip_item_is_an_error_for_the_locator_and_no_extent_for_the_reader
     writer = DcpWriter(tmp_path / "ck")
     writer.write({"x": torch.zeros(3)})
     ckpt = writer.finish({"iteration": 0})
-    info = next(v for k, v in safe_load(ckpt / DCP_METADATA_FILE).storage_data.items() if k.fqn == "x")
+    info = next(v for k, v in safe_load(ckpt / DCP_METADATA_NAME).storage_data.items() if k.fqn == "x")
     data = bytearray((ckpt / info.relative_path).read_bytes())
     data[info.offset:info.offset + info.length] = b"\0" * info.length
     (ckpt / info.relative_path).write_bytes(bytes(data))

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from glmconv.config import parse_config
 from glmconv.errors import CheckpointError
-from glmconv.io.torch_dist.metadata import DCP_METADATA_NAME, inspect_torch_dist, resolve_iter_dir, torch_dtype_code
+from glmconv.io.file_names import DCP_METADATA_NAME
+from glmconv.io.torch_dist.metadata import inspect_torch_dist, resolve_iter_dir, torch_dtype_code
 from glmconv.io.torch_dist.safe_unpickle import ALLOWED, safe_load
 from glmconv.plan import build_plan
 
@@ -230,7 +231,8 @@ def test_megatron_saved_plans_inside_metadata_are_allowed(tmp_path):
 
 
 def test_checkpoint_written_by_glmconv_dcp_writer_reads_through_the_allow_list(tmp_path):
-    from glmconv.io.torch_dist.writer import DcpWriter, sharded_object_key
+    from glmconv.io.torch_dist.writer import DcpWriter
+    from glmconv.rules.names import sharded_object_key
 
     tensors = {"a.weight": torch.zeros(4, 3, dtype=torch.bfloat16), "b": torch.zeros(2)}
     with warnings.catch_warnings():

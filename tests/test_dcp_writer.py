@@ -21,29 +21,21 @@ import torch.distributed.checkpoint as dcp
 
 from glmconv.config import GlmConfig, parse_config
 from glmconv.errors import CheckpointError
-from glmconv.io.torch_dist.common_state import (
+from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.file_names import (
+    COMMON_PT_NAME,
     COMMON_STATE_KEY,
-    LEGACY_COMMON_FILE,
-    build_common_state,
-    load_common_state,
-    read_common_state,
-)
-from glmconv.io.torch_dist.writer import (
-    BACKEND_CONFIG,
-    CONFIG_FILE,
-    DCP_METADATA_FILE,
+    DCP_METADATA_NAME,
+    MCORE_METADATA_NAME,
     RELEASE,
-    TORCH_DTYPES,
-    TRACKER_FILE,
-    Chunk,
-    DcpWriter,
-    empty_extra_state,
-    read_metadata,
-    sharded_object_key,
-    stacked_chunks,
+    TRACKER_NAME,
 )
+from glmconv.io.torch_dist.common_state import build_common_state, load_common_state, read_common_state
+from glmconv.io.torch_dist.reader import read_metadata
+from glmconv.io.torch_dist.writer import BACKEND_CONFIG, Chunk, DcpWriter, empty_extra_state, stacked_chunks
 from glmconv.plan import Plan, build_plan
 from glmconv.rules import names
+from glmconv.rules.names import sharded_object_key
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TINY = dict(
@@ -146,14 +138,14 @@ def test_layout_on_disk_and_tracker_written_last(tmp_path: Path) -> None:
     w.write_stream(_chunks(plan, src, list(plan.mcore_index)), group_bytes=4096)
     ckpt = tmp_path / RELEASE
     assert {p.name for p in ckpt.iterdir()} == {f"__0_{i}.distcp" for i in range(w.groups_written)}
-    assert not (tmp_path / TRACKER_FILE).exists() and not (ckpt / CONFIG_FILE).exists()
+    assert not (tmp_path / TRACKER_NAME).exists() and not (ckpt / MCORE_METADATA_NAME).exists()
     w.finish(build_common_state(cfg))
-    assert (tmp_path / TRACKER_FILE).read_text() == RELEASE
-    assert json.loads((ckpt / CONFIG_FILE).read_text()) == BACKEND_CONFIG
+    assert (tmp_path / TRACKER_NAME).read_text() == RELEASE
+    assert json.loads((ckpt / MCORE_METADATA_NAME).read_text()) == BACKEND_CONFIG
     md = read_metadata(ckpt)
     assert set(md.state_dict_metadata) == set(plan.mcore_index) | {COMMON_STATE_KEY}
     assert read_common_state(ckpt)["args"].num_layers == cfg.num_layers
-    assert (tmp_path / TRACKER_FILE).stat().st_mtime_ns >= (ckpt / DCP_METADATA_FILE).stat().st_mtime_ns
+    assert (tmp_path / TRACKER_NAME).stat().st_mtime_ns >= (ckpt / DCP_METADATA_NAME).stat().st_mtime_ns
 
 
 def test_chunked_groups_load_the_same_as_whole_tensors(tmp_path: Path) -> None:
@@ -220,8 +212,9 @@ def test_refusals_leave_nothing_published(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="1 planned tensors were never written"):
         w.finish(build_common_state(cfg))
     for d in "abc":
-        assert not (tmp_path / d / TRACKER_FILE).exists() and not (tmp_path / d / RELEASE / CONFIG_FILE).exists()
-        assert not (tmp_path / d / RELEASE / DCP_METADATA_FILE).exists()
+        assert not (tmp_path / d / TRACKER_NAME).exists()
+        assert not (tmp_path / d / RELEASE / MCORE_METADATA_NAME).exists()
+        assert not (tmp_path / d / RELEASE / DCP_METADATA_NAME).exists()
     with pytest.raises(CheckpointError, match="not empty"):
         DcpWriter(tmp_path / "c")
 
@@ -236,7 +229,7 @@ def test_refuses_to_overwrite_a_published_checkpoint(tmp_path: Path) -> None:
         w.write({"y": torch.zeros(2)})
     with pytest.raises(CheckpointError, match="already holds a published checkpoint"):
         DcpWriter(tmp_path)
-    assert (tmp_path / TRACKER_FILE).read_text() == RELEASE and ckpt.is_dir()
+    assert (tmp_path / TRACKER_NAME).read_text() == RELEASE and ckpt.is_dir()
 
 
 def test_common_state_reader_allows_only_the_allow_list(tmp_path: Path) -> None:
@@ -249,7 +242,7 @@ def test_common_state_reader_allows_only_the_allow_list(tmp_path: Path) -> None:
         load_common_state(b"not a torch file", source="x")
     legacy = tmp_path / "legacy"
     legacy.mkdir()
-    torch.save({"args": build_common_state(_tiny()[0])["args"], "iteration": 7}, legacy / LEGACY_COMMON_FILE)
+    torch.save({"args": build_common_state(_tiny()[0])["args"], "iteration": 7}, legacy / COMMON_PT_NAME)
     assert read_common_state(legacy)["iteration"] == 7
 
 

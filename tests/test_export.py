@@ -15,13 +15,21 @@ import torch
 
 from glmconv.config import load_config
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.file_names import (
+    COMMON_PT_NAME,
+    COMMON_STATE_KEY,
+    CONFIG_NAME,
+    DCP_METADATA_NAME,
+    INDEX_NAME,
+    RELEASE,
+    TRACKER_NAME,
+)
 from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME
 from glmconv.io.safetensors.header import read_header
 from glmconv.io.safetensors.writer import ShardWriter
-from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY, LEGACY_COMMON_FILE, read_common_state
-from glmconv.io.torch_dist.reader import DcpReader
-from glmconv.io.torch_dist.writer import DCP_METADATA_FILE, RELEASE, TRACKER_FILE, Chunk, DcpWriter, read_bytes_entry
+from glmconv.io.torch_dist.common_state import read_common_state
+from glmconv.io.torch_dist.reader import DcpReader, read_bytes_entry
+from glmconv.io.torch_dist.writer import Chunk, DcpWriter
 from glmconv.plan import build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import SplitVector
@@ -333,9 +341,9 @@ def test_vocab_padding_is_stripped_and_too_few_rows_refused(tiny_ckpt: Path, tin
 def test_iteration_directory_and_legacy_common_pt(tiny_ckpt: Path, tiny_mc: Path, tmp_path: Path) -> None:
     root = _rewrite(tiny_mc, tmp_path / "iter", lambda ts: ts)
     (root / RELEASE).rename(root / "iter_0000123")
-    (root / TRACKER_FILE).write_text("123\n")
+    (root / TRACKER_NAME).write_text("123\n")
     state = read_common_state(root / "iter_0000123")
-    torch.save({**state, "iteration": 123}, root / "iter_0000123" / LEGACY_COMMON_FILE)
+    torch.save({**state, "iteration": 123}, root / "iter_0000123" / COMMON_PT_NAME)
     config = (root / CONFIG_NAME).rename(tmp_path / "elsewhere.json")
     with pytest.raises(CheckpointError, match="has no config.json next to it; pass --config CONFIG"):
         export_mod.prepare(root, tmp_path / "hf")
@@ -365,9 +373,9 @@ def test_reader_refuses_rows_no_chunk_covers(tmp_path: Path) -> None:
     ckpt = writer.finish({"iteration": 0})
     from glmconv.io.torch_dist.safe_unpickle import safe_load
 
-    md = safe_load(ckpt / DCP_METADATA_FILE)
+    md = safe_load(ckpt / DCP_METADATA_NAME)
     md.state_dict_metadata["x"].chunks = [c for c in md.state_dict_metadata["x"].chunks if c.offsets[0] != 4]
-    (ckpt / DCP_METADATA_FILE).write_bytes(pickle.dumps(md))
+    (ckpt / DCP_METADATA_NAME).write_bytes(pickle.dumps(md))
     reader = DcpReader(tmp_path)
     assert torch.equal(reader.read("x", (0, 4)), full[:4]) and torch.equal(reader.read("x", (6, 10)), full[6:])
     with pytest.raises(CheckpointError, match=r"x: stored chunks cover 8 of the 12 elements of rows 3..9"):
@@ -388,14 +396,14 @@ def test_reader_never_unpickles_objects_from_a_chunk(tmp_path: Path) -> None:
     writer = DcpWriter(tmp_path)
     writer.write({"x": torch.zeros(3)})
     ckpt = writer.finish({"iteration": 0})
-    md = safe_load(ckpt / DCP_METADATA_FILE)
+    md = safe_load(ckpt / DCP_METADATA_NAME)
     (key, info), = [(k, v) for k, v in md.storage_data.items() if k.fqn == "x"]
     buf = io.BytesIO()
     torch.save(Evil(), buf)
     data = (ckpt / info.relative_path).read_bytes()
     (ckpt / info.relative_path).write_bytes(data[:info.offset] + buf.getvalue())
     md.storage_data = {key: dataclasses.replace(info, length=len(buf.getvalue()))}
-    (ckpt / DCP_METADATA_FILE).write_bytes(pickle.dumps(md))
+    (ckpt / DCP_METADATA_NAME).write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointError, match="x: chunk is not a readable tensor .*unsupported GLOBAL posix.system"):
         DcpReader(tmp_path).read("x")
     assert not (tmp_path / "pwned").exists()
@@ -408,14 +416,14 @@ def test_missing_tracker_target_and_directory(tiny_mc: Path, tmp_path: Path) -> 
         export_mod.prepare(tmp_path / "nope", tmp_path / "out")
     assert str(tmp_path / "nope") in _one_line(err)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match=f"not a torch_dist checkpoint \\(no {TRACKER_FILE}"):
+    with pytest.raises(CheckpointError, match=f"not a torch_dist checkpoint \\(no {TRACKER_NAME}"):
         export_mod.prepare(tmp_path / "empty", tmp_path / "out")
     root = tmp_path / "moved"
     shutil.copytree(tiny_mc, root)
-    (root / TRACKER_FILE).write_text("5")
+    (root / TRACKER_NAME).write_text("5")
     with pytest.raises(CheckpointError, match="points to iter_0000005, which is missing") as err:
         export_mod.prepare(root, tmp_path / "out")
-    assert TRACKER_FILE in _one_line(err)
+    assert TRACKER_NAME in _one_line(err)
 
 
 def test_missing_distcp_file_is_named(tiny_mc: Path, tmp_path: Path) -> None:
@@ -454,7 +462,7 @@ def test_tensor_not_in_the_plan_is_named(tiny_mc: Path, tmp_path: Path) -> None:
 def test_a_gap_between_stored_chunks_is_refused_and_nothing_published(tiny_mc: Path, tmp_path: Path) -> None:
     root = tmp_path / "mc"
     shutil.copytree(tiny_mc, root)
-    meta = root / RELEASE / DCP_METADATA_FILE
+    meta = root / RELEASE / DCP_METADATA_NAME
     from glmconv.io.torch_dist.safe_unpickle import safe_load
 
     md = safe_load(meta)

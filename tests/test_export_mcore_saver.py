@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from glmconv.config import parse_config
+from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.file_names import TRACKER_NAME
 from glmconv.io.torch_dist.reader import DcpReader
-from glmconv.io.torch_dist.writer import TORCH_DTYPES, TRACKER_FILE
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import Concat, StackExperts
@@ -104,7 +105,7 @@ def _save_worker(rank: int, root: str, src_file: str) -> None:
         dist.barrier()
         dist_checkpointing.save(sd, str(iter_dir))
         if rank == 0:
-            (Path(root) / TRACKER_FILE).write_text(str(ITERATION))  # what Megatron-LM's trainer writes last
+            (Path(root) / TRACKER_NAME).write_text(str(ITERATION))  # what Megatron-LM's trainer writes last
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ from safetensors import safe_open
 from glmconv.config import DSA, KDA, parse_config
 from glmconv.errors import GlmconvError
 from glmconv.fixtures import FixtureError, generate, make_fixture, preset_config
+from glmconv.io.file_names import INDEX_NAME
 from glmconv.io.fp8 import dequantize_fp8_blocks
-from glmconv.io.safetensors.writer import INDEX_NAME, ShardWriter
+from glmconv.io.safetensors.writer import ShardWriter
 from glmconv.plan import FP8, build_plan, fp8_scale_shape
 from glmconv.rules import names
 from glmconv.rules.table import MTP, VISION

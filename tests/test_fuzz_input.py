@@ -30,8 +30,7 @@ from test_bad_input import add_tensor, assert_refused, edit_shard, invoke, mc_ck
 
 from glmconv.config import LAC_SCHEMA, TEXT_SCHEMA, VISION_SCHEMA, load_config
 from glmconv.errors import CheckpointError, GlmconvError
-from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME
-from glmconv.io.torch_dist.writer import RELEASE
+from glmconv.io.file_names import CONFIG_NAME, INDEX_NAME, RELEASE
 from glmconv.plan import FP8, build_plan
 from glmconv.progress import Progress
 from glmconv.rules import names

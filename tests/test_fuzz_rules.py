@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from test_export import _raw as raw_tensors
 
 from glmconv.config import DSA, parse_config
+from glmconv.io.dtypes import TORCH_DTYPES
 from glmconv.io.safetensors.writer import ShardWriter
-from glmconv.io.torch_dist.writer import TORCH_DTYPES
 from glmconv.plan import FP8, Plan, build_plan
 from glmconv.rules import names
 from glmconv.runners import convert as convert_mod

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 from glmconv.config import parse_config
 from glmconv.errors import CheckpointError
-from glmconv.io.safetensors.checkpoint import INDEX_NAME, inspect_hf_checkpoint
+from glmconv.io.file_names import INDEX_NAME
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.header import read_header
 from glmconv.plan import build_plan
 from glmconv.rules.names import HF_FLAT_PREFIX, HF_TEXT_PREFIX

@@ -15,15 +15,9 @@ from safetensors.torch import save_file
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
+from glmconv.io.file_names import INDEX_NAME
 from glmconv.io.safetensors.header import read_header
-from glmconv.io.safetensors.writer import (
-    INDEX_NAME,
-    PlannedShardWriter,
-    PlannedTensor,
-    ShardWriter,
-    plan_shards,
-    shard_header,
-)
+from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, ShardWriter, plan_shards, shard_header
 
 CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -193,7 +187,8 @@ def test_extents_of_the_wrong_size_are_refused_and_leave_no_file(tmp_path: Path)
     src = tmp_path.parent / f"{tmp_path.name}-src.bin"
     src.write_bytes(bytes(64))
     w = _started(tmp_path)
-    with FileCopier() as copier, pytest.raises(CheckpointError, match=r"^c: 12 bytes written, planned 16 \(F32 \[4\]\)$"):
+    refused = pytest.raises(CheckpointError, match=r"^c: 12 bytes written, planned 16 \(F32 \[4\]\)$")
+    with FileCopier() as copier, refused:
         w.copy("c", [Extent(src, 0, 12)], copier)
     assert list(tmp_path.iterdir()) == []
 
@@ -205,7 +200,8 @@ def test_a_failed_write_names_the_shard_and_leaves_no_file(tmp_path: Path, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full)
-    with pytest.raises(CheckpointError, match=r"shard-00001\.safetensors\.partial: write failed \(No space left on dev"):
+    full_disk = r"shard-00001\.safetensors\.partial: write failed \(No space left on dev"
+    with pytest.raises(CheckpointError, match=full_disk):
         w.write("a", torch.zeros(2))
     assert list(tmp_path.iterdir()) == []
 

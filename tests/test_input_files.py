@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_bad_input import Q_B3, assert_refused, edit_tensor, invoke, sha256_tree, weight_map
 
-from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME
+from glmconv.io.file_names import CONFIG_NAME, INDEX_NAME
 from glmconv.runners import convert as convert_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

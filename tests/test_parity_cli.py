@@ -16,10 +16,10 @@ import torch
 from click.testing import CliRunner
 
 import glmconv.compare as parity_mod
-from glmconv.errors import GlmconvError
 from glmconv.compare import ParityOptions
 from glmconv.compare.capture import capture
 from glmconv.compare.inputs import load_prompt_file, random_batch
+from glmconv.errors import GlmconvError
 from glmconv_cli.main import cli
 
 VOCAB = 512  # the tiny preset's vocabulary (the driver reads HF_DIR's config.json)
@@ -259,7 +259,7 @@ def _swap_expert_gate_up(mcore: Path, dst: Path, layer: int, expert: int) -> Pat
     import io
     import shutil
 
-    from glmconv.io.torch_dist.writer import read_metadata
+    from glmconv.io.torch_dist.reader import read_metadata
 
     shutil.copytree(mcore, dst)
     iter_dir = dst / "release"

@@ -26,9 +26,8 @@ import torch
 from click.testing import CliRunner
 
 from glmconv.errors import CheckpointError
-from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY, LEGACY_COMMON_FILE
+from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY, DCP_METADATA_NAME, RELEASE
 from glmconv.io.torch_dist.safe_unpickle import safe_load
-from glmconv.io.torch_dist.writer import DCP_METADATA_FILE, RELEASE
 from glmconv.runners import convert as convert_mod
 from glmconv_cli.main import cli
 
@@ -71,7 +70,7 @@ def _torch_pickle(obj: Any) -> bytes:
 
 def _repoint(mc: Path, key: str, payload: bytes) -> str:
     """Append `payload` to the data file of entry `key` and point the entry's storage at it; returns the file."""
-    meta = mc / RELEASE / DCP_METADATA_FILE
+    meta = mc / RELEASE / DCP_METADATA_NAME
     md = safe_load(meta)
     (index, info), = [(k, v) for k, v in md.storage_data.items() if k.fqn == key]
     data = mc / RELEASE / info.relative_path
@@ -86,14 +85,14 @@ def _repoint(mc: Path, key: str, payload: bytes) -> str:
 def plant(where: str, mc: Path, evil: Any) -> str:
     """Plant `evil` in a copy of a torch_dist checkpoint; returns the file name the error must name."""
     if where == "metadata":
-        (mc / RELEASE / DCP_METADATA_FILE).write_bytes(pickle.dumps(evil))
-        return DCP_METADATA_FILE
+        (mc / RELEASE / DCP_METADATA_NAME).write_bytes(pickle.dumps(evil))
+        return DCP_METADATA_NAME
     if where == "common-state":
         _repoint(mc, COMMON_STATE_KEY, _torch_pickle([evil]))
         return COMMON_STATE_KEY
     if where == "common.pt":
-        (mc / RELEASE / LEGACY_COMMON_FILE).write_bytes(_torch_pickle(evil))
-        return LEGACY_COMMON_FILE
+        (mc / RELEASE / COMMON_PT_NAME).write_bytes(_torch_pickle(evil))
+        return COMMON_PT_NAME
     if where == "tensor-chunk":
         return _repoint(mc, EMBED, _torch_pickle(evil))
     raise AssertionError(where)
@@ -158,11 +157,11 @@ def test_malicious_metadata_nested_inside_real_metadata_is_refused(mc_clean: Pat
     marker = tmp_path / "pwned"
     mc = tmp_path / "mc"
     shutil.copytree(mc_clean, mc)
-    meta = mc / RELEASE / DCP_METADATA_FILE
+    meta = mc / RELEASE / DCP_METADATA_NAME
     md = safe_load(meta)
     md.planner_data = OpensFile(marker)
     meta.write_bytes(pickle.dumps(md))
     code, stderr = _error_line(["export", str(mc), str(tmp_path / "out")])
-    assert code == 2 and re.search(rf"error: {re.escape(DCP_METADATA_FILE)}: refusing to unpickle (builtins|io)\.open$",
+    assert code == 2 and re.search(rf"error: {re.escape(DCP_METADATA_NAME)}: refusing to unpickle (builtins|io)\.open$",
                                    stderr.strip()), stderr
     assert not marker.exists() and not (tmp_path / "out").exists()

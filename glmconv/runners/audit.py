@@ -15,7 +15,8 @@ from typing import Any
 
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError
-from glmconv.io.safetensors.checkpoint import CONFIG_NAME, inspect_hf_checkpoint, is_hf_checkpoint
+from glmconv.io.file_names import CONFIG_NAME
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, is_hf_checkpoint
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
 

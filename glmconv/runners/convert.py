@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, Piece, take
+from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
@@ -22,8 +23,6 @@ if TYPE_CHECKING:
 
     from glmconv.io.torch_dist.writer import Chunk
 
-CONFIG_NAME = "config.json"
-MANIFEST_NAME = "glmconv.json"
 DEFAULT_GROUP_BYTES = 1 << 30  # tensors written per data file: the peak memory of one worker
 
 

@@ -32,14 +32,22 @@ from typing import TYPE_CHECKING, Any
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.checkpoint_files import optional_file
+from glmconv.io.file_names import (
+    COMMON_PT_NAME,
+    COMMON_STATE_KEY,
+    CONFIG_NAME,
+    DCP_METADATA_NAME,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    SHARD_NAME,
+)
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.safetensors.checkpoint import CONFIG_NAME, INDEX_NAME, HfCheckpoint, inspect_hf_checkpoint
-from glmconv.io.torch_dist.metadata import COMMON_PT_NAME, DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
+from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint
+from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
-from glmconv.runners.convert import MANIFEST_NAME
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
 from glmconv.runners.ranks import run_on_output
 
@@ -92,7 +100,7 @@ class ExportOptions:
 def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
             fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportJob:
     """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch)."""
-    from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY, read_common_state
+    from glmconv.io.torch_dist.common_state import read_common_state
 
     if max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
@@ -366,8 +374,6 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
 
 def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
     """Give every rank's shards their final `model-i-of-N` names and write one index; (shards, total_size)."""
-    from glmconv.io.safetensors.writer import _FINAL as SHARD_NAME  # the one spelling of HF shard names
-
     files = [(r.rank, f) for r in sorted(results, key=lambda r: r.rank) for f in sorted(set(r.weight_map.values()))]
     final = {key: SHARD_NAME.format(i, len(files)) for i, key in enumerate(files, 1)}
     for (rank, f), name in final.items():

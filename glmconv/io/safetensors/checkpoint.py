@@ -9,14 +9,11 @@ from typing import Any
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file, require_file
+from glmconv.io.file_names import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safetensors.header import read_header
 from glmconv.rules.names import detect_text_prefix
 from glmconv.text import show
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 
 
 @dataclass(frozen=True)

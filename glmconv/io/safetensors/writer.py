@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Self
 
 from glmconv.errors import CheckpointError
+from glmconv.io.file_names import INDEX_NAME, SHARD_NAME
 from glmconv.io.safetensors.header import DTYPE_SIZES
 from glmconv.io.torch_dist.metadata import torch_dtype_code
 from glmconv.output import create_new, write_new
@@ -37,9 +38,7 @@ if TYPE_CHECKING:
 
     from glmconv.io.byte_copy import Extent, FileCopier
 
-INDEX_NAME = "model.safetensors.index.json"
 _PENDING = "shard-{:05d}.safetensors.partial"
-_FINAL = "model-{:05d}-of-{:05d}.safetensors"
 
 # safetensors' `Dtype` enum in declaration order (its derived Ord); save_file sorts tensors by dtype,
 # highest first, then by name. Checked against safetensors 0.8 by tests/test_hf_writer.py.
@@ -111,7 +110,7 @@ class ShardWriter(_Closing):
         if not self._shards:
             raise CheckpointError("no tensors were written")
         self._closed = True
-        final = {i: _FINAL.format(i, self._shards) for i in range(1, self._shards + 1)}
+        final = {i: SHARD_NAME.format(i, self._shards) for i in range(1, self._shards + 1)}
         for i, name in final.items():
             os.replace(self.out_dir / _PENDING.format(i), self.out_dir / name)
         weight_map = {n: final[i] for n, i in sorted(self._shard_of.items())}
@@ -277,7 +276,7 @@ class PlannedShardWriter(_Closing):
             raise CheckpointError("no tensors were written")
         self._closed = True
         count = len(self._shards)
-        final = {i: _FINAL.format(i, count) for i in range(1, count + 1)}
+        final = {i: SHARD_NAME.format(i, count) for i in range(1, count + 1)}
         try:
             for i, fname in final.items():
                 os.replace(self.out_dir / _PENDING.format(i), self.out_dir / fname)

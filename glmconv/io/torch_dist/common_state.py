@@ -20,10 +20,9 @@ from typing import Any
 from glmconv.config import MOE, GlmConfig
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
+from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY
+from glmconv.io.torch_dist.reader import read_bytes_entry
 
-# `ShardedObject("common_state", None, (1,), (0,)).unique_key` in megatron-core 0.19.2.
-COMMON_STATE_KEY = "common_state/shard_0_1"
-LEGACY_COMMON_FILE = "common.pt"
 CHECKPOINT_VERSION = 3.0
 VOCAB_DIVISOR = 128
 
@@ -136,11 +135,9 @@ def load_common_state(data: bytes, *, source: str) -> dict[str, Any]:
 def read_common_state(ckpt_dir: str | Path) -> dict[str, Any]:
     """The common state of a torch_dist checkpoint directory: legacy `common.pt` first, as megatron does."""
     d = Path(ckpt_dir)
-    legacy = optional_file(d, LEGACY_COMMON_FILE)
+    legacy = optional_file(d, COMMON_PT_NAME)
     if legacy is not None:
         return load_common_state(legacy.read_bytes(), source=str(legacy))
-    from glmconv.io.torch_dist.writer import read_bytes_entry
-
     return load_common_state(read_bytes_entry(d, COMMON_STATE_KEY), source=f"{d}:{COMMON_STATE_KEY}")
 
 

@@ -9,14 +9,17 @@ from typing import Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, inside, optional_file, require_file
+from glmconv.io.file_names import (
+    COMMON_PT_NAME,
+    COMMON_STATE,
+    DCP_METADATA_NAME,
+    MCORE_METADATA_NAME,
+    RELEASE,
+    TRACKER_NAME,
+)
 from glmconv.io.jsonfile import load_json_file
 from glmconv.io.torch_dist.safe_unpickle import safe_load
 
-TRACKER_NAME = "latest_checkpointed_iteration.txt"
-MCORE_METADATA_NAME = "metadata.json"
-DCP_METADATA_NAME = ".metadata"
-COMMON_PT_NAME = "common.pt"
-COMMON_STATE_KEY = "common_state"
 TORCH_DIST = "torch_dist"
 _DTYPE_CODES = {
     "bfloat16": "BF16", "float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32",
@@ -61,8 +64,8 @@ def resolve_iter_dir(path: str | Path) -> tuple[Path, str]:
         raise CheckpointError(f"{p}: not a torch_dist checkpoint (no {TRACKER_NAME} or {MCORE_METADATA_NAME})")
     with open(tracker, "rb") as fh:  # an iteration number or "release": a few bytes, whatever the file's size
         text = fh.read(64).decode("utf-8", "replace").strip()
-    if text == "release":
-        sub = "release"
+    if text == RELEASE:
+        sub = RELEASE
     elif text.isdigit():
         sub = f"iter_{int(text):07d}"
     else:
@@ -82,7 +85,7 @@ def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
     tensors, objects = _entries(metadata, meta_path)
     _check_storage(metadata, iter_dir)
     common = COMMON_PT_NAME if optional_file(iter_dir, COMMON_PT_NAME) is not None else next(
-        (o for o in objects if o.split("/", 1)[0] == COMMON_STATE_KEY), None)
+        (o for o in objects if o.split("/", 1)[0] == COMMON_STATE), None)
     return DcpCheckpoint(root=Path(path), iter_dir=iter_dir, iteration=iteration, tensors=tensors,
                          objects=objects, common_state=common)
 

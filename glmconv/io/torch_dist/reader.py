@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import require_file
-from glmconv.io.torch_dist.metadata import DCP_METADATA_NAME, DcpCheckpoint, inspect_torch_dist
+from glmconv.io.file_names import DCP_METADATA_NAME
+from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.safe_unpickle import safe_load
 
 if TYPE_CHECKING:
@@ -408,3 +409,41 @@ class _TensorPickle(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
         return _Storage(pid[1].dtype, str(pid[2]), int(pid[4]))
+
+
+# ---- DCP entries read directly: the whole `.metadata`, one BYTE_IO entry ----
+
+def read_metadata(ckpt_dir: str | Path) -> Any:
+    """The DCP `.metadata` of a checkpoint directory, unpickled through the allow-list (`safe_unpickle`)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(ckpt_dir) / DCP_METADATA_NAME
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; not a torch_dist checkpoint")
+    md = safe_load(path)
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+def read_bytes_entry(ckpt_dir: str | Path, key: str) -> bytes:
+    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    d = Path(ckpt_dir)
+    md = read_metadata(d)
+    info = (md.storage_data or {}).get(MetadataIndex(key))
+    if not isinstance(md.state_dict_metadata.get(key), BytesStorageMetadata) or not isinstance(info, _StorageInfo):
+        raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
+    if Path(info.relative_path).name != info.relative_path or info.transform_descriptors:
+        raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
+    try:
+        with open(d / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+    except OSError as exc:
+        raise CheckpointError(f"{d / info.relative_path}: {exc.strerror or exc}") from None
+    if len(data) != info.length:
+        raise CheckpointError(f"{d / info.relative_path}: truncated ({len(data)} of {info.length} bytes for {key})")
+    return data

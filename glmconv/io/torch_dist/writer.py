@@ -17,7 +17,6 @@ import dataclasses
 import io
 import json
 import os
-import pickle
 import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
@@ -41,18 +40,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.dtypes import TORCH_DTYPES
-from glmconv.io.torch_dist.common_state import COMMON_STATE_KEY
+from glmconv.io.file_names import COMMON_STATE_KEY, MCORE_METADATA_NAME, RELEASE, TRACKER_NAME
 from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 from glmconv.output import new_file
-from glmconv.rules.names import sharded_object_key  # noqa: F401 - re-exported for writers of objects
 
 if TYPE_CHECKING:
     from glmconv.plan import TensorSpec
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-RELEASE = "release"
-CONFIG_FILE = "metadata.json"
-DCP_METADATA_FILE = ".metadata"
 BACKEND_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 _OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
 _Entry = TensorStorageMetadata | BytesStorageMetadata
@@ -211,8 +205,8 @@ class DcpWriter:
         return self.ckpt_dir
 
     def _prepare_dirs(self) -> str | None:
-        if (self.root / TRACKER_FILE).exists():
-            return f"{self.root} already holds a published checkpoint ({TRACKER_FILE}); choose an empty directory"
+        if (self.root / TRACKER_NAME).exists():
+            return f"{self.root} already holds a published checkpoint ({TRACKER_NAME}); choose an empty directory"
         try:
             if self.ckpt_dir.exists() and any(self.ckpt_dir.iterdir()):
                 return f"{self.ckpt_dir} is not empty (an interrupted run?); remove it first"
@@ -274,8 +268,8 @@ class DcpWriter:
             fs_writer = FileSystemWriter(str(self.ckpt_dir), sync_files=self._sync)
             fs_writer.fs = _NewFilesOnly()
             fs_writer.finish(metadata, [results])
-            _write_text(self.ckpt_dir / CONFIG_FILE, json.dumps(BACKEND_CONFIG), self._sync)
-            _write_text(self.root / TRACKER_FILE, RELEASE, self._sync)  # last: the success signal
+            _write_text(self.ckpt_dir / MCORE_METADATA_NAME, json.dumps(BACKEND_CONFIG), self._sync)
+            _write_text(self.root / TRACKER_NAME, RELEASE, self._sync)  # last: the success signal
         except OSError as exc:
             return f"{self.ckpt_dir}: cannot publish the checkpoint ({exc.strerror or exc})"
         return None
@@ -400,65 +394,3 @@ def _write_text(path: Path, text: str, sync: bool) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-# ---- reading back, without trusting the checkpoint: `.metadata` is a pickle ----
-
-_METADATA_GLOBALS: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    # megatron's own saves also pickle `all_local_plans` (a save-time cache) into `.metadata`
-    "torch.distributed.checkpoint.planner": frozenset({
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}),
-    "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset({"Size"}),
-    "collections": frozenset({"OrderedDict"}),
-    "pathlib": frozenset({"PosixPath"}),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP `.metadata` with an allow-list of DCP's own dataclasses, torch.Size and dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_GLOBALS.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"disallowed global {module}.{name}")
-
-
-def read_metadata(ckpt_dir: str | Path) -> Metadata:
-    """The DCP `.metadata` of a checkpoint directory, unpickled safely."""
-    path = Path(ckpt_dir) / DCP_METADATA_FILE
-    try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; not a torch_dist checkpoint") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable DCP metadata file ({exc})") from None
-    if not isinstance(md, Metadata):
-        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
-    return md
-
-
-def read_bytes_entry(ckpt_dir: str | Path, key: str) -> bytes:
-    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state)."""
-    d = Path(ckpt_dir)
-    md = read_metadata(d)
-    info = (md.storage_data or {}).get(MetadataIndex(key))
-    if not isinstance(md.state_dict_metadata.get(key), BytesStorageMetadata) or not isinstance(info, _StorageInfo):
-        raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_FILE}")
-    if Path(info.relative_path).name != info.relative_path or info.transform_descriptors:
-        raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
-    try:
-        with open(d / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-    except OSError as exc:
-        raise CheckpointError(f"{d / info.relative_path}: {exc.strerror or exc}") from None
-    if len(data) != info.length:
-        raise CheckpointError(f"{d / info.relative_path}: truncated ({len(data)} of {info.length} bytes for {key})")
-    return data
