@@ -8,7 +8,8 @@ from itertools import groupby
 
 import click
 
-from glmconv.runners.audit import KINDS, AuditReport, Finding, audit, expected_tensors
+from glmconv import api
+from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
 from glmconv.text import printable
 
 ROWS_PER_KIND = 20
@@ -43,8 +44,8 @@ def audit_names(src: str, against: str | None, as_json: bool, config: str | None
         _emit(src, emit, as_json, fp8=bool(fp8), mtp=mtp is not False, vision=vision is not False, layers=layers,
               config=config)
         return
-    report = audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
-                   accept_flat_prefix=accept_flat_prefix, config=config)
+    report = api.audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
+                       accept_flat_prefix=accept_flat_prefix, config=config)
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=1))
     else:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from glmconv_cli.sizes import SIZE
 from glmconv.text import printable
+from glmconv_cli.sizes import SIZE
 
 
 @click.command("convert")
@@ -29,13 +29,10 @@ from glmconv.text import printable
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, as_json: bool, workers: int, force: bool, mtp: bool,
             vision: bool, group_size: int, check_finite: bool) -> None:
     """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
-    from glmconv.runners.convert import RunOptions, dry_run_summary, prepare
-    from glmconv.runners.convert import convert as run
+    from glmconv import api
 
-    job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision)
-    opts = RunOptions(workers=workers, group_bytes=group_size, progress=not as_json,
-                      check_finite=check_finite)
-    summary = dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
+    summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,
+                          group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from glmconv_cli.sizes import SIZE
 from glmconv.text import printable, show
+from glmconv_cli.sizes import SIZE
 
 
 @click.command("export")
@@ -29,11 +29,10 @@ from glmconv.text import printable, show
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int, fp8: bool,
            workers: int, as_json: bool, force: bool, check_finite: bool) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
-    from glmconv.runners.export import ExportOptions, prepare
-    from glmconv.runners.export import export as run
+    from glmconv import api
 
-    job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size)
-    summary = run(job, ExportOptions(workers=workers, progress=not as_json, check_finite=check_finite), force=force)
+    summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
+                         workers=workers, force=force, check_finite=check_finite, progress=not as_json)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from glmconv_cli.sizes import SEED
 from glmconv.text import printable
+from glmconv_cli.sizes import SEED
 
 
 @click.command("parity")
@@ -47,23 +47,14 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
            threshold: float | None, fail_on: tuple[str, ...], report_dir: Path | None, as_json: bool,
            allow_different_weights: bool, kernels: str) -> None:
     """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block."""
-    from glmconv.errors import GlmconvError
-    from glmconv.compare import DEFAULT_TOKENS, ParityOptions, run_parity
-    from glmconv.compare.metrics import parse_bound
-    from glmconv.compare.report import to_json, write_report
+    from glmconv import api
+    from glmconv.compare.report import to_json
 
-    bounds = tuple(parse_bound(b) for b in fail_on)  # bad syntax fails before any model is built
-    if prompt_file is not None and (tokens is not None or sequences is not None):
-        raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
-    if threshold is not None and not threshold > 0:
-        raise GlmconvError(f"--threshold {threshold}: must be positive")
-    opts = ParityOptions(hf_dir=hf_dir, mcore_dir=mcore_dir, tokens=DEFAULT_TOKENS if tokens is None else tokens,
-                         sequences=1 if sequences is None else sequences, seed=seed, prompt_file=prompt_file,
-                         mode=mode, dtype=dtype, device=device, train_conventions=train_conventions,
-                         overrides=overrides, threshold=threshold, bounds=bounds, progress=not as_json,
-                         allow_different_weights=allow_different_weights, kernels=kernels)
-    report = run_parity(opts)
-    paths = write_report(report, report_dir) if report_dir is not None else []
+    report = api.parity(hf_dir, mcore_dir, tokens=tokens, sequences=sequences, prompt_file=prompt_file,
+                        fail_on=fail_on, threshold=threshold, report_dir=report_dir, seed=seed, mode=mode,
+                        dtype=dtype, device=device, train_conventions=train_conventions, overrides=overrides,
+                        progress=not as_json, allow_different_weights=allow_different_weights, kernels=kernels)
+    paths = [Path(p) for p in report.get("report_files", [])]
     if as_json:
         click.echo(to_json(report))
     else:

@@ -1,3 +1,22 @@
-"""glmconv: move GLM-5.3-Flash between HF checkpoints and Megatron-core torch_dist, and prove parity."""
+"""glmconv: move GLM-5.3-Flash between Hugging Face checkpoints and Megatron-core torch_dist, and prove parity.
+
+    import glmconv
+
+    glmconv.convert("hf/", "mcore/")                      # HF (BF16 or FP8) -> torch_dist
+    glmconv.export("mcore/", "hf2/", like="hf/")          # torch_dist -> HF, bit-exact for BF16
+    assert glmconv.audit("hf2/", against="mcore/").ok     # every tensor, both ways, through the mapping
+    report = glmconv.parity("hf/", "mcore/", fail_on=("logprob_abs_diff.max>1e-4",))
+
+Errors a user can cause raise `GlmconvError` (subclasses `ConfigError`, `CheckpointError`) with a one-line
+message. `load_config` and `build_plan` give the tensor plan (every tensor on both sides) without reading any.
+"""
+
+from glmconv.api import audit, convert, export, parity
+from glmconv.config import GlmConfig, load_config
+from glmconv.errors import CheckpointError, ConfigError, GlmconvError
+from glmconv.plan import Plan, build_plan
 
 __version__ = "0.1.0"
+
+__all__ = ["CheckpointError", "ConfigError", "GlmConfig", "GlmconvError", "Plan", "__version__", "audit",
+           "build_plan", "convert", "export", "load_config", "parity"]

@@ -1,0 +1,89 @@
+"""The functions a Python user calls; the command line is a thin layer over exactly these.
+
+Each takes paths and plain options and returns the summary the CLI prints with `--json`; a user-caused problem
+raises `GlmconvError` (one line, naming the file or tensor). Heavy imports (torch) happen inside the calls, so
+`import glmconv` stays cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from glmconv.runners.audit import AuditReport
+
+DEFAULT_GROUP_BYTES = 1 << 30
+DEFAULT_SHARD_BYTES = 5 * 10**9
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 1, force: bool = False, mtp: bool = True,
+            vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
+            dry_run: bool = False, progress: bool = False) -> dict[str, Any]:
+    """HF checkpoint (BF16 or the FP8 release) -> Megatron torch_dist in `out_dir`, verified, published atomically.
+
+    `dry_run` returns the plan (tensors, bytes, peak memory per worker) and writes nothing.
+    """
+    from glmconv.runners.convert import RunOptions, dry_run_summary, prepare
+    from glmconv.runners.convert import convert as run
+
+    job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision)
+    opts = RunOptions(workers=workers, group_bytes=group_bytes, progress=progress, check_finite=check_finite)
+    return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
+
+
+def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | None = None,
+           config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+           workers: int = 1, force: bool = False, check_finite: bool = False,
+           progress: bool = False) -> dict[str, Any]:
+    """Megatron torch_dist -> HF safetensors in the release's naming (`like`: an HF checkpoint to imitate)."""
+    from glmconv.runners.export import ExportOptions, prepare
+    from glmconv.runners.export import export as run
+
+    job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes)
+    return run(job, ExportOptions(workers=workers, progress=progress, check_finite=check_finite), force=force)
+
+
+def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None, mtp: bool | None = None,
+          vision: bool | None = None, layers: int | None = None, accept_flat_prefix: bool = False,
+          config: str | Path | None = None) -> AuditReport:
+    """Every tensor of `src` (config, HF or torch_dist) against the plan, and against `against` both ways.
+
+    The report's `ok` is False when there are findings (the CLI's exit 1); unreadable input raises.
+    """
+    from glmconv.runners.audit import audit as run
+
+    return run(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers, accept_flat_prefix=accept_flat_prefix,
+               config=config)
+
+
+def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = None, sequences: int | None = None,
+           prompt_file: str | Path | None = None, fail_on: tuple[str, ...] = (), threshold: float | None = None,
+           report_dir: str | Path | None = None, **options: Any) -> dict[str, Any]:
+    """Layerwise train-vs-serve report of `hf_dir` and its conversion `mcore_dir`; `report["passed"]` is the verdict.
+
+    `fail_on`: bounds such as "logprob_abs_diff.max>1e-4"; `report_dir`: also write report.json, report.md and
+    error_per_layer.png there (listed in `report["report_files"]`); `options`: the other
+    `glmconv.compare.ParityOptions` fields (seed, mode, dtype, device, train_conventions, overrides, kernels, ...).
+    """
+    from glmconv.compare import DEFAULT_TOKENS, ParityOptions, run_parity
+    from glmconv.compare.metrics import parse_bound
+    from glmconv.compare.report import write_report
+    from glmconv.errors import GlmconvError
+    from glmconv.output import claim_report_dir
+
+    bounds = tuple(parse_bound(b) for b in fail_on)  # bad syntax fails before any model is built
+    if prompt_file is not None and (tokens is not None or sequences is not None):
+        raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
+    if threshold is not None and not threshold > 0:
+        raise GlmconvError(f"--threshold {threshold}: must be positive")
+    if report_dir is not None:
+        claim_report_dir(Path(report_dir))  # before the run: a directory that cannot take the report fails now
+    options.setdefault("progress", False)
+    report = run_parity(ParityOptions(
+        hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=DEFAULT_TOKENS if tokens is None else tokens,
+        sequences=1 if sequences is None else sequences, prompt_file=Path(prompt_file) if prompt_file else None,
+        bounds=bounds, threshold=threshold, **options))
+    if report_dir is not None:
+        report["report_files"] = [str(p) for p in write_report(report, report_dir)]
+    return report
