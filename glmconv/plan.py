@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from glmconv.config import DSA, MOE, GlmConfig
+from glmconv.io.dtypes import DTYPE_SIZES
 from glmconv.rules import names
 from glmconv.rules.table import BF16, F32, FP8_BLOCK, GLOBAL, LAYER, MTP, RULES, VISION, Rule
 
@@ -15,8 +17,6 @@ if TYPE_CHECKING:
     from glmconv.rules.ops import Layout
 
 FP8 = "F8_E4M3"
-DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, FP8: 1, "F8_E5M2": 1, "F64": 8, "I64": 8, "I32": 4, "I8": 1,
-               "U8": 1, "BOOL": 1, "I16": 2}
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
     def as_json(self) -> dict[str, object]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
@@ -61,11 +61,11 @@ class Mapping:
         Bytes only move when both sides have one dtype and there is no FP8 scale.
         """
         dtype = self.mcore[0].dtype
-        if (any(s for s in self.scales) or dtype not in DTYPE_BYTES or any(t.dtype != dtype for t in self.mcore)
+        if (any(s for s in self.scales) or dtype not in DTYPE_SIZES or any(t.dtype != dtype for t in self.mcore)
                 or any(d != dtype for d in hf_dtypes)):
             return None
         layout = self.rule.transform.backward_layout if backward else self.rule.transform.forward_layout
-        return layout([t.shape for t in self.hf], DTYPE_BYTES[dtype], len(self.mcore))
+        return layout([t.shape for t in self.hf], DTYPE_SIZES[dtype], len(self.mcore))
 
     @property
     def by_rows(self) -> bool:

@@ -20,8 +20,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from glmconv.config import parse_config
 from glmconv.errors import CheckpointError
+from glmconv.io.dtypes import torch_dtype_code
 from glmconv.io.file_names import DCP_METADATA_NAME
-from glmconv.io.torch_dist.metadata import inspect_torch_dist, resolve_iter_dir, torch_dtype_code
+from glmconv.io.torch_dist.metadata import inspect_torch_dist, resolve_iter_dir
 from glmconv.io.torch_dist.safe_unpickle import ALLOWED, safe_load
 from glmconv.plan import build_plan
 

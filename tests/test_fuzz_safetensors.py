@@ -29,9 +29,10 @@ from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
 import glmconv.io.safetensors.header as sh
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.dtypes import DTYPE_SIZES
 from glmconv.io.file_names import INDEX_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
-from glmconv.io.safetensors.header import DTYPE_SIZES, MAX_HEADER_BYTES, read_header
+from glmconv.io.safetensors.header import MAX_HEADER_BYTES, read_header
 
 TORCH_LOADABLE = {"BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
                   "I64", "U64", "F64"}

@@ -1,11 +1,55 @@
-"""safetensors dtype names -> torch dtypes: the one table every reader and writer uses."""
+"""The one dtype table: safetensors dtype code <-> bytes per element <-> torch dtype.
+
+The codes and sizes are plain data (planning, auditing and header validation run without torch); the torch
+side is looked up only when asked for (`TORCH_DTYPES`, `torch_dtype_code`), importing torch then.
+"""
 
 from __future__ import annotations
 
-import torch
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+from glmconv.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+# safetensors code -> (bytes per element, torch dtype attribute; None where glmconv maps none)
+_TABLE: dict[str, tuple[int, str | None]] = {
+    "BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"),
+    "F8_E4M3": (1, "float8_e4m3fn"), "F8_E5M2": (1, "float8_e5m2"), "F8_E8M0": (1, None),
+    "I16": (2, "int16"), "U16": (2, "uint16"), "F16": (2, "float16"), "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"), "U32": (4, "uint32"), "F32": (4, "float32"),
+    "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64"),
 }
+
+DTYPE_SIZES: dict[str, int] = {code: size for code, (size, _) in _TABLE.items()}
+"""Every dtype code a safetensors header may hold -> bytes per element."""
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {code: getattr(torch, name) for code, (_, name) in _TABLE.items() if name is not None}
+
+
+_CODES: dict[str, str] = {name: code for code, (_, name) in _TABLE.items() if name is not None}
+
+
+def torch_dtype_code(dtype: Any) -> str:
+    """`torch.bfloat16` -> "BF16" (the plan's codes); a dtype outside the table is a CheckpointError.
+
+    Looked up by name, so that whatever an untrusted `.metadata` holds in its place is refused, not hashed.
+    """
+    code = _CODES.get(str(dtype).removeprefix("torch."))
+    if code is None:
+        raise CheckpointError(f"unsupported tensor dtype {dtype}")
+    return code
+
+
+def __getattr__(name: str) -> Any:
+    """`TORCH_DTYPES` (code -> torch dtype) is built on first use, so importing this module needs no torch."""
+    if name == "TORCH_DTYPES":
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -97,7 +97,8 @@ def mapping_chunks(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Chunk]
     Where the mapping only moves bytes (same dtype on both sides, no check to make on the values), the
     chunks are `FileTensor`s: the writer copies the source bytes file to file without reading them.
     """
-    from glmconv.io.torch_dist.writer import TORCH_DTYPES, Chunk
+    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.torch_dist.writer import Chunk
 
     out_dtype = TORCH_DTYPES[m.mcore[0].dtype]
     layout = byte_layout(m, source)

@@ -302,7 +302,7 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
 
 def _encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: dict[str, str],
             stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
-    from glmconv.io.torch_dist.writer import TORCH_DTYPES
+    from glmconv.io.dtypes import TORCH_DTYPES
 
     if tuple(t.shape) != spec.shape:
         raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")

@@ -9,15 +9,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from glmconv.errors import CheckpointError
+from glmconv.io.dtypes import DTYPE_SIZES
 from glmconv.io.jsonfile import parse_json
 from glmconv.text import show
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA_KEY = "__metadata__"
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Self
 
 from glmconv.errors import CheckpointError
+from glmconv.io.dtypes import DTYPE_SIZES, torch_dtype_code
 from glmconv.io.file_names import INDEX_NAME, SHARD_NAME
-from glmconv.io.safetensors.header import DTYPE_SIZES
-from glmconv.io.torch_dist.metadata import torch_dtype_code
 from glmconv.output import create_new, write_new
 
 if TYPE_CHECKING:

@@ -9,6 +9,7 @@ from typing import Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, inside, optional_file, require_file
+from glmconv.io.dtypes import torch_dtype_code
 from glmconv.io.file_names import (
     COMMON_PT_NAME,
     COMMON_STATE,
@@ -21,11 +22,6 @@ from glmconv.io.jsonfile import load_json_file
 from glmconv.io.torch_dist.safe_unpickle import safe_load
 
 TORCH_DIST = "torch_dist"
-_DTYPE_CODES = {
-    "bfloat16": "BF16", "float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2", "uint16": "U16", "uint32": "U32", "uint64": "U64",
-}
 
 
 @dataclass(frozen=True)
@@ -97,14 +93,6 @@ def _check_backend(iter_dir: Path) -> None:
     backend = data.get("sharded_backend") if isinstance(data, dict) else None
     if backend != TORCH_DIST:
         raise CheckpointError(f"{MCORE_METADATA_NAME}: sharded_backend is {backend!r}, expected 'torch_dist'")
-
-
-def torch_dtype_code(dtype: Any) -> str:
-    """`torch.bfloat16` -> "BF16" (the plan's codes)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPE_CODES:
-        raise CheckpointError(f"unsupported tensor dtype {dtype}")
-    return _DTYPE_CODES[name]
 
 
 def _entries(metadata: Any, meta_path: Path) -> tuple[dict[str, DcpTensor], list[str]]:

@@ -63,5 +63,5 @@ def safe_load(path: str | Path) -> Any:
         raise
     except OSError as exc:
         raise CheckpointError(f"{p.name}: cannot read ({exc.strerror or exc})") from None
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+    except Exception as exc:  # any unpickling failure means a corrupt file
         raise CheckpointError(f"{p.name}: corrupt or truncated pickle ({type(exc).__name__}: {exc})") from None
