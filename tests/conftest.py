@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,23 +15,18 @@ settings.load_profile("ci")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Without CUDA, transformers' Glm5Next must use its torch KDA: it binds fla's kernels (installed for the
-    kernel tests, GPU-only) when it is first imported, so import it once here with fla hidden. Triton's own
-    kernels (glmconv's kpool indexer) then run under its interpreter, which must be on before triton loads."""
+    """Without CUDA, transformers' Glm5Next must use its torch KDA (fla's kernels are GPU-only): import it once
+    with fla hidden. Triton's own kernels (glmconv's kpool indexer) then run under its interpreter, which must be
+    on before triton loads."""
     import os
 
     import torch
 
-    if torch.cuda.is_available():
-        return
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    saved = {k: sys.modules.pop(k) for k in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]}
-    sys.modules["fla"] = None  # type: ignore[assignment]
-    try:
-        import transformers.models.glm5_next.modeling_glm5_next  # noqa: F401
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(saved)
+    from glmconv.fixtures.generate import import_transformers_glm5_next
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import_transformers_glm5_next()
 
 
 def _make(factory: pytest.TempPathFactory, name: str, preset: str, fp8: bool) -> Path:
