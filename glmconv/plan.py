@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 from glmconv.config import DSA, MOE, GlmConfig
 from glmconv.io.dtypes import DTYPE_SIZES
+from glmconv.io.fp8 import scale_shape
 from glmconv.rules import names
-from glmconv.rules.table import BF16, F32, FP8_BLOCK, GLOBAL, LAYER, MTP, RULES, VISION, Rule
+from glmconv.rules.table import BF16, F32, GLOBAL, LAYER, MTP, RULES, VISION, Rule
 
 if TYPE_CHECKING:
     from glmconv.rules.ops import Layout
@@ -175,12 +176,6 @@ def dims(config: GlmConfig) -> dict[str, int]:
     return d
 
 
-def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Block-scale shape of a 2-D FP8 weight: ceil(rows/128) x ceil(cols/128)."""
-    rows, cols = shape
-    return (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-
-
 def build_plan(config: GlmConfig, *, fp8: bool = False, mtp: bool = True, vision: bool = True,
                text_prefix: str = names.HF_TEXT_PREFIX) -> Plan:
     """Expand every rule against `config`; MTP and vision are included when the config has them."""
@@ -262,7 +257,7 @@ def _mapping(rule: Rule, ctx: _Ctx, hf_names: list[str], hf_shapes: list[tuple[i
     # only reached with hc_*_fn and the kpool ape in BF16: accept either on disk, keep F32 in Megatron.
     alt = BF16 if rule.keep_f32 else None
     hf = tuple(TensorSpec(n, s, hf_dtype, alt) for n, s in zip(hf_names, hf_shapes))
-    scales = tuple(TensorSpec(names.scale_name(n), fp8_scale_shape(s), F32) if fp8 else None
+    scales = tuple(TensorSpec(names.scale_name(n), scale_shape(s), F32) if fp8 else None
                    for n, s in zip(hf_names, hf_shapes))
     mc_shapes = rule.transform.mcore_shapes(hf_shapes, len(mc_names))
     mc = tuple(TensorSpec(n, s, F32 if rule.keep_f32 else BF16) for n, s in zip(mc_names, mc_shapes))

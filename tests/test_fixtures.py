@@ -15,9 +15,9 @@ from glmconv.config import DSA, KDA, parse_config
 from glmconv.errors import GlmconvError
 from glmconv.fixtures import FixtureError, generate, make_fixture, preset_config
 from glmconv.io.file_names import INDEX_NAME
-from glmconv.io.fp8 import dequantize_fp8_blocks
+from glmconv.io.fp8 import dequantize_fp8_blocks, scale_shape
 from glmconv.io.safetensors.writer import ShardWriter
-from glmconv.plan import FP8, build_plan, fp8_scale_shape
+from glmconv.plan import FP8, build_plan
 from glmconv.rules import names
 from glmconv.rules.table import MTP, VISION
 from glmconv_cli.fixture_cmd import fixture
@@ -191,10 +191,10 @@ def test_values_have_the_intended_scales(tiny_ckpt):
 def test_fp8_weights_have_scales_and_dequantise_close_to_the_bf16_fixture(tiny_ckpt, tiny_fp8_ckpt):
     bf16, fp8 = _tensors(tiny_ckpt), _tensors(tiny_fp8_ckpt)
     quantised = [n for n, t in fp8.items() if t.dtype == torch.float8_e4m3fn]
-    assert quantised and any(fp8_scale_shape(fp8[n].shape)[0] > 1 for n in quantised)
+    assert quantised and any(scale_shape(fp8[n].shape)[0] > 1 for n in quantised)
     for n in quantised:
         scale = fp8[names.scale_name(n)]
-        assert scale.dtype == torch.float32 and tuple(scale.shape) == fp8_scale_shape(tuple(fp8[n].shape))
+        assert scale.dtype == torch.float32 and tuple(scale.shape) == scale_shape(tuple(fp8[n].shape))
         deq = dequantize_fp8_blocks(fp8[n], scale, out_dtype=torch.float32)
         ref = bf16[n].float()
         assert ((deq - ref).abs() <= (2**-4 + 2**-8) * ref.abs() * 1.01 + scale.max() * 2**-10).all(), n

@@ -11,20 +11,23 @@ only rounding that matters, and HF/sglang/DeepSeek `weight_dequant` do exactly t
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 
+if TYPE_CHECKING:
+    import torch
+
 E4M3_MAX = 448.0
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_BLOCK = 128  # rows and columns of one scale block
 
 
 class Fp8FormatError(CheckpointError):
     """An FP8 weight or its block scales have the wrong dtype or shape."""
 
 
-def scale_shape(shape: tuple[int, ...], block: int = 128) -> tuple[int, int]:
-    """ceil(rows/block) x ceil(cols/block): the `_scale_inv` shape of a 2-D weight."""
+def scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, int]:
+    """ceil(rows/block) x ceil(cols/block): the `_scale_inv` shape of a 2-D weight (plain arithmetic, no torch)."""
     _check_block(block)
     if len(shape) != 2:
         raise Fp8FormatError(f"FP8 block scaling needs a 2-D weight, got shape {list(shape)}")
@@ -32,8 +35,10 @@ def scale_shape(shape: tuple[int, ...], block: int = 128) -> tuple[int, int]:
     return (-(-rows // block), -(-cols // block))
 
 
-def quantize_fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 e4m3 weight, F32 scale_inv) with scale_inv = block amax / 448 (1 for all-zero blocks)."""
+    import torch
+
     if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise Fp8FormatError(f"quantize_fp8_blocks needs a float weight, got {w.dtype}")
     rows, cols = w.shape if w.dim() == 2 else (0, 0)
@@ -44,14 +49,18 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
     amax = blocks.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     scaled = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
-    q = scaled.view(sr * block, sc * block)[:rows, :cols].to(FP8_DTYPE)
+    q = scaled.view(sr * block, sc * block)[:rows, :cols].to(torch.float8_e4m3fn)
     return q.contiguous(), scale.contiguous()
 
 
-def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
-                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """fp8.float() * scale_inv broadcast over each block (cropped at the edges), then cast to `out_dtype`."""
-    if fp8.dtype != FP8_DTYPE:
+def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fp8.float() * scale_inv broadcast over each block (cropped at the edges), then cast to `out_dtype` (BF16)."""
+    import torch
+
+    if out_dtype is None:
+        out_dtype = torch.bfloat16
+    if fp8.dtype != torch.float8_e4m3fn:
         raise Fp8FormatError(f"expected a float8_e4m3fn weight, got {fp8.dtype}")
     if scale_inv.dtype != torch.float32:
         raise Fp8FormatError(f"expected F32 block scales, got {scale_inv.dtype}")
@@ -73,6 +82,8 @@ def check_scales(scale_inv: torch.Tensor, name: str) -> None:
 
     The release's scales are block amax / 448 of real weights: positive normal float32 values.
     """
+    import torch
+
     ok = torch.isfinite(scale_inv) & (scale_inv >= torch.finfo(torch.float32).tiny)
     if bool(ok.all()):
         return

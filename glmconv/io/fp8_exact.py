@@ -51,10 +51,11 @@ def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tens
     """Reduce a 2-D tensor over its 128x128 blocks (edge blocks padded with `fill`)."""
     import torch
 
-    from glmconv.rules.table import FP8_BLOCK as B
+    from glmconv.io.fp8 import FP8_BLOCK as B
+    from glmconv.io.fp8 import scale_shape
 
     rows, cols = x.shape
-    sr, sc = -(-rows // B), -(-cols // B)
+    sr, sc = scale_shape((rows, cols), B)
     padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype)
     padded[:rows, :cols] = x
     view = padded.view(sr, B, sc, B)

@@ -215,4 +215,3 @@ def _vision_role(name: str) -> str:
 
 
 RULES: tuple[Rule, ...] = (*_global(), *_layer(), *_mtp(), *_vision())
-FP8_BLOCK = 128
