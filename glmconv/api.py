@@ -77,13 +77,15 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
         raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
     if threshold is not None and not threshold > 0:
         raise GlmconvError(f"--threshold {threshold}: must be positive")
+    inputs = {"HF checkpoint": Path(hf_dir), "torch_dist checkpoint": Path(mcore_dir),
+              "prompt file": Path(prompt_file) if prompt_file else None}
     if report_dir is not None:
-        claim_report_dir(Path(report_dir))  # before the run: a directory that cannot take the report fails now
+        claim_report_dir(Path(report_dir), inputs)  # before the run: a directory that cannot take it fails now
     options.setdefault("progress", False)
     report = run_parity(ParityOptions(
         hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=DEFAULT_TOKENS if tokens is None else tokens,
         sequences=1 if sequences is None else sequences, prompt_file=Path(prompt_file) if prompt_file else None,
         bounds=bounds, threshold=threshold, **options))
     if report_dir is not None:
-        report["report_files"] = [str(p) for p in write_report(report, report_dir)]
+        report["report_files"] = [str(p) for p in write_report(report, report_dir, inputs)]
     return report

@@ -108,19 +108,29 @@ def replace_file(path: Path, data: bytes) -> None:
         raise GlmconvError(f"{path}: cannot write ({_why(exc, path)})") from None
 
 
-def claim_report_dir(d: Path) -> None:
-    """A directory glmconv writes reports into: new, empty, or one it wrote before (its manifest says so)."""
+REPORT_FORMAT = "parity-report"
+
+
+def claim_report_dir(d: Path, inputs: dict[str, Path | None]) -> None:
+    """A directory glmconv writes reports into: outside every input; new, empty, or a report directory it wrote
+    before (its manifest says so). A converted checkpoint, also glmconv's, is no report directory."""
+    real = resolve_out(d)
+    for label, given in inputs.items():
+        how = _relation(real, real_path(given, label)) if given is not None else None
+        if how:
+            raise GlmconvError(f"{d}: the report directory {how} the {label} {given}; choose one outside every input")
     if d.exists() and not d.is_dir():
         raise GlmconvError(f"{d}: exists and is not a directory")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise GlmconvError(f"{d}: cannot create the report directory ({_why(exc, d)})") from None
-    if published_by_glmconv(d):
+    mine = _small_json(d / MANIFEST_NAME)
+    if published_by_glmconv(d) and isinstance(mine, dict) and mine.get("format") == REPORT_FORMAT:
         return
     if _not_empty(d):
         raise GlmconvError(f"{d}: not empty and not a report directory glmconv wrote; choose a new or empty one")
-    manifest = json.dumps({**manifest_fields(), "format": "parity-report"}, indent=2) + "\n"
+    manifest = json.dumps({**manifest_fields(), "format": REPORT_FORMAT}, indent=2) + "\n"
     replace_file(d / MANIFEST_NAME, manifest.encode())
 
 

@@ -237,3 +237,14 @@ def test_parity_accepts_its_own_conversion(tiny_ckpt: Path, mc_ckpt: Path) -> No
     got = invoke(["parity", str(tiny_ckpt), str(mc_ckpt), "--tokens", "16", "--json",
                   "--train-conventions", "serve"])
     assert got.exit_code == 0, got.stderr
+
+
+@pytest.mark.parametrize("where", ["mc", "mc/release", "hf", "parent-of-hf"])
+def test_parity_report_dir_overlapping_an_input_is_refused(where: str, tiny_ckpt: Path, mc_ckpt: Path,
+                                                           tmp_path: Path) -> None:
+    """A converted checkpoint carries glmconv's manifest too: it is still no report directory."""
+    hf, mc = _copy(tiny_ckpt, tmp_path / "hf"), _copy(mc_ckpt, tmp_path / "mc")
+    report_dir = {"mc": mc, "mc/release": mc / "release", "hf": hf, "parent-of-hf": tmp_path}[where]
+    assert_refused(["parity", str(hf), str(mc), "--tokens", "16", "--report-dir", str(report_dir)], [hf, mc],
+                   tmp_path / "none", rf"{report_dir}: the report directory (is the same path as|is inside|contains) "
+                   r"the (HF|torch_dist) checkpoint .*; choose one outside every input$")

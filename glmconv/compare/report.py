@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv import __version__
-from glmconv.errors import GlmconvError
 from glmconv.compare import metrics
 from glmconv.text import printable
 
@@ -65,12 +64,13 @@ def kernel_line(report: dict[str, Any]) -> list[str]:
             f"{worst['attn_type']} (streams {_fmt(worst['kernel_rel_err'])})"]
 
 
-def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """report.json, report.md and error_per_layer.png in `out_dir` (created); returns the paths."""
+def write_report(report: dict[str, Any], out_dir: str | Path,
+                 inputs: dict[str, Path | None] | None = None) -> list[Path]:
+    """report.json, report.md and error_per_layer.png in `out_dir` (created, outside `inputs`); the paths."""
     from glmconv.output import claim_report_dir, replace_file
 
     d = Path(out_dir)
-    claim_report_dir(d)
+    claim_report_dir(d, inputs or {})
     paths = [d / JSON_NAME, d / MD_NAME, d / PNG_NAME]
     replace_file(paths[0], (to_json(report) + "\n").encode())
     replace_file(paths[1], to_markdown(report).encode())
