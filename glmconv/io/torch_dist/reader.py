@@ -30,6 +30,7 @@ from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import require_file
 from glmconv.io.file_names import DCP_METADATA_NAME
+from glmconv.io.finite import require_finite
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.safe_unpickle import safe_load
 
@@ -86,8 +87,6 @@ class DcpReader:
             boxes.append(box)
         _check_cover(name, boxes, (stop - start, *size[1:]) if size else (), start)
         if self._check_finite:
-            from glmconv.io.safetensors.reader import require_finite
-
             require_finite(out, name, str(self.iter_dir), start)
         return out
 
