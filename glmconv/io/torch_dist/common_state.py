@@ -21,6 +21,7 @@ from glmconv.config import MOE, GlmConfig
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY
+from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.reader import read_bytes_entry
 
 CHECKPOINT_VERSION = 3.0
@@ -88,7 +89,7 @@ def build_args(config: GlmConfig, *, padded_vocab_size: int | None = None, **ove
         mtp_num_layers=config.num_mtp_layers or None,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
         expert_tensor_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-        bf16=True, ckpt_format="torch_dist", no_save_optim=True, no_save_rng=True,
+        bf16=True, ckpt_format=TORCH_DIST, no_save_optim=True, no_save_rng=True,
     )
     args.update(overrides)
     return argparse.Namespace(**args)

@@ -41,13 +41,14 @@ from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.dtypes import TORCH_DTYPES
 from glmconv.io.file_names import COMMON_STATE_KEY, MCORE_METADATA_NAME, RELEASE, TRACKER_NAME
+from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 from glmconv.output import new_file
 
 if TYPE_CHECKING:
     from glmconv.plan import TensorSpec
 
-BACKEND_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+BACKEND_CONFIG = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1}
 _OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
 _Entry = TensorStorageMetadata | BytesStorageMetadata
 _Part = tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo], str | None]
