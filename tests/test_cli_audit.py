@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from repo_files import REAL_CONFIG as REAL  # noqa: E402
+from repo_files import REAL_CONFIG as REAL
 from test_dcp_metadata import mcore_tensors, write_torch_dist
 from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
