@@ -369,7 +369,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def models(rows: list[dict[str, Any]]) -> str:
-    lines = ["| case | input bytes | hidden | layers (+MTP) | routed experts | vocab | tensors | shards | output bytes |",
+    lines = ["| case | input bytes | hidden | layers (+MTP) | routed experts | vocab | tensors | shards "
+             "| output bytes |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "hidden" in r:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from glmconv_cli.sizes import SEED, SIZE
 from glmconv.fixtures.presets import PRESETS
 from glmconv.text import printable
+from glmconv_cli.sizes import SEED, SIZE
 
 
 @click.group()

@@ -138,7 +138,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(ints[t.element_size()]) if t.is_floating_point() else t
 
 
-# ---- an independent HF -> Megatron reference (the design notes' mapping table, re-spelled independently of glmconv/rules) ----
+# ---- an independent HF -> Megatron reference (the mapping table re-spelled, independently of glmconv/rules) ----
 # Used by the convert proofs: what every Megatron tensor must hold, computed from the HF files with plain torch
 # and safetensors, never through glmconv's plan, transforms, reader or FP8 code.
 

@@ -9,11 +9,11 @@ import torch
 from test_dcp_metadata import mcore_tensors, write_torch_dist
 from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
-from glmconv.runners.audit import AuditReport, Finding, audit, expected_tensors
 from glmconv.config import parse_config
 from glmconv.errors import CheckpointError
 from glmconv.plan import build_plan
 from glmconv.rules.names import HF_FLAT_PREFIX, HF_TEXT_PREFIX
+from glmconv.runners.audit import AuditReport, Finding, audit, expected_tensors
 
 L1 = "model.language_model.layers.1."
 MTP = "model.language_model.layers.2."  # the tiny config's MTP layer

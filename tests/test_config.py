@@ -2,14 +2,12 @@
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
+from repo_files import REAL_CONFIG as REAL
 
 from glmconv.config import DENSE, DSA, KDA, MOE, load_config, parse_config
 from glmconv.errors import ConfigError
-
-from repo_files import REAL_CONFIG as REAL  # noqa: E402
 
 
 @pytest.fixture()

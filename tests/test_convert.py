@@ -12,14 +12,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import mcore_helpers as mh
 import pytest
 import torch
 from click.testing import CliRunner
 
-import mcore_helpers as mh
-from glmconv_cli.main import cli
-from glmconv.runners.convert import RunOptions, convert, prepare
 from glmconv.errors import GlmconvError
+from glmconv.runners.convert import RunOptions, convert, prepare
+from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -145,7 +145,8 @@ def test_tracker_says_release_and_sidecars_sit_in_the_root(sources: dict[str, Pa
         assert text[key] == src_cfg["text_config"][key], key
     manifest = json.loads((out / "glmconv.json").read_text())
     assert manifest["source"] == str(sources["tiny"].resolve())
-    assert (manifest["mtp"], manifest["vision"], manifest["fp8_source"], manifest["left_out"]) == (True, True, False, {})
+    got = (manifest["mtp"], manifest["vision"], manifest["fp8_source"], manifest["left_out"])
+    assert got == (True, True, False, {})
     assert manifest["hf_tensors"] == len(source_names(sources["tiny"]))
     assert manifest["mcore_tensors"] == len(mh.read_dcp(out))
     assert not list(out.parent.glob("*" + STAGING))

@@ -34,10 +34,9 @@ import copy
 import re
 from typing import Any
 
+import mcore_helpers as mh
 import pytest
 import torch
-
-import mcore_helpers as mh
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 NOT_IN_MEGATRON_CORE = re.compile(r"_hyper_connection\.|\.kda\.|\.self_attention\.(wq_b|wk|k_norm|weights_proj|"

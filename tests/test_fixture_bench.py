@@ -5,20 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import hf_helpers as hf
 import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from glmconv_cli.fixture_cmd import fixture
-from glmconv.runners.audit import audit
 from glmconv.config import DSA, KDA, MOE, parse_config
-from glmconv.fixtures import FixtureError, make_fixture, preset_config
-from glmconv.fixtures import bench
+from glmconv.fixtures import FixtureError, bench, make_fixture, preset_config
 from glmconv.plan import FP8, build_plan
 from glmconv.rules import names
 from glmconv.rules import roles as R
-import hf_helpers as hf
+from glmconv.runners.audit import audit
+from glmconv_cli.fixture_cmd import fixture
 
 SIZE = 20 * 10**6
 
@@ -128,8 +127,9 @@ def test_cli_make_bench_with_size(tmp_path):
 
 def test_pool_windows_differ_per_tensor():
     pool = torch.randn(bench.POOL_ELEMS, dtype=torch.bfloat16)
-    a = bench._pooled(pool, "model.language_model.layers.0.mlp.down_proj.weight", R.DENSE_FC2, (512, 256), torch.bfloat16, 0)
-    b = bench._pooled(pool, "model.language_model.layers.1.mlp.down_proj.weight", R.DENSE_FC2, (512, 256), torch.bfloat16, 0)
+    name = "model.language_model.layers.{}.mlp.down_proj.weight"
+    a = bench._pooled(pool, name.format(0), R.DENSE_FC2, (512, 256), torch.bfloat16, 0)
+    b = bench._pooled(pool, name.format(1), R.DENSE_FC2, (512, 256), torch.bfloat16, 0)
     assert a is not None and b is not None and not torch.equal(a, b)
     assert abs(a.float().std().item() - 256**-0.5) < 0.01
     assert bench._pooled(pool, "model.language_model.norm.weight", R.FINAL_NORM, (256,), torch.bfloat16, 0) is None

@@ -68,10 +68,10 @@ def test_one_forward_code_with_a_kernel_op_set(tiny_ckpt: Path, monkeypatch: pyt
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton runs on the CPU only under TRITON_INTERPRET=1 (set by tests/conftest.py)")
     import glmconv.models.model as model_mod
-    from glmconv.kernels import OpSet, reference_ops
-    from glmconv.kernels.kpool import kpool_topk
     from glmconv.compare.capture import capture
     from glmconv.compare.inputs import random_batch
+    from glmconv.kernels import OpSet, reference_ops
+    from glmconv.kernels.kpool import kpool_topk
 
     ref = reference_ops()
     fake = OpSet("kernels", ref.kda_layer, partial(kpool_topk, width=64, dtype=torch.int32), ref.sparse_mla)

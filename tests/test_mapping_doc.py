@@ -1,7 +1,8 @@
 """docs/mapping.md is the rule table rendered: it cannot drift from the code."""
 
-from glmconv.rules.doc import render
 from repo_files import ROOT
+
+from glmconv.rules.doc import render
 
 
 def test_docs_mapping_md_is_the_rendered_rule_table() -> None:

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from ops_helpers import cu, rel
 
 from glmconv.errors import GlmconvError
-from glmconv.models.conventions import Conventions, ConventionError
+from glmconv.models.conventions import ConventionError, Conventions
 from glmconv.models.model import GlmModel
 from glmconv.models.weights import ExpertBank, HfWeights, MegatronWeights, Swiglu
-from ops_helpers import cu, rel
 
 TOL_HF = 1e-5
 TOL_SAME = 1e-6
@@ -146,7 +146,7 @@ def test_packed_batch_equals_each_sequence_alone(ckpts: Any) -> None:
 def test_aligned_train_model_equals_serve_at_every_sub_block(preset: str, ckpts: Any) -> None:
     hf, mc = ckpts(preset)
     steps = _walk(_serve(hf), _train(mc, Conventions.serve()), _ids(70, 3), cu(70))
-    assert all(err <= TOL_SAME for _, _, err, _, _ in steps), [(l, s, e) for l, s, e, _, _ in steps]
+    assert all(err <= TOL_SAME for _, _, err, _, _ in steps), [(layer, s, e) for layer, s, e, _, _ in steps]
     for _, _, _, aux_s, aux_t in steps:
         assert aux_s.keys() == aux_t.keys() and all(torch.equal(aux_s[k], aux_t[k]) for k in aux_s)
     assert {k for _, _, _, aux, _ in steps for k in aux} == {"topk", "experts"}

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import cu, randomize, rel, text_config
+from test_ops_kpool import params as kpool_params
+from test_ops_kpool import tensors as indexer_tensors
 
 from glmconv.errors import GlmconvError
 from glmconv.ops import rms_norm
 from glmconv.ops.dsa import DsaParams, DsaTensors, dsa_layer, sparse_mla
 from glmconv.ops.kda import segments
-from ops_helpers import cu, randomize, rel, text_config
-from test_ops_kpool import params as kpool_params, tensors as indexer_tensors
 
 TOL = 1e-5
 LENGTHS = (101, 7, 16, 3, 64)  # index_topk 16: short, exactly topk, and several times topk

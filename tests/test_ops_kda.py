@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from glmconv.ops.kda import (KdaParams, KdaTensors, chunk_kda, forget_gate, kda_layer, l2norm, recurrent_kda,
-                             segments, short_conv)
 from ops_helpers import cu, randomize, rel, text_config
+
+from glmconv.ops.kda import (
+    KdaParams,
+    KdaTensors,
+    chunk_kda,
+    forget_gate,
+    kda_layer,
+    l2norm,
+    recurrent_kda,
+    segments,
+    short_conv,
+)
 
 TOL = 1e-5
 LENGTHS = (150, 1, 63, 64, 65, 7)  # chunk edges on both sides of 64, a single token, several chunks
@@ -64,7 +73,8 @@ def test_layer_matches_transformers_per_packed_sequence(chunked: bool) -> None:
 
 @torch.no_grad()
 def test_pieces_match_transformers() -> None:
-    from transformers.models.glm5_next.modeling_glm5_next import causal_conv1d_fn, l2norm as hf_l2norm
+    from transformers.models.glm5_next.modeling_glm5_next import causal_conv1d_fn
+    from transformers.models.glm5_next.modeling_glm5_next import l2norm as hf_l2norm
 
     cfg, m = _module(3)
     g = torch.Generator().manual_seed(4)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import cu, randomize, rel, text_config
 
 from glmconv.ops.kda import segments
 from glmconv.ops.kpool import IndexerTensors, KpoolParams, kpool_topk, pool_keys
-from ops_helpers import cu, randomize, rel, text_config
 
 LENGTHS = (100, 1, 3, 4, 16, 17, 45)  # index_topk = 16, kpool = 4 in the tiny preset
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import randomize, rel, text_config
 
 from glmconv.errors import GlmconvError
-from glmconv.ops.mhc import HcParams, flat_rms, head_learned, head_mean, hc_post, hc_pre, sinkhorn
-from ops_helpers import randomize, rel, text_config
+from glmconv.ops.mhc import HcParams, flat_rms, hc_post, hc_pre, head_learned, head_mean, sinkhorn
 
 TOL = 1e-6
 

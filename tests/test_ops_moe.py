@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import randomize, rel, text_config
 
 from glmconv.errors import GlmconvError
 from glmconv.ops.moe import RouterParams, mlp, route, routed, swiglu, swiglu_limit
-from ops_helpers import randomize, rel, text_config
 
 TOL = 1e-6
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from glmconv.errors import GlmconvError
 from glmconv.compare import metrics as m
+from glmconv.errors import GlmconvError
 
 
 def test_rel_err_and_max_abs() -> None:

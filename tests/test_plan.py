@@ -2,16 +2,14 @@
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from repo_files import REAL_CONFIG as REAL
 
 from glmconv.config import parse_config
 from glmconv.plan import FP8, build_plan
 from glmconv.rules import RULES
 from glmconv.rules.names import HF_FLAT_PREFIX
-
-from repo_files import REAL_CONFIG as REAL  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import mcore_helpers as mh
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(mh.free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(mh.free_port()),
            "-m", "glmconv", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
 

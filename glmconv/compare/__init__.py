@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 from glmconv.errors import GlmconvError
 
 if TYPE_CHECKING:
-    from glmconv.config import GlmConfig
     from glmconv.compare.capture import Model
     from glmconv.compare.inputs import Batch
     from glmconv.compare.metrics import Bound
+    from glmconv.config import GlmConfig
 
 DEFAULT_THRESHOLDS = {"fp32": 1e-4, "bf16": 2e-2}
 DTYPES = ("fp32", "bf16")
@@ -64,9 +64,9 @@ class ParityOptions:
 
 def run_parity(opts: ParityOptions) -> dict[str, Any]:
     """Build both models, run them over the batch, and return the report (see `report.build_report`)."""
-    from glmconv.config import load_config
     from glmconv.compare.capture import StepProgress, capture, steps
     from glmconv.compare.report import build_report
+    from glmconv.config import load_config
 
     if opts.dtype not in DTYPES:
         raise GlmconvError(f"--dtype {opts.dtype!r}: choose from {', '.join(DTYPES)}")
@@ -93,9 +93,9 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
     """(serve model, train model, both sides' conventions as plain dicts); tests replace this with fakes."""
     import torch
 
+    from glmconv.compare.fingerprint import check_same_weights
     from glmconv.models.model import GlmModel
     from glmconv.models.weights import HfWeights, MegatronWeights
-    from glmconv.compare.fingerprint import check_same_weights
 
     device = check_device(opts.device)
     serve_w, train_w = HfWeights(opts.hf_dir), MegatronWeights(opts.mcore_dir)
@@ -145,12 +145,12 @@ def check_device(device: str) -> str:
 def _check_same_config(config: GlmConfig, mcore_dir: Path) -> None:
     """A converted checkpoint carries its config.json: refuse a pair that describes different models."""
     from glmconv.config import load_config
+    from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file
+    from glmconv.io.file_names import CONFIG_NAME
 
-    path = Path(mcore_dir) / "config.json"
-    if not Path(mcore_dir).is_dir():
-        raise GlmconvError(f"{mcore_dir}: no such directory")
-    if not path.is_file():
-        return
+    path = optional_file(check_checkpoint_dir(Path(mcore_dir)), CONFIG_NAME)
+    if path is None:
+        return  # the train side's weights say more (MegatronWeights finds the config or refuses)
     other = load_config(path)
     keys = sorted(k for k in set(config.text) | set(other.text) if config.text.get(k) != other.text.get(k)
                   and k not in ("dtype", "torch_dtype"))

@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from glmconv.errors import GlmconvError
 from glmconv.compare import metrics
 from glmconv.compare.inputs import Batch
+from glmconv.errors import GlmconvError
 from glmconv.text import printable
 
 MODES = ("propagated", "isolated")

@@ -138,7 +138,7 @@ class WeightSource(ABC):
     def experts(self, layer: int) -> ExpertBank:
         """The routed experts of an MoE layer."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a source may hold nothing to release
         """Release open files."""
 
     # ---- the common structure ---------------------------------------------------------------------------
@@ -265,13 +265,12 @@ class MegatronWeights(WeightSource):
     """The torch_dist checkpoint read tensor by tensor (or by expert rows), in Megatron's own layout."""
 
     def __init__(self, mcore_dir: str | Path, config: GlmConfig | None = None) -> None:
+        from glmconv.io.torch_dist.metadata import config_path, resolve_iter_dir
         from glmconv.io.torch_dist.reader import DcpReader
 
         root = Path(mcore_dir)
         if config is None:
-            if not (root / "config.json").is_file():
-                raise CheckpointError(f"{root}: no config.json beside the torch_dist checkpoint (pass the config)")
-            config = load_config(root / "config.json")
+            config = load_config(config_path(root, resolve_iter_dir(root)[0]))
         super().__init__(config)
         self._reader = DcpReader(root)
 

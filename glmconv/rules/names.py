@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 HF_TEXT_PREFIX = "model.language_model."
 HF_FLAT_PREFIX = "model."

@@ -17,6 +17,7 @@ from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError
 from glmconv.io.file_names import CONFIG_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, is_hf_checkpoint
+from glmconv.io.torch_dist.metadata import config_path
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
 
@@ -177,19 +178,8 @@ def _load_mcore(p: Path, opts: Options, side: str) -> Side:
     return s
 
 
-def mcore_config_path(p: Path, iter_dir: Path) -> Path:
-    """Where convert leaves the config of a torch_dist checkpoint: beside the tracker or in the iteration dir."""
-    from glmconv.io.checkpoint_files import optional_file
-
-    for folder in (p, iter_dir, iter_dir.parent):
-        found = optional_file(folder, CONFIG_NAME)
-        if found is not None:
-            return found
-    raise CheckpointError(f"{p}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
-
-
 def _mcore_config_path(p: Path, iter_dir: Path, opts: Options) -> Path:
-    return Path(opts.config) if opts.config is not None else mcore_config_path(p, iter_dir)
+    return Path(opts.config) if opts.config is not None else config_path(p, iter_dir)
 
 
 def _cut(config: GlmConfig, opts: Options) -> GlmConfig:

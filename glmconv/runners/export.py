@@ -44,6 +44,7 @@ from glmconv.io.file_names import (
 from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
+from glmconv.io.torch_dist.metadata import config_path as mcore_config_path
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
@@ -111,7 +112,7 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
                               f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
     common = read_common_state(ck.iter_dir)
-    cfg_path = Path(config) if config is not None else audit_mod.mcore_config_path(src_p, ck.iter_dir)
+    cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir)
     cfg = load_config(cfg_path)
     like_ck = inspect_hf_checkpoint(like) if like is not None else None
     if like_ck is not None:

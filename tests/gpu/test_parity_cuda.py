@@ -39,11 +39,11 @@ def no_tf32() -> None:
 
 
 def _logits(hf: Path, device: str, dtype: torch.dtype) -> torch.Tensor:
+    from glmconv.compare.inputs import random_batch
     from glmconv.config import load_config
     from glmconv.models.conventions import Conventions
     from glmconv.models.model import GlmModel
     from glmconv.models.weights import HfWeights
-    from glmconv.compare.inputs import random_batch
 
     config = load_config(hf)
     batch = random_batch(config.dim("vocab_size"), TOKENS, SEQUENCES, 0).to(device)

@@ -13,6 +13,7 @@ from glmconv.io.dtypes import torch_dtype_code
 from glmconv.io.file_names import (
     COMMON_PT_NAME,
     COMMON_STATE,
+    CONFIG_NAME,
     DCP_METADATA_NAME,
     MCORE_METADATA_NAME,
     RELEASE,
@@ -124,3 +125,12 @@ def _check_storage(metadata: Any, iter_dir: Path) -> None:
                             f"{DCP_METADATA_NAME}: data file")
         if os.path.getsize(path) < end:
             raise CheckpointError(f"{rel}: truncated: metadata needs {end} bytes, file has {os.path.getsize(path)}")
+
+
+def config_path(root: Path, iter_dir: Path) -> Path:
+    """Where convert leaves a torch_dist checkpoint's config.json: beside the tracker or in the iteration dir."""
+    for folder in (root, iter_dir, iter_dir.parent):
+        found = optional_file(folder, CONFIG_NAME)
+        if found is not None:
+            return found
+    raise CheckpointError(f"{root}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
