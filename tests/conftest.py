@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,22 @@ def tiny_fp8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cut8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `cut8` preset (the real 8-layer schedule, MTP at 8, vision) at toy sizes, BF16/F32, seed 0."""
     return _make(tmp_path_factory, "cut8", "cut8", fp8=False)
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path | None]]:
+    """`mount_tmpfs("size=200k")` mounts a tmpfs under tmp_path; None where mounting is not allowed."""
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path | None:
+        d = tmp_path / f"mnt{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True)
+        if r.returncode != 0:
+            return None
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

@@ -26,8 +26,7 @@ import pickle
 import re
 import shutil
 import struct
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -449,25 +448,6 @@ def test_nan_passes_without_check_finite(tiny_ckpt: Path, tmp_path: Path) -> Non
 
 
 # ---- output locations that refuse writes -------------------------------------------------------------
-
-@pytest.fixture
-def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path | None]]:
-    """`mount_tmpfs("size=200k")` mounts a tmpfs under tmp_path; None where mounting is not allowed."""
-    mounted: list[Path] = []
-
-    def mount(options: str) -> Path | None:
-        d = tmp_path / f"mnt{len(mounted)}"
-        d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True)
-        if r.returncode != 0:
-            return None
-        mounted.append(d)
-        return d
-
-    yield mount
-    for d in mounted:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
-
 
 def _input(case_source: str, sources: dict[str, Path]) -> tuple[str, Path]:
     return ("convert", sources["tiny"]) if case_source == "tiny" else ("export", sources["mc"])

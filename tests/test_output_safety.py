@@ -485,25 +485,6 @@ def test_lock_write_failure_is_one_line(src: Path, tmp_path: Path, monkeypatch: 
                    r"out\.glmconv-lock: cannot write the lock file \(No space left on device\)$")
 
 
-@pytest.fixture
-def mount_tmpfs(tmp_path: Path):
-    """`mount_tmpfs("size=64k")` mounts a tmpfs under tmp_path; None where mounting is not allowed."""
-    mounted: list[Path] = []
-
-    def mount(options: str) -> Path | None:
-        d = tmp_path / f"mnt{len(mounted)}"
-        d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True)
-        if r.returncode != 0:
-            return None
-        mounted.append(d)
-        return d
-
-    yield mount
-    for d in mounted:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
-
-
 # ---- 5 and 8: workers and signals (real processes) -----------------------------------------------------------
 
 # Every source tensor read waits for GATE to exist; each process that reaches a read leaves GATE.pid-<pid>.
@@ -596,22 +577,29 @@ def test_workers_die_with_their_killed_parent_and_never_publish(src: Path, tmp_p
     assert listing(tmp_path) == ["out", "site", "src"]
 
 
+def _stop_when_reading(proc: subprocess.Popen, gate: Path, readers: int,
+                       send: Callable[[], None]) -> tuple[list[int], str]:
+    """Once `readers` processes read the source, `send` the signal; (their pids, the run's stderr)."""
+    try:
+        _wait(lambda: len(_reading_pids(gate)) == readers, "the run to start reading")
+        pids = _reading_pids(gate)
+        send()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return pids, err.decode()
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_signal_during_a_write_is_one_line_and_cleans_up(sig: signal.Signals, code: int, workers: str, src: Path,
                                                          tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc, gate = _start_gated(src, out, tmp_path, "--workers", workers)
-    try:
-        _wait(lambda: len(_reading_pids(gate)) == int(workers), "the run to start reading")
-        readers = _reading_pids(gate)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert (proc.returncode, err.decode()) == (code, "interrupted\n")
+    readers, err = _stop_when_reading(proc, gate, int(workers), lambda: proc.send_signal(sig))
+    assert (proc.returncode, err) == (code, "interrupted\n")
     assert listing(tmp_path) == ["site", "src"], "staging, lock or OUT left behind"
     assert not any(_alive(p) for p in readers)
 
@@ -619,16 +607,8 @@ def test_signal_during_a_write_is_one_line_and_cleans_up(sig: signal.Signals, co
 def test_ctrl_c_to_the_whole_process_group_is_one_line(src: Path, tmp_path: Path) -> None:
     """A terminal's Ctrl-C reaches the parent and every worker: still one line, from the parent only."""
     proc, gate = _start_gated(src, tmp_path / "out", tmp_path, "--workers", "2")
-    try:
-        _wait(lambda: len(_reading_pids(gate)) == 2, "both workers to start reading")
-        readers = _reading_pids(gate)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert (proc.returncode, err.decode()) == (130, "interrupted\n")
+    readers, err = _stop_when_reading(proc, gate, 2, lambda: os.killpg(proc.pid, signal.SIGINT))
+    assert (proc.returncode, err) == (130, "interrupted\n")
     assert listing(tmp_path) == ["site", "src"]
     assert not any(_alive(p) for p in readers)
 
@@ -637,15 +617,8 @@ def test_ctrl_c_to_the_whole_process_group_is_one_line(src: Path, tmp_path: Path
 def test_signal_before_the_run_starts_is_one_line(sig: signal.Signals, code: int, src: Path, tmp_path: Path) -> None:
     """Stopped while the source is still being audited: nothing was written, the same one line."""
     proc, gate = _start_gated(src, tmp_path / "out", tmp_path, audit=True)
-    try:
-        _wait(lambda: len(_reading_pids(gate)) == 1, "the audit to start")
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert (proc.returncode, err.decode()) == (code, "interrupted\n")
+    _, err = _stop_when_reading(proc, gate, 1, lambda: proc.send_signal(sig))
+    assert (proc.returncode, err) == (code, "interrupted\n")
     assert listing(tmp_path) == ["site", "src"]
 
 
