@@ -33,6 +33,8 @@ def convert(hf_dir: Path, out_dir: Path, dry_run: bool, as_json: bool, workers: 
 
     summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,
                           group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json)
+    if not api.lead_process():  # torchrun: rank 0 alone prints, once
+        return
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

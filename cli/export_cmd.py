@@ -33,6 +33,8 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
 
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
                          workers=workers, force=force, check_finite=check_finite, progress=not as_json)
+    if not api.lead_process():  # torchrun: rank 0 alone prints, once
+        return
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -17,6 +17,15 @@ DEFAULT_GROUP_BYTES = 1 << 30
 DEFAULT_SHARD_BYTES = 5 * 10**9
 
 
+def lead_process() -> bool:
+    """Whether this process reports the result: False on a torchrun rank other than 0 (every rank returns the
+    same summary; only rank 0 prints it, so `torchrun ... --json` yields one JSON document)."""
+    from glmconv.runners.ranks import torchrun_env
+
+    env = torchrun_env()
+    return env is None or env[0] == 0
+
+
 def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 1, force: bool = False, mtp: bool = True,
             vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
             dry_run: bool = False, progress: bool = False) -> dict[str, Any]:

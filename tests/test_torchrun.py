@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,14 @@ def test_torchrun_export_round_trips_bit_for_bit(cut8_ckpt: Path, converted_by_r
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         mh.assert_same(name, got[name], t)
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_torchrun_json_is_one_document_from_rank_0(command: str, cut8_ckpt: Path, converted_by_ranks: Path,
+                                                   tmp_path: Path) -> None:
+    src = cut8_ckpt if command == "convert" else converted_by_ranks
+    run = torchrun(command, str(src), str(tmp_path / "out"), "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout)  # two documents (one per rank) would not parse
+    assert summary["published"] == str(tmp_path / "out")
+    assert run.stdout.count('"published"') == 1
