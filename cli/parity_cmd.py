@@ -35,7 +35,8 @@ from glmconv_cli.sizes import SEED
               help="Exit 1 when broken (repeatable): METRIC>VALUE or METRIC<VALUE, e.g. 'logprob_abs_diff.max>1e-4', "
                    "'top1_agreement<0.99', 'kl>1e-6', 'max_rel_err>1e-4', 'expert_overlap_min<1'.")
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
-              help="Write report.json, report.md and error_per_layer.png here.")
+              help="Write report.json, report.md and error_per_layer.png here (the PNG needs matplotlib: "
+                   "pip install 'glmconv[report]').")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @click.option("--kernels", type=click.Choice(["auto", "reference"]), default="auto", show_default=True,
               help="Train side ops: auto = fla KDA, tilelang SparseMLA and the triton kpool indexer on CUDA (the torch "
@@ -59,6 +60,8 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
         click.echo(to_json(report))
     else:
         _print(report, paths)
+    for note in report.get("report_skipped", []):
+        click.echo(printable(f"note: {note}"), err=True)
     if not report["passed"]:
         broken = [b["bound"] for b in report["bounds"] if b["broken"]]
         click.echo(printable(f"parity failed: {len(broken)} bound(s) broken: {', '.join(broken)}"), err=True)

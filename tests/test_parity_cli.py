@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,22 @@ def test_cli_names_layer_2_mlp_and_fails_the_bound(monkeypatch: pytest.MonkeyPat
     assert report["first_divergence"]["layer"] == 2 and report["first_divergence"]["sub_block"] == "mlp"
     assert [b["broken"] for b in report["bounds"]] == [True, False]
     assert (tmp_path / "rep" / "error_per_layer.png").stat().st_size > 1000
+
+
+def test_report_dir_without_matplotlib_skips_only_the_plot(monkeypatch: pytest.MonkeyPatch,
+                                                            dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    _fake(monkeypatch, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    hf, mc = dirs
+    rep = tmp_path / "rep"
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--tokens", "16", "--report-dir", str(rep)])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in rep.iterdir()) == ["glmconv.json", "report.json", "report.md"]  # no PNG
+    hint = ("note: error_per_layer.png: skipped, matplotlib is not installed (pip install matplotlib, "
+            "or pip install 'glmconv[report]')")
+    assert [line for line in res.stderr.splitlines() if "matplotlib" in line] == [hint]
+    assert json.loads((rep / "report.json").read_text())["report_skipped"] == [hint.removeprefix("note: ")]
+    assert "error_per_layer.png" not in (rep / "report.md").read_text()
 
 
 def test_cli_json_and_passing_run(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path]) -> None:

@@ -66,16 +66,36 @@ def kernel_line(report: dict[str, Any]) -> list[str]:
 
 def write_report(report: dict[str, Any], out_dir: str | Path,
                  inputs: dict[str, Path | None] | None = None) -> list[Path]:
-    """report.json, report.md and error_per_layer.png in `out_dir` (created, outside `inputs`); the paths."""
+    """report.json, report.md and error_per_layer.png in `out_dir` (created, outside `inputs`); the paths.
+
+    Without matplotlib (the `report` extra) the PNG is skipped: `report["report_skipped"]` then says so and how
+    to get it, and the Markdown says the same where the plot would be.
+    """
     from glmconv.output import claim_report_dir, replace_file
 
     d = Path(out_dir)
     claim_report_dir(d, inputs or {})
-    paths = [d / JSON_NAME, d / MD_NAME, d / PNG_NAME]
+    if not have_matplotlib():
+        report["report_skipped"] = [f"{PNG_NAME}: {PLOT_HINT}"]
+    paths = [d / JSON_NAME, d / MD_NAME]
     replace_file(paths[0], (to_json(report) + "\n").encode())
     replace_file(paths[1], to_markdown(report).encode())
-    replace_file(paths[2], plot(report))
+    if "report_skipped" not in report:
+        paths.append(d / PNG_NAME)
+        replace_file(paths[2], plot(report))
     return paths
+
+
+PLOT_HINT = "skipped, matplotlib is not installed (pip install matplotlib, or pip install 'glmconv[report]')"
+
+
+def have_matplotlib() -> bool:
+    """Whether the plot can be drawn (matplotlib is an optional extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def to_json(report: dict[str, Any]) -> str:
@@ -178,7 +198,10 @@ def to_markdown(report: dict[str, Any]) -> str:
                      f"{_fmt(rec['max_abs'])} | {_overlap(rec)} |" + (f" {_kernel(rec)} |" if kernels else ""))
     lines += ["", "## Logits", ""] + [f"- {s}" for s in logits_lines(report) + kernel_line(report)]
     lines += ["", "## Verdict", "", f"- {divergence_line(report)}"] + [f"- {s}" for s in bound_lines(report)]
-    lines += ["", f"![relative error per layer]({PNG_NAME})", ""]
+    if report.get("report_skipped"):
+        lines += ["", f"(plot {PLOT_HINT})", ""]
+    else:
+        lines += ["", f"![relative error per layer]({PNG_NAME})", ""]
     return "\n".join(lines)
 
 
