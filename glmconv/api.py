@@ -73,7 +73,8 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
 
     `fail_on`: bounds such as "logprob_abs_diff.max>1e-4"; `report_dir`: also write report.json, report.md and
     error_per_layer.png there (listed in `report["report_files"]`; without matplotlib the PNG is skipped and
-    `report["report_skipped"]` says so); `options`: the other `glmconv.compare.ParityOptions` fields (seed, mode, dtype, device, train_conventions, overrides, kernels, ...).
+    `report["report_skipped"]` says so); `options`: the other `glmconv.compare.ParityOptions` fields (seed, mode,
+    dtype, device, train_conventions, overrides, kernels, ...).
     """
     from glmconv.compare import DEFAULT_TOKENS, ParityOptions, run_parity
     from glmconv.compare.metrics import parse_bound
