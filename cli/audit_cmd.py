@@ -10,6 +10,7 @@ import click
 
 from glmconv import api
 from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
+from glmconv.text import console as text_console
 from glmconv.text import printable
 
 ROWS_PER_KIND = 20
@@ -64,9 +65,7 @@ def _emit(src: str, side: str, as_json: bool, **kw: object) -> None:
 
 
 def _print_report(report: AuditReport) -> None:
-    from rich.console import Console
-
-    console = Console(highlight=False)
+    console = text_console(highlight=False)
     if report.findings:
         console.print(_table(report))
     style = "bold green" if report.ok else "bold red"

@@ -35,8 +35,9 @@ def kernels(tokens: int, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from glmconv.text import console
 
     t = Table(title=f"glmconv bench kernels ({torch.cuda.get_device_name()})")
     for col in ("op", "shape", "kernel ms", "reference ms", "speedup", "reference", "check"):
@@ -44,4 +45,4 @@ def kernels(tokens: int, as_json: bool) -> None:
     for r in rows:
         t.add_row(r.op, r.shape, f"{r.kernel_ms:.3f}", f"{r.reference_ms:.3f}", f"{r.speedup:.2f}x", r.reference,
                   r.check)
-    Console().print(t)
+    console().print(t)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from glmconv.text import printable
+from glmconv.text import count, printable
 from glmconv_cli.sizes import SIZE
 
 
@@ -43,12 +43,12 @@ def convert(hf_dir: Path, out_dir: Path, dry_run: bool, as_json: bool, workers: 
 
 def _print(s: dict, dry_run: bool) -> None:
     verb = "would convert" if dry_run else "converted"
-    click.echo(f"{verb} {s['hf_tensors']:,} HF tensors ({s['bytes_in'] / 1e9:.3f} GB) -> "
-               f"{s['mcore_tensors']:,} Megatron tensors ({s['bytes_out'] / 1e9:.3f} GB)"
+    click.echo(f"{verb} {count(s['hf_tensors'], 'HF tensor')} ({s['bytes_in'] / 1e9:.3f} GB) -> "
+               f"{count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_out'] / 1e9:.3f} GB)"
                f"{' into ' + printable(s['published']) if 'published' in s else ''}")
     for part, n in s["left_out"].items():
-        click.echo(f"left out by request: {part} ({n:,} HF tensors)")
+        click.echo(f"left out by request: {part} ({count(n, 'HF tensor')})")
     if dry_run:
         for w in s["workers"]:
-            click.echo(f"  worker {w['rank']}: {w['mappings']:,} mappings, {w['bytes_in'] / 1e9:.3f} GB in, "
+            click.echo(f"  worker {w['rank']}: {count(w['mappings'], 'mapping')}, {w['bytes_in'] / 1e9:.3f} GB in, "
                        f"peak memory <= {w['peak_bytes_estimate'] / 1e9:.3f} GB")

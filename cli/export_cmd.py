@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from glmconv.text import printable, show
+from glmconv.text import count, printable, show
 from glmconv_cli.sizes import SIZE
 
 
@@ -42,15 +42,17 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
 
 
 def _print(s: dict) -> None:
-    click.echo(f"exported {s['mcore_tensors']:,} Megatron tensors ({s['bytes_in'] / 1e9:.3f} GB read) -> "
-               f"{s['hf_tensors']:,} HF tensors in {s['shards']} shards ({s['bytes_out'] / 1e9:.3f} GB) into "
+    click.echo(f"exported {count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_in'] / 1e9:.3f} GB read) -> "
+               f"{count(s['hf_tensors'], 'HF tensor')} in {count(s['shards'], 'shard')} "
+               f"({s['bytes_out'] / 1e9:.3f} GB) into "
                f"{printable(s['published'])} in {s['elapsed_s']:.1f}s")
     for name, pad in s["vocab_padding_stripped"].items():
-        click.echo(f"vocab padding stripped: {name} {pad['stored_rows']:,} -> {pad['vocab_size']:,} rows")
+        click.echo(f"vocab padding stripped: {name} {pad['stored_rows']:,} -> {count(pad['vocab_size'], 'row')}")
     if s["fp8_requantized"]:
         f = s["fp8_requantized"]
-        click.echo(f"fp8: {f['tensors']:,} weights, {f['blocks']:,} blocks, {f['scale_adjusted_blocks']:,} scales "
-                   f"moved off amax/448 to reproduce the bf16 values, {f['inexact_blocks']:,} blocks inexact")
+        click.echo(f"fp8: {count(f['tensors'], 'weight')}, {count(f['blocks'], 'block')}, "
+                   f"{count(f['scale_adjusted_blocks'], 'scale')} moved off amax/448 to reproduce the bf16 values, "
+                   f"{count(f['inexact_blocks'], 'block')} inexact")
     for part in ("mtp", "vision"):
         if not s[part]:
             click.echo(f"{part}: not in the torch_dist checkpoint, not exported")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from glmconv.fixtures.presets import PRESETS
-from glmconv.text import printable
+from glmconv.text import count, printable
 from glmconv_cli.sizes import SEED, SIZE
 
 
@@ -42,5 +42,5 @@ def make(out: Path, preset: str, size: int | None, shard_size: int | None, fp8: 
         click.echo(json.dumps(info.as_json()))
         return
     kind = "fp8" if fp8 else "bf16"
-    click.echo(f"{printable(str(info.path))}: {preset} {kind} seed {seed}, {info.tensors} tensors, "
-               f"{info.bytes:,} bytes in {info.shards} shards")
+    click.echo(f"{printable(str(info.path))}: {preset} {kind} seed {seed}, {count(info.tensors, 'tensor')}, "
+               f"{count(info.bytes, 'byte')} in {count(info.shards, 'shard')}")

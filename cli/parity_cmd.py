@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from glmconv.text import printable
+from glmconv.text import console as text_console
+from glmconv.text import count, printable
 from glmconv_cli.sizes import SEED
 
 
@@ -64,17 +65,16 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
         click.echo(printable(f"note: {note}"), err=True)
     if not report["passed"]:
         broken = [b["bound"] for b in report["bounds"] if b["broken"]]
-        click.echo(printable(f"parity failed: {len(broken)} bound(s) broken: {', '.join(broken)}"), err=True)
+        click.echo(printable(f"parity failed: {count(len(broken), 'bound')} broken: {', '.join(broken)}"), err=True)
         sys.exit(1)
 
 
 def _print(report: dict, paths: list[Path]) -> None:
-    from rich.console import Console
-
     from glmconv.compare.report import print_table
 
-    console = Console()
+    console = text_console()
     print_table(report, console)
     for p in paths:
         console.print(printable(f"wrote {p}"), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"took {report['elapsed_s']:.2f}s", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"took {report['wall_s']:.2f}s in all (loading both models, then their forward passes: "
+                  f"{report['elapsed_s']:.2f}s)", markup=False, highlight=False, soft_wrap=True)

@@ -71,17 +71,23 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
            report_dir: str | Path | None = None, **options: Any) -> dict[str, Any]:
     """Layerwise train-vs-serve report of `hf_dir` and its conversion `mcore_dir`; `report["passed"]` is the verdict.
 
+    `report["wall_s"]` is the whole call (reading, building both models, the passes); `report["elapsed_s"]` the
+    forward passes of both models alone.
+
     `fail_on`: bounds such as "logprob_abs_diff.max>1e-4"; `report_dir`: also write report.json, report.md and
     error_per_layer.png there (listed in `report["report_files"]`; without matplotlib the PNG is skipped and
     `report["report_skipped"]` says so); `options`: the other `glmconv.compare.ParityOptions` fields (seed, mode,
     dtype, device, train_conventions, overrides, kernels, ...).
     """
+    import time
+
     from glmconv.compare import DEFAULT_TOKENS, ParityOptions, run_parity
     from glmconv.compare.metrics import parse_bound
     from glmconv.compare.report import write_report
     from glmconv.errors import GlmconvError
     from glmconv.output import claim_report_dir
 
+    start = time.monotonic()
     bounds = tuple(parse_bound(b) for b in fail_on)  # bad syntax fails before any model is built
     if prompt_file is not None and (tokens is not None or sequences is not None):
         raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
@@ -96,6 +102,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
         hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=DEFAULT_TOKENS if tokens is None else tokens,
         sequences=1 if sequences is None else sequences, prompt_file=Path(prompt_file) if prompt_file else None,
         bounds=bounds, threshold=threshold, **options))
+    report["wall_s"] = round(time.monotonic() - start, 3)  # the whole run; `elapsed_s` is the forward passes alone
     if report_dir is not None:
         report["report_files"] = [str(p) for p in write_report(report, report_dir, inputs)]
     return report

@@ -40,3 +40,24 @@ def plain_markup(text: str) -> str:
     from rich.markup import escape
 
     return escape(printable(text))
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """`1 shard`, `2 shards`, `1,024 HF tensors`: a count and its noun, singular only for exactly one."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
+PIPE_WIDTH = 1000  # columns of a console that is not a terminal: no table wraps a tensor name when piped
+
+
+def console(**kwargs: Any) -> Any:
+    """A rich Console for stdout that, when stdout is not a terminal (a pipe, a file, CI logs) and COLUMNS is not
+    set, is PIPE_WIDTH wide instead of rich's 80: tables keep their natural width and names stay on one line."""
+    import os
+
+    from rich.console import Console
+
+    out = Console(**kwargs)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out.width = PIPE_WIDTH
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -154,7 +155,7 @@ def test_cli_names_layer_2_mlp_and_fails_the_bound(monkeypatch: pytest.MonkeyPat
                                    "--fail-on", "top1_agreement<0.5"])
     assert res.exit_code == 1, res.output
     assert "first divergence: layer 2 mlp" in res.output
-    assert "parity failed: 1 bound(s) broken: max_rel_err>0.001" in res.output
+    assert "parity failed: 1 bound broken: max_rel_err>0.001" in res.output
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["first_divergence"]["layer"] == 2 and report["first_divergence"]["sub_block"] == "mlp"
     assert [b["broken"] for b in report["bounds"]] == [True, False]
@@ -175,6 +176,19 @@ def test_report_dir_without_matplotlib_skips_only_the_plot(monkeypatch: pytest.M
     assert [line for line in res.stderr.splitlines() if "matplotlib" in line] == [hint]
     assert json.loads((rep / "report.json").read_text())["report_skipped"] == [hint.removeprefix("note: ")]
     assert "error_per_layer.png" not in (rep / "report.md").read_text()
+
+
+def test_cli_says_what_was_timed(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path]) -> None:
+    _fake(monkeypatch, None)
+    hf, mc = dirs
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--tokens", "16", "--fail-on", "max_rel_err>1e-4"])
+    assert res.exit_code == 0, res.output
+    assert "ok: max_rel_err <= 0.0001 (measured 0.000e+00)" in res.output
+    took = re.fullmatch(r"took (\d+\.\d\d)s in all \(loading both models, then their forward passes: (\d+\.\d\d)s\)",
+                        res.output.splitlines()[-1])
+    assert took is not None, res.output
+    report = json.loads(CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--tokens", "16", "--json"]).stdout)
+    assert report["wall_s"] >= report["elapsed_s"]  # the whole run contains the forward passes
 
 
 def test_cli_json_and_passing_run(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path]) -> None:

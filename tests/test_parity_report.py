@@ -13,7 +13,16 @@ from glmconv.compare import ParityOptions
 from glmconv.compare.capture import Capture
 from glmconv.compare.inputs import random_batch
 from glmconv.compare.metrics import parse_bound
-from glmconv.compare.report import JSON_NAME, MD_NAME, PNG_NAME, build_report, print_table, to_json, write_report
+from glmconv.compare.report import (
+    JSON_NAME,
+    MD_NAME,
+    PNG_NAME,
+    bound_lines,
+    build_report,
+    print_table,
+    to_json,
+    write_report,
+)
 
 _TYPES = [("kda", "dense"), ("kda", "dense"), ("kda", "moe"), ("dsa", "moe")]
 
@@ -105,6 +114,13 @@ def test_terminal_table_names_first_divergence() -> None:
     out = buf.getvalue()
     assert "mlp <- first" in out and "first divergence: layer 2 mlp" in out
     assert "FAILED: kl>1e-06" in out and "experts 0.875" in out and "top-k 0.500" in out
+
+
+def test_passing_bound_prints_the_condition_that_holds() -> None:
+    r = _report(ERRS, bounds=("logprob_abs_diff.max>1e-2", "top1_agreement<0.9", "kl>1e-6"))
+    assert bound_lines(r) == ["ok: logprob_abs_diff.max <= 0.01 (measured 8.000e-03)",
+                              "ok: top1_agreement >= 0.9 (measured 9.688e-01)",
+                              "FAILED: kl>1e-06 (measured 2.000e-05)"]
 
 
 def test_unwritable_report_dir(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv import __version__
 from glmconv.compare import metrics
-from glmconv.text import printable
+from glmconv.text import count, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -142,8 +142,14 @@ def logits_lines(report: dict[str, Any]) -> list[str]:
             f"top-1 agreement: {lg['top1_agreement']:.4f}   KL(serve||train): {_fmt(lg['kl'])} per token"]
 
 
+_HOLDS = {">": "<=", "<": ">="}  # a bound METRIC>VALUE fails on `>`; when it passes, `<=` holds
+
+
 def bound_lines(report: dict[str, Any]) -> list[str]:
-    return [f"{'FAILED' if b['broken'] else 'ok'}: {b['bound']} (measured {_fmt(b['value'])})"
+    """`FAILED: kl>1e-06 (measured 2e-05)` (the failing condition, which holds) or, for a bound that passes, the
+    condition that holds: `ok: logprob_abs_diff.max <= 0.0001 (measured 0)`."""
+    return [f"FAILED: {b['bound']} (measured {_fmt(b['value'])})" if b["broken"] else
+            f"ok: {b['metric']} {_HOLDS[b['op']]} {b['limit']:g} (measured {_fmt(b['value'])})"
             for b in report["bounds"]]
 
 
@@ -153,7 +159,7 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     from rich.text import Text
 
     t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens "
-                                   f"in {report['sequences']} sequence(s)")))
+                                   f"in {count(report['sequences'], 'sequence')}")))
     cols = ["layer", "sub-block", "type", "rel err", "max abs", "overlap"]
     kernels = report.get("kernels") == "kernels"
     if kernels:
@@ -183,7 +189,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = ["# glmconv parity report", "",
              f"- serve: `{report['hf_dir']}`", f"- train: `{report['mcore_dir']}`",
              f"- mode {report['mode']}, dtype {report['dtype']}, device {report['device']}, {report['tokens']} "
-             f"tokens in {report['sequences']} sequence(s), inputs {report['inputs']}, seed {report['seed']}",
+             f"tokens in {count(report['sequences'], 'sequence')}, inputs {report['inputs']}, seed {report['seed']}",
              f"- threshold (rel err): {report['threshold']:g}",
              f"- train side ops: {report.get('kernels', 'reference')}", "",
              "## Conventions", "", "| switch | serve | train |", "|---|---|---|"]

@@ -20,6 +20,7 @@ from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, is_hf_check
 from glmconv.io.torch_dist.metadata import config_path
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
 from glmconv.rules import names
+from glmconv.text import count
 
 KINDS = ("missing", "unexpected", "duplicate", "shape", "dtype", "fp8-scale-missing", "scale-shape", "orphan-scale",
          "prefix", "index", "config")
@@ -104,9 +105,9 @@ class AuditReport:
     def summary(self) -> str:
         if self.ok:
             n = self.tensors + (self.against_tensors or 0)
-            return f"OK: {n:,} tensors match the plan"
+            return f"OK: {count(n, 'tensor')} {'matches' if n == 1 else 'match'} the plan"
         kinds = ", ".join(f"{n:,} {k}" for k, n in self.counts().items())
-        return f"FAIL: {len(self.findings):,} finding{'s' * (len(self.findings) != 1)} ({kinds})"
+        return f"FAIL: {count(len(self.findings), 'finding')} ({kinds})"
 
     def as_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "src": self.src, "against": self.against, "tensors": self.tensors,
