@@ -78,7 +78,7 @@ def one_line(text: str) -> str:
     return printable(text)
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, context_settings={"show_default": True})  # every command shows its defaults
 @click.version_option(__version__, prog_name="glmconv")
 def cli() -> None:
     """Move GLM-5.3-Flash between HF and Megatron-core checkpoints, and prove they compute the same.

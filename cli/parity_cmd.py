@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from glmconv.compare import DEFAULT_THRESHOLDS, DEFAULT_TOKENS
+from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SEED
@@ -15,11 +17,11 @@ from glmconv_cli.sizes import SEED
 @click.command("parity")
 @click.argument("hf_dir", type=click.Path(path_type=Path))
 @click.argument("mcore_dir", type=click.Path(path_type=Path))
-@click.option("--tokens", type=int, default=None, help="Random tokens to run (default 128).")
+@click.option("--tokens", type=int, default=None, help=f"Random tokens to run (default {DEFAULT_TOKENS}).")
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
               help="Token ids instead of random ones: one sequence per line (whitespace-separated ids) or JSON "
                    "list(s) of ids; several sequences run as one packed batch.")
-@click.option("--sequences", type=int, default=None, help="Split the random tokens into K packed sequences.")
+@click.option("--sequences", type=int, default=None, help="Split the random tokens into K packed sequences (default 1).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random tokens.")
 @click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
@@ -29,9 +31,12 @@ from glmconv_cli.sizes import SEED
 @click.option("--train-conventions", type=click.Choice(["default", "serve"]), default="default", show_default=True,
               help="The train side's starting conventions: Megatron's defaults, or serve's (aligned).")
 @click.option("--train-convention", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override one train-side convention (repeatable), e.g. proj_rms=reference.")
+              help="Override one train-side convention (repeatable): "
+                   + "; ".join(f"{key}={'|'.join(values)}" for key, values in CHOICES.items())
+                   + f". KEY={SERVE_ALIAS} sets one to serve's value, a bare '{SERVE_ALIAS}' all of them.")
 @click.option("--threshold", type=float, default=None,
-              help="Rel err that names the first divergence (default 1e-4 for fp32, 2e-2 for bf16).")
+              help="Rel err that names the first divergence (default "
+                   + ", ".join(f"{v:g} for {k}" for k, v in DEFAULT_THRESHOLDS.items()) + ").")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC>VALUE",
               help="Exit 1 when broken (repeatable): METRIC>VALUE or METRIC<VALUE, e.g. 'logprob_abs_diff.max>1e-4', "
                    "'top1_agreement<0.99', 'kl>1e-6', 'max_rel_err>1e-4', 'expert_overlap_min<1'.")
