@@ -21,7 +21,8 @@ from glmconv_cli.sizes import SEED
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
               help="Token ids instead of random ones: one sequence per line (whitespace-separated ids) or JSON "
                    "list(s) of ids; several sequences run as one packed batch.")
-@click.option("--sequences", type=int, default=None, help="Split the random tokens into K packed sequences (default 1).")
+@click.option("--sequences", type=int, default=None,
+              help="Split the random tokens into K packed sequences (default 1).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random tokens.")
 @click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
