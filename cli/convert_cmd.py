@@ -14,7 +14,10 @@ from glmconv_cli.sizes import SIZE
 @click.command("convert")
 @click.argument("hf_dir", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory per worker); write nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory per worker, estimated time, "
+              "free space at OUT_DIR); write nothing.")
+@click.option("--no-space-check", "no_space_check", is_flag=True,
+              help="Do not refuse an output larger than the free space at OUT_DIR (checked before writing).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="Worker processes on this machine (under torchrun, one per rank instead).")
@@ -26,13 +29,14 @@ from glmconv_cli.sizes import SIZE
               help="Bytes per data file (bounds memory per worker).")
 @click.option("--check-finite", is_flag=True,
               help="Refuse NaN/Inf in any source tensor (checked after FP8 dequantisation), naming the first one.")
-def convert(hf_dir: Path, out_dir: Path, dry_run: bool, as_json: bool, workers: int, force: bool, mtp: bool,
-            vision: bool, group_size: int, check_finite: bool) -> None:
+def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int,
+            force: bool, mtp: bool, vision: bool, group_size: int, check_finite: bool) -> None:
     """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
     from glmconv import api
 
     summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,
-                          group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json)
+                          group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json,
+                          space_check=not no_space_check)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
     if as_json:
@@ -52,3 +56,16 @@ def _print(s: dict, dry_run: bool) -> None:
         for w in s["workers"]:
             click.echo(f"  worker {w['rank']}: {count(w['mappings'], 'mapping')}, {w['bytes_in'] / 1e9:.3f} GB in, "
                        f"peak memory <= {w['peak_bytes_estimate'] / 1e9:.3f} GB")
+        for line in plan_lines(s):
+            click.echo(line)
+
+
+def plan_lines(s: dict) -> list[str]:
+    """A dry run's estimated time and free space (convert and export)."""
+    fit = {True: "fits", False: "does NOT fit (--no-space-check given)", None: "not checked"}[s["fits"]]
+    free = ("free space unknown (the filesystem reports no size)" if s["space_free_bytes"] is None
+            else f"{s['space_free_bytes'] / 1e9:.3f} GB free")
+    return [f"estimated time: ~{s['estimate_s']:.1f} s at an assumed {s['throughput_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"of input ({s['throughput_basis']})",
+            f"space: needs {s['space_needed_bytes'] / 1e9:.3f} GB, {free} at {printable(s['space_checked_at'])}: "
+            f"{fit}"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from glmconv.text import count, printable, show
+from glmconv_cli.convert_cmd import plan_lines
 from glmconv_cli.sizes import SIZE
 
 
@@ -26,19 +27,35 @@ from glmconv_cli.sizes import SIZE
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
 @click.option("--check-finite", is_flag=True, help="Refuse NaN/Inf in any Megatron tensor, naming the first one.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, estimated time, free space at OUT_DIR); "
+              "write nothing.")
+@click.option("--no-space-check", "no_space_check", is_flag=True,
+              help="Do not refuse an output larger than the free space at OUT_DIR (checked before writing).")
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int, fp8: bool,
-           workers: int, as_json: bool, force: bool, check_finite: bool) -> None:
+           workers: int, as_json: bool, force: bool, check_finite: bool, dry_run: bool,
+           no_space_check: bool) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
     from glmconv import api
 
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
-                         workers=workers, force=force, check_finite=check_finite, progress=not as_json)
+                         workers=workers, force=force, check_finite=check_finite, dry_run=dry_run,
+                         progress=not as_json, space_check=not no_space_check)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
+    if dry_run:
+        _print_dry_run(summary)
+        return
     _print(summary)
+
+
+def _print_dry_run(s: dict) -> None:
+    click.echo(f"would export {count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_in'] / 1e9:.3f} GB) -> "
+               f"{count(s['hf_tensors'], 'HF tensor')} ({s['bytes_out'] / 1e9:.3f} GB){' as FP8' if s['fp8'] else ''}")
+    for line in plan_lines(s):
+        click.echo(line)
 
 
 def _print(s: dict) -> None:

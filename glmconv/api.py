@@ -28,29 +28,38 @@ def lead_process() -> bool:
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 1, force: bool = False, mtp: bool = True,
             vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
-            dry_run: bool = False, progress: bool = False) -> dict[str, Any]:
+            dry_run: bool = False, progress: bool = False, space_check: bool = True) -> dict[str, Any]:
     """HF checkpoint (BF16 or the FP8 release) -> Megatron torch_dist in `out_dir`, verified, published atomically.
 
-    `dry_run` returns the plan (tensors, bytes, peak memory per worker) and writes nothing.
+    `dry_run` returns the plan (tensors, bytes, peak memory per worker, estimated time, free space at `out_dir`)
+    and writes nothing. With `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s
+    filesystem is refused before anything is written (glmconv/space.py).
     """
     from glmconv.runners.convert import RunOptions, dry_run_summary, prepare
     from glmconv.runners.convert import convert as run
 
     job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision)
-    opts = RunOptions(workers=workers, group_bytes=group_bytes, progress=progress, check_finite=check_finite)
+    opts = RunOptions(workers=workers, group_bytes=group_bytes, progress=progress, check_finite=check_finite,
+                      space_check=space_check)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 
 def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | None = None,
            config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           workers: int = 1, force: bool = False, check_finite: bool = False,
-           progress: bool = False) -> dict[str, Any]:
-    """Megatron torch_dist -> HF safetensors in the release's naming (`like`: an HF checkpoint to imitate)."""
-    from glmconv.runners.export import ExportOptions, prepare
+           workers: int = 1, force: bool = False, check_finite: bool = False, dry_run: bool = False,
+           progress: bool = False, space_check: bool = True) -> dict[str, Any]:
+    """Megatron torch_dist -> HF safetensors in the release's naming (`like`: an HF checkpoint to imitate).
+
+    `dry_run` returns the plan (tensors, bytes, estimated time, free space at `out_dir`) and writes nothing. With
+    `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s filesystem is refused before
+    anything is written (glmconv/space.py).
+    """
+    from glmconv.runners.export import ExportOptions, dry_run_summary, prepare
     from glmconv.runners.export import export as run
 
     job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes)
-    return run(job, ExportOptions(workers=workers, progress=progress, check_finite=check_finite), force=force)
+    opts = ExportOptions(workers=workers, progress=progress, check_finite=check_finite, space_check=space_check)
+    return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 
 def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None, mtp: bool | None = None,

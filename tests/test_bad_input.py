@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import pickle
 import re
 import shutil
@@ -496,17 +497,53 @@ def test_output_is_a_file(source: str, sources: dict[str, Path], tmp_path: Path)
 @pytest.mark.parametrize("source", ["tiny", "mc"])
 def test_full_output_location(source: str, sources: dict[str, Path], mount_tmpfs: Callable,
                               monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """ENOSPC part way through (a real 200 KB tmpfs; the outputs are ~1.2 MB): one line, staging removed."""
+    """ENOSPC part way through (a real 200 KB tmpfs; the outputs are ~1.2 MB; --no-space-check lets the run start):
+    one line, staging removed."""
     command, src = _input(source, sources)
     mnt = mount_tmpfs("size=200k")
     if mnt is None:  # simulate: the writer's first write fails with ENOSPC
         mnt = tmp_path / "full"
         mnt.mkdir()
         _simulate_enospc(monkeypatch)
-    line = assert_refused([command, str(src), str(mnt / "out")], [src], mnt / "out",
+    line = assert_refused([command, str(src), str(mnt / "out"), "--no-space-check"], [src], mnt / "out",
                           r"(No space left on device|\[Errno 28\])")
     assert str(mnt / "out") in line
     assert listing(mnt) == []
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_output_that_cannot_fit_is_refused_up_front(source: str, dry_run: bool, sources: dict[str, Path],
+                                                    mount_tmpfs: Callable, tmp_path: Path) -> None:
+    """A real 200 KB tmpfs and ~1.2 MB of output: refused before anything is written, naming both sizes."""
+    command, src = _input(source, sources)
+    mnt = mount_tmpfs("size=200k")
+    if mnt is None:
+        pytest.skip("cannot mount a tmpfs here; test_space_refusal_names_the_sizes simulates the free space")
+    free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+    assert_refused([command, str(src), str(mnt / "out"), *(["--dry-run"] if dry_run else [])], [src], mnt / "out",
+                   rf"^error: {re.escape(str(mnt / 'out'))}: the output needs 0\.00\d GB but {re.escape(str(mnt))} "
+                   rf"has {free / 1e9:.3f} GB free; free some space, choose another OUT, or pass --no-space-check "
+                   r"to try anyway$")
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
+def test_space_refusal_names_the_sizes(source: str, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                       tmp_path: Path) -> None:
+    """statvfs says 1 MB free; the output (1,189,840 bytes of tensors + 1 % + 1 MiB) needs 2.250 MB."""
+    import glmconv.space as space
+
+    monkeypatch.setattr(space, "free_bytes", lambda path: 10**6)
+    command, src = _input(source, sources)
+    out = tmp_path / "new" / "out"  # parent missing: the nearest existing ancestor is tmp_path
+    need = space.needed_bytes(1_189_840)
+    assert need == 1_189_840 + 11_898 + 2**20
+    assert_refused([command, str(src), str(out), "--dry-run"], [src], tmp_path / "new",
+                   rf"^error: {re.escape(str(out))}: the output needs {need / 1e9:.3f} GB but "
+                   rf"{re.escape(str(tmp_path))} has 0\.001 GB free; free some space, choose another OUT, or pass "
+                   r"--no-space-check to try anyway$")
+    got = invoke([command, str(src), str(tmp_path / "out"), "--no-space-check", "--json"])
+    assert got.exit_code == 0, got.stderr
 
 
 def _simulate_enospc(monkeypatch: pytest.MonkeyPatch) -> None:

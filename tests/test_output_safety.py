@@ -470,7 +470,7 @@ def test_disk_full_while_writing_the_lock(src: Path, tmp_path: Path, mount_tmpfs
         assert exc.errno == errno.ENOSPC
     finally:
         os.close(fd)
-    assert_refused(["convert", str(src), str(mnt / "out")], [src], mnt / "out",
+    assert_refused(["convert", str(src), str(mnt / "out"), "--no-space-check"], [src], mnt / "out",
                    rf"^error: {mnt / 'out.glmconv-lock'}: cannot write the lock file \(No space left on device\)$")
 
 

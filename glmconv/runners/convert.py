@@ -216,10 +216,24 @@ class RunOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
     check_finite: bool = False  # refuse a NaN/Inf in any source tensor (after FP8 dequantisation)
+    space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
+
+
+def space_plan(job: ConvertJob, check: bool) -> dict[str, Any]:
+    """Estimated time and the free space at OUT (glmconv/space.py); `check`: refuse an output that cannot fit."""
+    from glmconv import space
+
+    return space.plan(job.out, job.bytes_in, job.bytes_out, fp8=job.plan.fp8, check=check)
 
 
 def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
-    """What convert would do: tensors, bytes in and out, per-worker share and peak memory."""
+    """What convert would do: tensors, bytes in and out, per-worker share and peak memory, the estimated time and
+    the free space at OUT (refused, as a real run would be, when it cannot fit unless `opts.space_check` is off)."""
+    return {**plan_summary(job, opts), **space_plan(job, opts.space_check)}
+
+
+def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
+    """Tensors, bytes in and out, per-worker share and peak memory."""
     parts = shares(job.plan.mappings, opts.workers)
     return {"src": str(job.src), "out": str(job.out), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
             "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
@@ -233,7 +247,7 @@ def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     return run_on_output(job.out, {"input": job.src}, force, run_plan, (ConvertRun(job, opts),), opts.workers,
-                         "convert")
+                         "convert", space_check=(lambda: space_plan(job, True)) if opts.space_check else None)
 
 
 class ConvertRun(PlanRun):
@@ -273,4 +287,4 @@ class ConvertRun(PlanRun):
     def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
         write_sidecars(self.job, stage)
         verify_staged(self.job, stage)
-        return {**dry_run_summary(self.job, RunOptions(workers=world)), "published": str(self.job.out)}
+        return {**plan_summary(self.job, RunOptions(workers=world)), "published": str(self.job.out)}

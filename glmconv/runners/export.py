@@ -94,6 +94,7 @@ class ExportOptions:
     progress: bool = True
     check_finite: bool = False  # refuse a NaN/Inf in any Megatron tensor read
     zero_copy: bool = field(default_factory=lambda: os.environ.get(ZERO_COPY_ENV, "1") != "0")
+    space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
 
 
 # ---- deciding the plan -------------------------------------------------------------------------------
@@ -429,11 +430,39 @@ def _is_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
 
 # ---- running: one process, --workers N, or torchrun ranks ---------------------------------------------
 
+def bytes_in(job: ExportJob) -> int:
+    """Bytes of Megatron tensor data export reads."""
+    return sum(m.mcore_bytes for m in job.plan.mappings)
+
+
+def bytes_out(job: ExportJob) -> int:
+    """Bytes of HF tensor data export writes (each tensor in the dtype it is written as, FP8 scales included)."""
+    return sum(t.nbytes for m in job.plan.mappings for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES))
+
+
+def space_plan(job: ExportJob, check: bool) -> dict[str, Any]:
+    """Estimated time and the free space at OUT (glmconv/space.py); `check`: refuse an output that cannot fit."""
+    from glmconv import space
+
+    return space.plan(job.out, bytes_in(job), bytes_out(job), fp8=job.plan.fp8, check=check)
+
+
+def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
+    """What export would do: tensors, bytes in and out, the estimated time and the free space at OUT (refused,
+    as a real run would be, when it cannot fit unless `opts.space_check` is off)."""
+    plan = job.plan
+    return {"src": str(job.src), "out": str(job.out), "iteration": job.iteration, "fp8": plan.fp8, "mtp": plan.mtp,
+            "vision": plan.vision, "text_prefix": plan.text_prefix, "like": str(job.like) if job.like else None,
+            "hf_tensors": len(plan.hf_index), "mcore_tensors": len(plan.mcore_index), "bytes_in": bytes_in(job),
+            "bytes_out": bytes_out(job), "workers": opts.workers, **space_plan(job, opts.space_check)}
+
+
 def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     start = time.monotonic()
     inputs = _inputs(job.src, job.like, job.config_path)
-    summary = run_on_output(job.out, inputs, force, run_plan, (ExportRun(job, opts),), opts.workers, "export")
+    summary = run_on_output(job.out, inputs, force, run_plan, (ExportRun(job, opts),), opts.workers, "export",
+                            space_check=(lambda: space_plan(job, True)) if opts.space_check else None)
     return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
 
 

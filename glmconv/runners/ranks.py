@@ -85,8 +85,10 @@ def torchrun_env() -> tuple[int, int] | None:
 
 
 def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: RankFn, args: tuple[Any, ...],
-                  workers: int, what: str) -> dict[str, Any]:
+                  workers: int, what: str, space_check: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Check OUT against the inputs, then stage, run every rank and publish, holding OUT's exclusive lock.
+
+    `space_check` (glmconv/space.py) runs once OUT is known to be writable, before anything is written.
 
     `fn(*args, stage, rank, world, group)` writes into `stage` and never publishes: the launching process
     does, once every rank is done (under torchrun, rank 0, which also takes the lock; a refusal there ends
@@ -98,6 +100,8 @@ def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: Ra
 
     real = output.check_overlap(out, inputs)
     output.check_target(out, real, force)
+    if space_check is not None:
+        space_check()  # refuses an output that cannot fit: nothing written yet
     env = torchrun_env()
     lead = env is None or env[0] == 0
     with interrupt.catching():
