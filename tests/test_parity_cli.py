@@ -491,4 +491,4 @@ def test_parity_gate_script(tmp_path: Path) -> None:
     assert (tmp_path / "w" / "parity-report" / "report.json").is_file()
     bad = subprocess.run(["bash", str(root / "scripts" / "parity_gate.sh"), "--train-convention", "hc_mix=bf16"],
                          env=env, capture_output=True, text=True)
-    assert bad.returncode == 1 and "bound(s) broken" in bad.stderr
+    assert bad.returncode == 1 and "parity failed: 2 bounds broken: " in bad.stderr

@@ -158,8 +158,8 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens "
-                                   f"in {count(report['sequences'], 'sequence')}")))
+    t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, "
+                                   f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}")))
     cols = ["layer", "sub-block", "type", "rel err", "max abs", "overlap"]
     kernels = report.get("kernels") == "kernels"
     if kernels:
@@ -188,8 +188,9 @@ def to_markdown(report: dict[str, Any]) -> str:
     keys = sorted(set(conv.get("serve", {})) | set(conv.get("train", {})))
     lines = ["# glmconv parity report", "",
              f"- serve: `{report['hf_dir']}`", f"- train: `{report['mcore_dir']}`",
-             f"- mode {report['mode']}, dtype {report['dtype']}, device {report['device']}, {report['tokens']} "
-             f"tokens in {count(report['sequences'], 'sequence')}, inputs {report['inputs']}, seed {report['seed']}",
+             f"- mode {report['mode']}, dtype {report['dtype']}, device {report['device']}, "
+             f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}, "
+             f"inputs {report['inputs']}, seed {report['seed']}",
              f"- threshold (rel err): {report['threshold']:g}",
              f"- train side ops: {report.get('kernels', 'reference')}", "",
              "## Conventions", "", "| switch | serve | train |", "|---|---|---|"]
@@ -233,7 +234,7 @@ def plot(report: dict[str, Any]) -> bytes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         ax.set_ylabel("relative error of hc streams (train vs serve)")
-        ax.set_title(f"parity: {report['mode']}, {report['dtype']}, {report['tokens']} tokens")
+        ax.set_title(f"parity: {report['mode']}, {report['dtype']}, {count(report['tokens'], 'token')}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
