@@ -144,12 +144,21 @@ def run_ranks(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
 
         dist.init_process_group("gloo")
         try:
-            return fn(*args, env[0], env[1], dist.group.WORLD)
+            return _then_barrier(fn(*args, env[0], env[1], dist.group.WORLD))
         finally:
             dist.destroy_process_group()
     if workers > 1:
         return spawn(fn, args, workers, what, stage)
     return fn(*args, 0, 1, None)
+
+
+def _then_barrier(result: Any) -> Any:
+    """`result`, once every rank has it: no rank tears the gloo group down while a peer is still in a collective
+    (seen under torchrun: a rank that exits early makes its peer's gloo thread abort in destroy_process_group)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    return result
 
 
 def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
@@ -265,7 +274,7 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        results.put(fn(*args, rank, world, dist.group.WORLD))
+        results.put(_then_barrier(fn(*args, rank, world, dist.group.WORLD)))
     except GlmconvError as exc:
         results.put(str(exc))
     except Exception as exc:
