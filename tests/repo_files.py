@@ -3,4 +3,4 @@
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REAL_CONFIG = ROOT / "fixtures" / "glm-5.3-flash.config.json"  # the release's config.json, verbatim
+REAL_CONFIG = ROOT / "glmconv" / "fixtures" / "glm-5.3-flash.config.json"  # the release's config.json (package data)
