@@ -48,12 +48,15 @@ from glmconv_cli.sizes import SEED
 @click.option("--kernels", type=click.Choice(["auto", "reference"]), default="auto", show_default=True,
               help="Train side ops: auto = fla KDA, tilelang SparseMLA and the triton kpool indexer on CUDA (the torch "
                    "references on CPU), with each kernel's own error reported; reference = torch everywhere.")
+@click.option("--stream-layers", is_flag=True,
+              help="Hold one decoder layer's weights at a time (embedding rows and head windows read as needed): "
+                   "a full-size model in about one MoE layer of memory per side. Same numbers as without.")
 @click.option("--allow-different-weights", is_flag=True,
               help="Compare even when MCORE_DIR is not a conversion of HF_DIR (e.g. a checkpoint trained further).")
 def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path | None, sequences: int | None,
            seed: int, mode: str, dtype: str, device: str, train_conventions: str, overrides: tuple[str, ...],
            threshold: float | None, fail_on: tuple[str, ...], report_dir: Path | None, as_json: bool,
-           allow_different_weights: bool, kernels: str) -> None:
+           allow_different_weights: bool, kernels: str, stream_layers: bool) -> None:
     """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block."""
     from glmconv import api
     from glmconv.compare.report import to_json
@@ -61,7 +64,8 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
     report = api.parity(hf_dir, mcore_dir, tokens=tokens, sequences=sequences, prompt_file=prompt_file,
                         fail_on=fail_on, threshold=threshold, report_dir=report_dir, seed=seed, mode=mode,
                         dtype=dtype, device=device, train_conventions=train_conventions, overrides=overrides,
-                        progress=not as_json, allow_different_weights=allow_different_weights, kernels=kernels)
+                        progress=not as_json, allow_different_weights=allow_different_weights, kernels=kernels,
+                        stream_layers=stream_layers)
     paths = [Path(p) for p in report.get("report_files", [])]
     if as_json:
         click.echo(to_json(report))

@@ -56,6 +56,7 @@ class ParityOptions:
     progress: bool = True
     allow_different_weights: bool = False  # skip the check that MCORE_DIR is a conversion of HF_DIR
     kernels: str = "auto"  # train side: GPU kernels on CUDA (auto) or the torch references everywhere
+    stream_layers: bool = False  # hold one layer's weights at a time (a full-size model on one GPU)
 
     @property
     def effective_threshold(self) -> float:
@@ -64,7 +65,10 @@ class ParityOptions:
 
 def run_parity(opts: ParityOptions) -> dict[str, Any]:
     """Build both models, run them over the batch, and return the report (see `report.build_report`)."""
+    import torch
+
     from glmconv.compare.capture import StepProgress, capture, steps
+    from glmconv.compare.memory import peak_memory, start_peak
     from glmconv.compare.report import build_report
     from glmconv.config import load_config
 
@@ -73,11 +77,15 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     config = load_config(opts.hf_dir)
     _check_same_config(config, opts.mcore_dir)
     batch = make_batch(opts, config.dim("vocab_size"))
+    device = torch.device(check_device(opts.device))
+    start_peak(device)
     serve, train, conventions = build_models(config, opts)
     with StepProgress("parity", steps(serve), enabled=opts.progress) as progress:
         twin = getattr(train, "kernel_twin", lambda: None)()  # the train side on the references, if it runs kernels
         cap = capture(serve, train, batch.to(opts.device), opts.mode, progress, twin=twin)
-    return build_report(cap, opts, batch, conventions)
+    report = build_report(cap, opts, batch, conventions)
+    report["peak_memory"] = peak_memory(device)
+    return report
 
 
 def make_batch(opts: ParityOptions, vocab: int) -> Batch:
@@ -94,11 +102,15 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
     import torch
 
     from glmconv.compare.fingerprint import check_same_weights
+    from glmconv.compare.memory import check_resident_fits
     from glmconv.models.model import GlmModel
     from glmconv.models.weights import HfWeights, MegatronWeights
 
     device = check_device(opts.device)
-    serve_w, train_w = HfWeights(opts.hf_dir), MegatronWeights(opts.mcore_dir)
+    dtype = torch.float32 if opts.dtype == "fp32" else torch.bfloat16
+    if not opts.stream_layers:
+        check_resident_fits(config, dtype, torch.device(device))
+    serve_w, train_w = HfWeights(opts.hf_dir, device=device), MegatronWeights(opts.mcore_dir)
     if not opts.allow_different_weights:
         check_same_weights(serve_w, train_w, opts.hf_dir, opts.mcore_dir)
     has_hc_head = train_w.hc_head() is not None
@@ -106,9 +118,9 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
     if train_conv.output_contraction == "learned" and not has_hc_head:  # fail before the run, not at its head
         raise GlmconvError(f"--train-convention output_contraction=learned: {opts.mcore_dir} has no hc_head_* "
                            "tensors (GLM-5.3-Flash contracts its streams by mean)")
-    dtype = torch.float32 if opts.dtype == "fp32" else torch.bfloat16
-    serve = GlmModel(config, serve_w, serve_conv, dtype=dtype, device=device)
-    train = GlmModel(config, train_w, train_conv, dtype=dtype, device=device, kernels=opts.kernels)
+    stream = opts.stream_layers
+    serve = GlmModel(config, serve_w, serve_conv, dtype=dtype, device=device, stream=stream)
+    train = GlmModel(config, train_w, train_conv, dtype=dtype, device=device, kernels=opts.kernels, stream=stream)
     return serve, train, {"serve": serve_conv.as_dict(), "train": train_conv.as_dict()}
 
 

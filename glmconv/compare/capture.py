@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol
@@ -68,9 +69,11 @@ def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
         xs = serve.embed(batch.ids)
         xt = xs if mode == "isolated" else train.embed(batch.ids)
         for layer in range(serve.num_layers):
-            xs, xt = _attention(serve, train, layer, xs, xt, batch, out, mode, twin)
+            with _timed(out, serve, train):
+                xs, xt = _attention(serve, train, layer, xs, xt, batch, out, mode, twin)
             step(f"layer {layer} attention")
-            xs, xt = _mlp(serve, train, layer, xs, xt, out, mode)
+            with _timed(out, serve, train):
+                xs, xt = _mlp(serve, train, layer, xs, xt, out, mode)
             step(f"layer {layer} mlp")
         logits_s = serve.head(xs)
         logits_t = train.head(xs if mode == "isolated" else xt)
@@ -78,6 +81,20 @@ def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
         step("logits")
     out.elapsed_s = time.monotonic() - start
     return out
+
+
+@contextmanager
+def _timed(out: Capture, *models: Model) -> Iterator[None]:
+    """Add to the step's record its wall time and the part of it spent loading weights (both sides)."""
+    start, loaded = time.monotonic(), _load_s(models)
+    yield
+    out.layers[-1]["wall_s"] = round(time.monotonic() - start, 4)
+    out.layers[-1]["load_s"] = round(_load_s(models) - loaded, 4)
+
+
+def _load_s(models: tuple[Model, ...]) -> float:
+    caches = {id(c): c for c in (getattr(m, "cache", None) for m in models) if c is not None}
+    return sum(c.load_s for c in caches.values())
 
 
 def steps(model: Model) -> int:

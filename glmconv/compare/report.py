@@ -30,6 +30,7 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
     return {
         "glmconv_version": __version__, "hf_dir": str(opts.hf_dir), "mcore_dir": str(opts.mcore_dir),
         "mode": opts.mode, "dtype": opts.dtype, "device": opts.device, "tokens": batch.tokens,
+        "stream_layers": opts.stream_layers,
         "kernels": _kernels_used(cap, opts),
         "sequences": batch.sequences, "seed": opts.seed, "inputs": batch.source,
         "train_conventions_base": opts.train_conventions, "train_convention_overrides": list(opts.overrides),

@@ -1,8 +1,9 @@
 """GLM-5.3-Flash's text forward, one sub-block at a time, on any weight source and set of conventions.
 
 The layer-wise API is what parity drives: `embed` -> for each layer `attention` then `mlp` (each returns
-the new hc streams [T, hc_mult, H] and an aux dict) -> `head`. Weights stream in one sub-block at a time
-(only the latest attention and MLP weights are held). MTP is not part of the forward.
+the new hc streams [T, hc_mult, H] and an aux dict) -> `head`. Weights are read one sub-block at a time and
+held resident, or with `stream` one layer at a time, the embedding by the batch's rows and the head by row
+windows (glmconv/models/residency.py): a full-size model then needs one layer of memory. MTP is not run.
 dtype fp32 or bf16: bf16 runs weights and activations in bf16 while the parts the reference keeps in fp32
 stay fp32 (hc coefficients, KDA gate/state/conv, router, indexer scores, attention softmax).
 """
@@ -19,6 +20,7 @@ from glmconv.config import GlmConfig
 from glmconv.errors import GlmconvError
 from glmconv.kernels import op_set
 from glmconv.models.conventions import Conventions
+from glmconv.models.residency import LoadedBank, WeightCache
 from glmconv.models.weights import AttentionWeights, ExpertBank, HcSite, MlpWeights, WeightSource
 from glmconv.ops import rms_norm
 from glmconv.ops.dsa import DsaParams, dsa_layer
@@ -27,6 +29,7 @@ from glmconv.ops.kpool import KpoolParams
 from glmconv.ops.mhc import HcParams, hc_post, hc_pre, head_learned, head_mean
 from glmconv.ops.moe import RouterParams, route, routed, swiglu_limit
 from glmconv.ops.moe import mlp as swiglu_mlp
+from glmconv.rules import roles as R
 
 DTYPES = (torch.float32, torch.bfloat16)
 # Tensors kept in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict, plus hc fn/ape).
@@ -38,11 +41,12 @@ class GlmModel:
 
     kernels="auto" runs KDA, DSA attention and the kpool indexer through glmconv.kernels on CUDA (the
     references elsewhere); "reference" runs the torch references everywhere. One forward code either way.
+    stream=True holds one layer's weights at a time (see `WeightCache`), with the same results.
     """
 
     def __init__(self, config: GlmConfig, weights: WeightSource, conventions: Conventions,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 kernels: str = "reference") -> None:
+                 kernels: str = "reference", stream: bool = False) -> None:
         if dtype not in DTYPES:
             raise GlmconvError(f"model dtype {dtype}: choose torch.float32 or torch.bfloat16")
         self.config, self.weights, self.conventions = config, weights, conventions
@@ -55,10 +59,7 @@ class GlmModel:
         self.kernels = kernels
         self.ops = op_set(kernels, self.device, self.kpool_p.width)
         self.record_out = False  # aux["out"]: the attention output itself, for the kernel error rows
-        self._attn: tuple[int, AttentionWeights] | None = None
-        self._mlp: tuple[int, MlpWeights] | None = None
-        self._embed: torch.Tensor | None = None
-        self._head: tuple[torch.Tensor, torch.Tensor, HcSite | None] | None = None
+        self.cache = WeightCache(stream)
         self._last_topk: torch.Tensor | None = None
 
     def _params(self, t: dict[str, Any]) -> None:
@@ -92,11 +93,18 @@ class GlmModel:
     def mlp_types(self) -> tuple[str, ...]:
         return self.config.mlp_types
 
+    @property
+    def stream(self) -> bool:
+        return self.cache.stream
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [T] -> hc streams [T, hc_mult, H] (the embedding replicated on every stream)."""
-        if self._embed is None:
-            self._embed = self.weights.embedding()
-        x = self._embed[input_ids.to(self._embed.device)].to(self.device, self.dtype)
+        if self.stream:
+            rows = self.weights.gather_rows(R.EMBED, input_ids)
+        else:
+            table = self.cache.get(("embed", -1), self.weights.embedding)
+            rows = table[input_ids.to(table.device)]
+        x = rows.to(self.device, self.dtype)
         return x.unsqueeze(1).expand(-1, self.hc.hc_mult, -1).contiguous()
 
     def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -127,13 +135,23 @@ class GlmModel:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Streams -> fp32 logits [T, V]: contraction (mean or learned), final norm, lm_head."""
-        norm, lm_head, hc_head = self._head_weights()
+        norm, hc_head = self._head_weights()
         if self.conventions.output_contraction == "mean":
             h = head_mean(x)
         else:
             h = head_learned(x, hc_head.fn, hc_head.base, hc_head.scale, self.eps, self.hc.hc_eps,  # type: ignore
                              self.conventions.proj_rms)
-        return F.linear(rms_norm(h, norm, self.eps), lm_head).float()
+        return self._logits(rms_norm(h, norm, self.eps))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h @ lm_head^T in fp32, by row windows of the head (streamed: each read, used and dropped)."""
+        windows = self.weights.row_windows(R.LM_HEAD)
+        out = torch.empty((h.shape[0], windows[-1][1]), dtype=torch.float32, device=h.device)
+        full = None if self.stream else self.cache.get(("lm_head", -1), lambda: self._cast(self.weights.lm_head()))
+        for a, b in windows:
+            w = self._cast(self.weights.row_range(R.LM_HEAD, a, b)) if full is None else full[a:b]
+            out[:, a:b] = F.linear(h, w)
+        return out
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Logits [T, V] of packed sequences, every layer in order."""
@@ -150,6 +168,7 @@ class GlmModel:
         if self.ops.name == "reference":
             return None
         twin = GlmModel(self.config, self.weights, self.conventions, self.dtype, self.device, kernels="reference")
+        twin.cache = self.cache  # the same prepared weights: read once, for both
         self.record_out = twin.record_out = True
         return twin
 
@@ -190,33 +209,29 @@ class GlmModel:
 
     def _attention_weights(self, layer: int) -> AttentionWeights:
         self._check_layer(layer)
-        if self._attn is None or self._attn[0] != layer:
-            self._attn = None
-            self._attn = (layer, self._prepare(self.weights.attention(layer)))
-        return self._attn[1]
+        return self.cache.get(("attention", layer), lambda: self._prepare(self.weights.attention(layer)))
 
     def _mlp_weights(self, layer: int) -> MlpWeights:
         self._check_layer(layer)
-        if self._mlp is None or self._mlp[0] != layer:
-            self._mlp = None
-            self._mlp = (layer, self._prepare(self.weights.mlp(layer)))
-        return self._mlp[1]
+        return self.cache.get(("mlp", layer), lambda: self._prepare(self.weights.mlp(layer)))
 
-    def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor, HcSite | None]:
-        if self._head is None:
+    def _head_weights(self) -> tuple[torch.Tensor, HcSite | None]:
+        def load() -> tuple[torch.Tensor, HcSite | None]:
             hc_head = self.weights.hc_head()
-            self._head = (self._cast(self.weights.final_norm()), self._cast(self.weights.lm_head()),
-                          self._prepare(hc_head) if hc_head is not None else None)
-        return self._head
+            return self._cast(self.weights.final_norm()), self._prepare(hc_head) if hc_head is not None else None
+
+        return self.cache.get(("head", -1), load)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise GlmconvError(f"layer {layer}: the model has layers 0..{self.num_layers - 1}")
 
     def _prepare(self, obj: Any) -> Any:
-        """A weight structure with every tensor on the device, in the model dtype or kept fp32."""
-        if obj is None or isinstance(obj, ExpertBank):
+        """A weight structure with every tensor on the device, in the model dtype or kept fp32 (experts: stored)."""
+        if obj is None:
             return obj
+        if isinstance(obj, ExpertBank):
+            return LoadedBank(obj, self.device)
         changes = {}
         for f in fields(obj):
             v = getattr(obj, f.name)

@@ -25,6 +25,7 @@ from glmconv.plan import FP8, Mapping, build_plan
 from glmconv.rules import roles as R
 
 EXPERT_WINDOW_BYTES = 1 << 30  # stacked-expert rows read at once on the Megatron side
+ROW_WINDOW_BYTES = 1 << 28  # embedding / head rows read at once when they are streamed
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,12 @@ class WeightSource(ABC):
         """The single tensor (HF side) or the Megatron tensor of a 1:1 role."""
 
     @abstractmethod
-    def leading_rows(self, role: str, rows: int) -> torch.Tensor:
-        """The first `rows` rows of a model-wide 1:1 role (embedding, head), read without the rest."""
+    def row_range(self, role: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a model-wide 1:1 role (embedding, head), read without the rest."""
+
+    @abstractmethod
+    def num_rows(self, role: str) -> int:
+        """Rows of a model-wide 1:1 role (the vocabulary, for the embedding and the head)."""
 
     @abstractmethod
     def hc_site(self, layer: int, site: str) -> HcSite:
@@ -140,6 +145,36 @@ class WeightSource(ABC):
 
     def close(self) -> None:  # noqa: B027 - a source may hold nothing to release
         """Release open files."""
+
+    def leading_rows(self, role: str, rows: int) -> torch.Tensor:
+        """The first `rows` rows of a model-wide 1:1 role."""
+        return self.row_range(role, 0, min(rows, self.num_rows(role)))
+
+    def row_windows(self, role: str) -> list[tuple[int, int]]:
+        """[start, stop) row windows of a model-wide role, each at most ROW_WINDOW_BYTES (at least one row)."""
+        rows = self.num_rows(role)
+        step = max(1, ROW_WINDOW_BYTES // max(1, self.row_bytes(role)))
+        return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+    def row_bytes(self, role: str) -> int:
+        (spec,) = self.mapping(None, role).hf
+        return spec.nbytes // max(1, spec.shape[0])
+
+    def gather_rows(self, role: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a model-wide role (the embedding of a batch), read window by window, never whole."""
+        ids = ids.to("cpu", torch.long)
+        out: torch.Tensor | None = None
+        for start, stop in self.row_windows(role):
+            hit = (ids >= start) & (ids < stop)
+            if not bool(hit.any()):
+                continue
+            rows = self.row_range(role, start, stop)
+            if out is None:
+                out = torch.empty((ids.numel(), *rows.shape[1:]), dtype=rows.dtype)
+            out[hit] = rows[ids[hit] - start]
+        if out is None or int(ids.min()) < 0 or int(ids.max()) >= self.num_rows(role):
+            raise CheckpointError(f"token ids outside the {role} table's {self.num_rows(role)} rows")
+        return out
 
     # ---- the common structure ---------------------------------------------------------------------------
 
@@ -200,7 +235,8 @@ class WeightSource(ABC):
 class HfWeights(WeightSource):
     """The HF checkpoint through `HfTensorSource` (lazy, memory-mapped; FP8 dequantised to BF16)."""
 
-    def __init__(self, hf_dir: str | Path) -> None:
+    def __init__(self, hf_dir: str | Path, device: str | torch.device | None = None) -> None:
+        """`device`: where FP8 weights are dequantised (a CUDA device does it faster, with the same bits)."""
         from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
         from glmconv.io.safetensors.reader import HfTensorSource
 
@@ -210,17 +246,24 @@ class HfWeights(WeightSource):
         super().__init__(ck.config, ck.text_prefix)
         self._src = HfTensorSource({n: shard_path(Path(hf_dir), t.file) for n, t in ck.tensors.items()})
         self._fp8 = {n for n, t in ck.tensors.items() if t.dtype == FP8}
+        self._device = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
 
     def close(self) -> None:
         self._src.close()
 
     def read(self, name: str) -> torch.Tensor:
         """As stored, except FP8 weights, which come back dequantised to BF16 (what convert writes)."""
-        return self._src.weight(name, torch.bfloat16) if name in self._fp8 else self._src.raw(name)
+        return self._src.weight(name, torch.bfloat16, self._device) if name in self._fp8 else self._src.raw(name)
 
-    def leading_rows(self, role: str, rows: int) -> torch.Tensor:
+    def row_range(self, role: str, start: int, stop: int) -> torch.Tensor:
         (spec,) = self.mapping(None, role).hf
-        return self.read(spec.name)[:rows] if spec.name in self._fp8 else self._src.raw(spec.name, rows)
+        if spec.name in self._fp8:  # FP8 blocks span 128 rows: dequantise whole (the release keeps these BF16)
+            return self.read(spec.name)[start:stop]
+        return self._src.raw(spec.name, (start, stop))
+
+    def num_rows(self, role: str) -> int:
+        (spec,) = self.mapping(None, role).hf
+        return spec.shape[0]
 
     def _hf(self, layer: int | None, role: str) -> list[torch.Tensor]:
         return [self.read(s.name) for s in self.mapping(layer, role).hf]
@@ -277,9 +320,13 @@ class MegatronWeights(WeightSource):
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self._reader.read(name, rows)
 
-    def leading_rows(self, role: str, rows: int) -> torch.Tensor:
+    def row_range(self, role: str, start: int, stop: int) -> torch.Tensor:
         (spec,) = self.mapping(None, role).mcore
-        return self.read(spec.name, (0, min(rows, spec.shape[0])))
+        return self.read(spec.name, (start, stop))
+
+    def num_rows(self, role: str) -> int:
+        (spec,) = self.mapping(None, role).mcore
+        return spec.shape[0]
 
     def _mc(self, layer: int | None, role: str) -> list[torch.Tensor]:
         return [self.read(s.name) for s in self.mapping(layer, role).mcore]

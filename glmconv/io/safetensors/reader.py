@@ -58,8 +58,8 @@ class HfTensorSource:
     def stored_dtype(self, name: str) -> str:
         return self.entry(name)[0].dtype
 
-    def raw(self, name: str, rows: int | None = None) -> torch.Tensor:
-        """The tensor exactly as stored, or only its first `rows` rows (read without the rest)."""
+    def raw(self, name: str, rows: int | tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor exactly as stored, or only rows [start, stop) (`rows` alone: the first ones), read alone."""
         import torch
 
         from glmconv.io.dtypes import TORCH_DTYPES
@@ -67,15 +67,21 @@ class HfTensorSource:
         e, extent = self.entry(name)
         shape = list(e.shape)
         if rows is not None and shape:
-            rows = min(rows, shape[0])
-            extent = Extent(extent.path, extent.offset, extent.length // max(shape[0], 1) * rows)
-            shape[0] = rows
+            start, stop = (0, rows) if isinstance(rows, int) else rows
+            start, stop = min(max(start, 0), shape[0]), min(max(stop, start), shape[0])
+            row_bytes = extent.length // max(shape[0], 1)
+            extent = Extent(extent.path, extent.offset + start * row_bytes, row_bytes * (stop - start))
+            shape[0] = stop - start
         out = torch.empty(extent.length, dtype=torch.uint8)
         self._shards.read_into([extent], memoryview(out.numpy()))
         return out.view(TORCH_DTYPES[e.dtype]).reshape(shape)
 
-    def weight(self, name: str, out_dtype: torch.dtype) -> torch.Tensor:
-        """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks."""
+    def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+        """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks.
+
+        With `device`, FP8 codes and scales move there first and are dequantised there (a GPU does it ~10x faster
+        than the CPU; the product is one fp32 multiply either way, so the bits are the same).
+        """
         import torch
 
         from glmconv.io.fp8 import check_scales, dequantize_fp8_blocks
@@ -87,6 +93,8 @@ class HfTensorSource:
                 raise CheckpointError(f"{name}: FP8 weight without its {scale}")
             scale_inv = self.raw(scale)
             check_scales(scale_inv, f"{scale} ({self._files[scale].name})")
+            if device is not None:
+                t, scale_inv = t.to(device), scale_inv.to(device)
             t = dequantize_fp8_blocks(t, scale_inv, out_dtype=out_dtype)
         elif t.dtype != out_dtype:
             t = t.to(out_dtype)
