@@ -99,3 +99,30 @@ def test_kernels_on_the_train_side_report_their_own_error(tiny_pair: tuple[Path,
     attn = [rec for rec in r["layers"] if rec["sub_block"] == "attention"]
     assert attn and all(0 < rec["kernel_out_rel_err"] < 3e-2 for rec in attn)
     assert all(rec["kernel_topk_overlap"] > 0.9 for rec in attn if "kernel_topk_overlap" in rec)
+
+
+def _numbers(report: dict) -> dict:
+    """A report without its times, memory and the streaming flag."""
+    out = {k: v for k, v in report.items() if k not in ("elapsed_s", "wall_s", "peak_memory", "stream_layers")}
+    out["layers"] = [{k: v for k, v in rec.items() if k not in ("wall_s", "load_s")} for rec in report["layers"]]
+    return out
+
+
+def test_streamed_parity_on_cuda_equals_resident_with_kernels(tiny_pair: tuple[Path, Path]) -> None:
+    """--stream-layers frees and reloads weights (experts stacked on the GPU per layer): the same bits as resident."""
+    resident, streamed = (_parity(tiny_pair, dtype="bf16", stream_layers=s) for s in (False, True))
+    assert resident["kernels"] == "kernels" and resident["summary"]["max_rel_err"] > 1e-3
+    assert _numbers(streamed) == _numbers(resident)
+    assert streamed["peak_memory"]["device"].startswith("cuda") and streamed["peak_memory"]["bytes"] > 0
+
+
+def test_fp8_dequantised_on_the_gpu_has_the_cpu_bits() -> None:
+    """HfWeights(device=cuda) dequantises FP8 there: one fp32 multiply and a BF16 cast, so bit-identical."""
+    from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    g = torch.Generator().manual_seed(3)
+    for shape in ((2048, 4096), (300, 200)):
+        q, s = quantize_fp8_blocks(torch.randn(shape, generator=g) * 0.02)
+        cpu = dequantize_fp8_blocks(q, s)
+        gpu = dequantize_fp8_blocks(q.cuda(), s.cuda()).cpu()
+        assert torch.equal(cpu.view(torch.int16), gpu.view(torch.int16)), shape
