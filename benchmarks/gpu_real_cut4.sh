@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On the lent H200 (device tool): real-dimension parity. `real-cut4` (the release's dims, layers 0-3, FP8) is
+# generated there (no transformers model classes needed), converted, and compared with
+# `parity --device cuda --stream-layers` at 4096 tokens in two packed sequences: kernels on the train side,
+# references on the serve side; once with the Megatron-port defaults, once with --train-conventions serve.
+# Usage: bash benchmarks/gpu_real_cut4.sh STEP...
+#   whl | z3: install the carried .whl / .whl-z3 wheels (two calls: 64 MiB per call; see scripts/stage-wheels.sh)
+#   make: fixture make + convert into $WORK (timed, peak RSS); tests: tests/gpu/test_parity_cuda.py (fixtures
+#   carried in out/gpu); parity: the two real-cut4 runs; summary: the figures RESULTS.md records.
+# Results go to $OUT (default out/gpu-real-cut4); checkpoints to $WORK (default /tmp/rc4).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
+export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
+OUT=${OUT:-out/gpu-real-cut4}
+WORK=${WORK:-/tmp/rc4}
+LAYERS=${LAYERS:-4}
+mkdir -p "$OUT" "$WORK"
+G() { python3 -m glmconv "$@"; }
+timed() {  # timed NAME CMD...: wall time and peak RSS of CMD into $OUT/times.txt, its output into $OUT/NAME.txt
+  local name=$1; shift
+  /usr/bin/time -f "$name wall %e s, peak RSS %M KB" -a -o "$OUT/times.txt" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name rc=$?" >> "$OUT/times.txt"
+}
+for step in "$@"; do
+  case $step in
+    whl) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
+    z3) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 .whl-z3/*.whl ;;
+    make)
+      { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
+        python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"; } \
+        > "$OUT/env.txt" 2>&1
+      rm -rf "$WORK/hf" "$WORK/mc"
+      timed fixture G fixture make "$WORK/hf" --preset real-cut4 --layers "$LAYERS" --fp8 --seed 0 --json
+      timed convert G convert "$WORK/hf" "$WORK/mc" --json
+      du -sb "$WORK/hf" "$WORK/mc" >> "$OUT/times.txt" ;;
+    tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parity_cuda.py > "$OUT/gpu-tests.txt" 2>&1
+           echo "gpu tests rc=$?" >> "$OUT/times.txt" ;;
+    parity)
+      for conv in default serve; do
+        rm -rf "$OUT/parity-$conv"
+        timed "parity-$conv" G parity "$WORK/hf" "$WORK/mc" --device cuda --stream-layers --dtype bf16 \
+          --tokens 4096 --sequences 2 --train-conventions "$conv" --report-dir "$OUT/parity-$conv" --json
+      done ;;
+    summary) python3 benchmarks/real_cut4_summary.py "$OUT" > "$OUT/summary.md" 2>&1; cat "$OUT/summary.md" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
+cat "$OUT/times.txt" 2>/dev/null
