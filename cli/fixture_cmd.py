@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from glmconv.fixtures.inits import DEFAULT_INIT, INIT_HELP, INITS
 from glmconv.fixtures.presets import PRESETS
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SEED, SIZE
@@ -27,17 +28,18 @@ def fixture() -> None:
               "bench: a quarter, at most 2GB).")
 @click.option("--fp8", is_flag=True, help="Store the release's FP8 set as e4m3 with 128x128 block scales.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Same seed, byte-identical files.")
+@click.option("--init", type=click.Choice(INITS), default=DEFAULT_INIT, show_default=True, help=INIT_HELP)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of one line.")
-def make(out: Path, preset: str, size: int | None, shard_size: int | None, fp8: bool, seed: int, force: bool,
-         as_json: bool) -> None:
+def make(out: Path, preset: str, size: int | None, shard_size: int | None, fp8: bool, seed: int, init: str,
+         force: bool, as_json: bool) -> None:
     """Write a random PRESET checkpoint to OUT (shards, index, config.json, generation_config.json)."""
     from glmconv.fixtures.generate import write_fixture
 
     if size is not None and preset != "bench":
         raise click.BadParameter("only the bench preset takes a size", param_hint="--size")
-    info = write_fixture(out, preset, fp8=fp8, seed=seed, force=force,
-                         size=size, shard_bytes=shard_size)
+    info = write_fixture(out, preset, fp8=fp8, seed=seed, force=force, size=size, shard_bytes=shard_size,
+                         init=init)
     if as_json:
         click.echo(json.dumps(info.as_json()))
         return

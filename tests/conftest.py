@@ -31,15 +31,15 @@ def pytest_configure(config: pytest.Config) -> None:
     import_transformers_glm5_next()
 
 
-def _make(factory: pytest.TempPathFactory, name: str, preset: str, fp8: bool) -> Path:
+def _make(factory: pytest.TempPathFactory, name: str, preset: str, fp8: bool, init: str = "realistic") -> Path:
     from glmconv.fixtures import make_fixture  # torch + transformers: only when a test asks for a checkpoint
 
-    return make_fixture(factory.mktemp("ckpt") / name, preset, fp8=fp8, seed=0)
+    return make_fixture(factory.mktemp("ckpt") / name, preset, fp8=fp8, seed=0, init=init)
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The `tiny` preset (4 layers + MTP at 4 + vision), BF16/F32, seed 0."""
+    """The `tiny` preset (4 layers + MTP at 4 + vision), BF16/F32, seed 0, the default (realistic) init."""
     return _make(tmp_path_factory, "tiny", "tiny", fp8=False)
 
 
@@ -51,8 +51,15 @@ def tiny_fp8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cut8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The `cut8` preset (the real 8-layer schedule, MTP at 8, vision) at toy sizes, BF16/F32, seed 0."""
+    """The `cut8` preset (the real 8-layer schedule, MTP at 8, vision) at toy sizes, BF16/F32, seed 0, realistic."""
     return _make(tmp_path_factory, "cut8", "cut8", fp8=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_unit_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny` with --init unit (residual streams at RMS ~1): for tests that plant one divergence by hand and
+    need every other eps and clamp far away."""
+    return _make(tmp_path_factory, "tiny-unit", "tiny", fp8=False, init="unit")
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import hf_helpers as hf
@@ -203,6 +204,114 @@ def test_fp8_weights_have_scales_and_dequantise_close_to_the_bf16_fixture(tiny_c
     assert all(torch.equal(bf16[n], fp8[n]) for n in kept)
 
 
+# --- init: realistic (the default) and unit ---------------------------------------------------------------
+
+def _serve_walk(path: Path, tokens: int = 128) -> tuple[list[float], list[torch.Tensor]]:
+    """The serve model on `tokens` random ids (2 sequences): stream RMS after the embedding and every sub-block,
+    and every SwiGLU's gate pre-activations [tokens routed, units] in call order."""
+    import glmconv.ops.moe as moe
+    from glmconv.models.conventions import Conventions
+    from glmconv.models.model import GlmModel
+    from glmconv.models.weights import HfWeights
+
+    w = HfWeights(path)
+    model, gates, swiglu = GlmModel(w.config, w, Conventions.serve()), [], moe.swiglu
+    ids = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
+    moe.swiglu = lambda g, u, limit: (gates.append(g.clone()), swiglu(g, u, limit))[1]
+    try:
+        with torch.inference_mode():
+            x = model.embed(ids)
+            rms = [x.square().mean().sqrt().item()]
+            for layer in range(model.num_layers):
+                x = model.attention(layer, x, cu)[0]
+                rms.append(x.square().mean().sqrt().item())
+                x = model.mlp(layer, x)[0]
+                rms.append(x.square().mean().sqrt().item())
+    finally:
+        moe.swiglu = swiglu
+    return rms, [g for g in gates if g.shape[0]]
+
+
+@pytest.mark.parametrize("which", ["tiny_ckpt", "cut8_ckpt"])
+def test_realistic_residual_streams_stay_at_the_real_models_scale(which, request):
+    """The reference stack measured mean squares down to ~5e-6 (RMS ~2e-3) on the streams. Measured (128 tokens):
+    tiny 2.0e-3 (embedding), 2.8e-3, 3.3e-3, 3.5e-3, 4.0e-3, 4.4e-3, 4.7e-3, 5.0e-3, 5.5e-3 after its 8 sub-blocks;
+    cut8 the same to layer 2, then up to 7.7e-3 after its 16th; each sub-block adds 1.3e-3 to 2.5e-3 RMS."""
+    rms, _ = _serve_walk(request.getfixturevalue(which))
+    assert rms[0] == pytest.approx(2e-3, rel=0.03)
+    assert all(2e-3 < r < 1e-2 for r in rms[1:]), rms
+    assert all(a < b for a, b in zip(rms, rms[1:])), rms  # every sub-block adds to the streams
+
+
+def test_realistic_gates_pass_the_clamp_in_a_few_units(tiny_ckpt):
+    """Measured (128 tokens): 2 of the 160 dense units and 1 of the 32 units of each expert are above 10, for 47-51%
+    of the tokens in the dense MLPs, 25-27% in the shared experts and 7-59% of a routed expert's tokens; every other
+    unit's pre-activation stays within +-3.9."""
+    _, gates = _serve_walk(tiny_ckpt)
+    assert len(gates) == 2 + 2 * 9  # dense 0, 1; then per MoE layer the 8 routed experts (all got tokens) + shared
+    for g in gates:
+        share = (g > 10).float().mean(0)
+        hot = share > 0
+        assert int(hot.sum()) == (2 if g.shape[1] == 160 else 1)
+        assert g[:, ~hot].abs().max() < 5
+    every_token = [(g > 10).float().mean(0).max().item() for g in gates if g.shape[0] == 128]  # dense and shared
+    assert len(every_token) == 4 and all(0.2 < s < 0.7 for s in every_token), every_token
+
+
+def test_realistic_q_a_layernorm_has_a_few_channels_near_zero(tiny_ckpt):
+    plan, t = _plan(tiny_ckpt, False), _tensors(tiny_ckpt)
+    for m in plan.mappings:
+        if m.rule.role == "dsa.q_a_norm":
+            w = t[m.hf[0].name].float()
+            assert int((w.abs() < 0.05).sum()) == 2 and w.numel() == 32, m.hf[0].name
+            assert abs(w[w.abs() >= 0.05].mean() - 1) < 0.1
+
+
+def test_realistic_changes_only_the_embedding_output_projections_gates_and_q_a_norm(tiny_ckpt, tiny_unit_ckpt):
+    from glmconv.rules import roles as R
+
+    scaled = {R.EMBED, R.DSA_Q_A_NORM, *R.SWIGLU_FC1, R.KDA_PROJ["o"], R.DSA_O_PROJ, R.DENSE_FC2, R.MOE_SHARED_FC2,
+              R.MOE_EXPERTS_FC2}
+    real, unit = _tensors(tiny_ckpt), _tensors(tiny_unit_ckpt)
+    changed = {m.rule.role for m in _plan(tiny_ckpt, False).mappings for s in m.hf
+               if not torch.equal(real[s.name], unit[s.name])}
+    assert changed == scaled
+    emb = names.HF_TEXT_PREFIX + "embed_tokens.weight"
+    assert torch.allclose(real[emb].float(), unit[emb].float() * 2e-3, rtol=2**-7, atol=0)  # the same draw, scaled
+
+
+def test_unit_init_is_the_seeded_fan_in_formula(tiny_unit_ckpt):
+    """--init unit writes exactly what the generator wrote before `realistic`: N(0, 1) embeddings, N(0, 1/fan_in)
+    matrices, N(1, 0.1) norms, each from a generator seeded by (seed, name)."""
+    t = _tensors(tiny_unit_ckpt)
+    layer = names.hf_layer(names.HF_TEXT_PREFIX, 0)
+
+    def draw(name: str) -> torch.Tensor:
+        return torch.randn(tuple(t[name].shape), generator=torch.Generator().manual_seed(generate.tensor_seed(0, name)))
+
+    emb, gate = names.HF_TEXT_PREFIX + "embed_tokens.weight", layer + "mlp.gate_proj.weight"
+    norm = layer + "input_layernorm.weight"
+    assert torch.equal(t[emb], draw(emb).to(torch.bfloat16))
+    assert torch.equal(t[gate], (draw(gate) / math.sqrt(64)).to(torch.bfloat16))
+    assert torch.equal(t[norm], (draw(norm) * 0.1 + 1.0).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("flags,init", [([], "realistic"), (["--init", "unit"], "unit")])
+def test_manifest_and_summary_record_the_init(tmp_path, flags, init):
+    res = CliRunner().invoke(fixture, ["make", str(tmp_path / "f"), "--json", *flags])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["init"] == init
+    manifest = json.loads((tmp_path / "f" / "glmconv.json").read_text())
+    assert (manifest["seed"], manifest["init"]) == (0, init)
+
+
+def test_unknown_init_is_a_one_line_error(tmp_path):
+    with pytest.raises(FixtureError, match="unknown fixture init 'huge' \\(choose from realistic, unit\\)"):
+        make_fixture(tmp_path / "f", init="huge")
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- transformers ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -284,7 +393,7 @@ def test_empty_existing_out_is_filled(tmp_path):
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
-    def boom(plan, seed):
+    def boom(plan, seed, *, init):
         yield from []
         raise RuntimeError("boom")
 

@@ -12,6 +12,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -335,36 +336,38 @@ def cut8_mc(cut8_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _convert(cut8_ckpt, tmp_path_factory.mktemp("parity") / "mc-cut8")
 
 
-EMBED = "model.language_model.embed_tokens.weight"
 GATE_1 = "model.language_model.layers.1.mlp.gate_proj.weight"
 FP32_NOISE = 1e-6  # bound on per-sub-block rel err for aligned fp32 runs (CPU runs are in fact bit-identical)
 
 
 @pytest.fixture(scope="module")
-def small_residual(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """tiny with its embedding x0.01: residual RMS 0.01, GLM-5.3's regime where the proj-RMS eps form matters.
-
-    At the fixture's unit RMS, rsqrt(ms + 1e-5) and 1/(rms + 1e-6) differ by 4e-6 relative: rounding-sized,
-    which is why this divergence only showed at the real model's small residual scale. At RMS 0.01 (ms 1e-4)
-    they differ by 4.6%.
-    """
+def made_by_cli(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """init -> (HF dir, converted dir) of a fresh `glmconv fixture make --preset tiny` (no --init: the default)."""
     _models_or_skip()
-    d = tmp_path_factory.mktemp("parity-small-residual")
-    hf = _scaled_copy(tiny_ckpt, d / "hf", {EMBED: 0.01})
-    return hf, _convert(hf, d / "mc")
+    done: dict[str, tuple[Path, Path]] = {}
+
+    def get(init: str) -> tuple[Path, Path]:
+        if init not in done:
+            d = tmp_path_factory.mktemp(f"parity-init-{init}")
+            flags = [] if init == "default" else ["--init", init]
+            res = CliRunner().invoke(cli, ["fixture", "make", str(d / "hf"), "--preset", "tiny", *flags])
+            assert res.exit_code == 0, res.output
+            done[init] = (d / "hf", _convert(d / "hf", d / "mc"))
+        return done[init]
+    return get
 
 
 @pytest.fixture(scope="module")
-def hot_gate(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """tiny with layer 1's dense gate_proj x20, so the SwiGLU clamp (10) is active in that one sub-block.
+def hot_gate(tiny_unit_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """tiny --init unit with layer 1's dense gate_proj x20, so the SwiGLU clamp (10) is active in that one sub-block.
 
-    The fixture's fan-in init keeps gate/up pre-activations ~N(0, 1) behind the RMS norm, so nothing in tiny
-    ever reaches 10 (the max of ~20k normal draws is ~4.5); x20 puts ~30% of layer 1's gates above 10
-    (N(0, 20^2) > 10) and leaves every other sub-block below the limit.
+    The unit init keeps gate/up pre-activations ~N(0, 1) behind the RMS norm, so nothing in it ever reaches 10
+    (the max of ~20k normal draws is ~4.5); x20 puts ~30% of layer 1's gates above 10 (N(0, 20^2) > 10) and
+    leaves every other sub-block below the limit. (The default init has hot gate rows in every MLP, layer 0 first.)
     """
     _models_or_skip()
     d = tmp_path_factory.mktemp("parity-hot-gate")
-    hf = _scaled_copy(tiny_ckpt, d / "hf", {GATE_1: 20.0})
+    hf = _scaled_copy(tiny_unit_ckpt, d / "hf", {GATE_1: 20.0})
     return hf, _convert(hf, d / "mc")
 
 
@@ -420,20 +423,33 @@ def test_indexer_query_is_invisible_in_short_sequences(tiny_ckpt: Path, tiny_mc:
     _assert_noise_only(r)
 
 
-def test_proj_rms_is_named_at_layer_0_attention(small_residual: tuple[Path, Path]) -> None:
-    hf, mc = small_residual
-    _assert_noise_only(_parity(hf, mc, tokens=128, sequences=2, train_conventions="serve"))  # the copy itself agrees
-    for mode in ("propagated", "isolated"):
-        r = _parity(hf, mc, tokens=128, sequences=2, train_conventions="serve", mode=mode,
-                    overrides=("proj_rms=megatron",))
-        assert _where(r) == (0, "attention") and r["first_divergence"]["value"] > 1e-3, mode
-
-
-def test_proj_rms_is_rounding_sized_at_unit_residual_scale(tiny_ckpt: Path, tiny_mc: Path) -> None:
-    """Why `small_residual` exists: at unit RMS the eps form moves the streams by less than the threshold."""
-    r = _parity(tiny_ckpt, tiny_mc, tokens=128, sequences=2, train_conventions="serve",
+@pytest.mark.parametrize("mode", ["propagated", "isolated"])
+def test_proj_rms_is_named_at_layer_0_attention_on_a_default_fixture(made_by_cli: Any, mode: str) -> None:
+    """The default (realistic) init puts the streams at RMS ~2e-3 (mean square ~4e-6): there rsqrt(ms + 1e-5) and
+    1/(rms + 1e-6) differ by ~47%, which moves layer 0's post/comb coefficients (~6e-2 rel err, measured)."""
+    hf, mc = made_by_cli("default")
+    r = _parity(hf, mc, tokens=128, sequences=2, train_conventions="serve", mode=mode,
                 overrides=("proj_rms=megatron",))
+    assert _where(r) == (0, "attention") and r["first_divergence"]["value"] > 1e-2
+
+
+def test_default_fixture_agrees_to_fp32_noise_with_aligned_conventions(made_by_cli: Any) -> None:
+    hf, mc = made_by_cli("default")
+    _assert_noise_only(_parity(hf, mc, tokens=128, sequences=2, train_conventions="serve"))
+
+
+def test_proj_rms_is_rounding_sized_on_a_unit_init_fixture(made_by_cli: Any) -> None:
+    """At --init unit's stream RMS ~1 the two eps forms differ by ~4e-6 relative: below the 1e-4 threshold."""
+    hf, mc = made_by_cli("unit")
+    r = _parity(hf, mc, tokens=128, sequences=2, train_conventions="serve", overrides=("proj_rms=megatron",))
     assert r["first_divergence"] is None and 0 < r["summary"]["max_rel_err"] < 1e-5
+
+
+def test_swiglu_clamp_off_is_named_at_layer_0_mlp_on_a_default_fixture(tiny_ckpt: Path, tiny_mc: Path) -> None:
+    """The default init drives a few gate rows of every MLP past the clamp: the first dense MLP diverges."""
+    r = _parity(tiny_ckpt, tiny_mc, tokens=128, sequences=2, train_conventions="serve",
+                overrides=("swiglu_clamp=off",))
+    assert _where(r) == (0, "mlp") and r["first_divergence"]["value"] > 1e-1
 
 
 def test_swiglu_clamp_off_is_named_at_layer_1_mlp(hot_gate: tuple[Path, Path]) -> None:

@@ -36,6 +36,14 @@ def expand(template: str, **values: object) -> str:
     return template.format(**values)
 
 
+SWIGLU_GATE_UP = ("gate_proj.weight", "up_proj.weight")  # an HF SwiGLU fc1's two halves, in the rules' order
+
+
+def is_swiglu_gate(name: str) -> bool:
+    """Whether an HF SwiGLU fc1 tensor is the gate half (silu and the upper clamp act on it), not the up half."""
+    return name.endswith("." + SWIGLU_GATE_UP[0])
+
+
 def scale_name(weight: str) -> str:
     """The FP8 block-scale tensor that pairs with `weight`."""
     return weight + SCALE_SUFFIX

@@ -38,3 +38,5 @@ VISION_NORM, VISION_BIAS, VISION_MATRIX = "vision.norm", "vision.bias", "vision.
 NORMS = frozenset({FINAL_NORM, ATTN_NORM, MLP_NORM, KDA_O_NORM, DSA_Q_A_NORM, DSA_KV_A_NORM, INDEXER_K_NORM_WEIGHT,
                    MTP_ENORM, MTP_HNORM, MTP_FINAL_NORM, VISION_NORM})
 BIASES = frozenset({INDEXER_K_NORM_BIAS, VISION_BIAS})
+
+SWIGLU_FC1 = frozenset({DENSE_FC1, MOE_SHARED_FC1, MOE_EXPERTS_FC1})  # gate and up halves (the gate meets the clamp)

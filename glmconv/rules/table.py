@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from glmconv.config import DENSE, DSA, KDA, MOE
+from glmconv.rules import names
 from glmconv.rules import roles as R
 from glmconv.rules.ops import Concat, Rename, SplitVector, StackExperts, Transform
 
@@ -122,7 +123,7 @@ def _dsa() -> list[Rule]:
 
 def _mlp() -> list[Rule]:
     h, m = "{layer}mlp.", "{layer}mlp."
-    gate_up = ("gate_proj.weight", "up_proj.weight")
+    gate_up = names.SWIGLU_GATE_UP
     return [
         _r("{layer}post_attention_layernorm.weight", m + "linear_fc1.layer_norm_weight", ("hidden",), mlp=DENSE,
            role=R.MLP_NORM),
