@@ -1,4 +1,5 @@
-"""`glmconv fixture make`: write a random GLM-5.3-Flash checkpoint in the release's layout (toy or bench-sized)."""
+"""`glmconv fixture make`: write a random GLM-5.3-Flash checkpoint in the release's layout (toy, bench-sized or
+real-dimension)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import click
 
 from glmconv.fixtures.inits import DEFAULT_INIT, INIT_HELP, INITS
-from glmconv.fixtures.presets import PRESETS
+from glmconv.fixtures.presets import PRESETS, REAL_CUTS
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SEED, SIZE
 
@@ -21,7 +22,11 @@ def fixture() -> None:
 @fixture.command("make")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(PRESETS), default="tiny", show_default=True,
-              help="tiny: 4 layers; cut8: the real 8-layer schedule, both at toy sizes; bench: --size on disk.")
+              help="tiny: 4 layers; cut8: the real 8-layer schedule, both at toy sizes; bench: --size on disk; "
+              "real-cut4: the release's config.json cut to layers 0-3 (KDA x3 dense, DSA + MoE) at the real dims, "
+              "no MTP, no vision (19.1 GB BF16, 11.3 GB with --fp8).")
+@click.option("--layers", type=int, default=None,
+              help="real-cut presets only: the release's first N decoder layers (default 4).")
 @click.option("--size", type=SIZE, default=None,
               help="bench only: bytes on disk, e.g. 2GB (default 1GB); dims scale to it.")
 @click.option("--shard-size", type=SIZE, default=None, help="Maximum bytes per shard (default: a third of the total; "
@@ -30,19 +35,35 @@ def fixture() -> None:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Same seed, byte-identical files.")
 @click.option("--init", type=click.Choice(INITS), default=DEFAULT_INIT, show_default=True, help=INIT_HELP)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option("--no-space-check", "no_space_check", is_flag=True,
+              help="real-cut presets: do not refuse an output larger than the free space at OUT (checked first).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of one line.")
-def make(out: Path, preset: str, size: int | None, shard_size: int | None, fp8: bool, seed: int, init: str,
-         force: bool, as_json: bool) -> None:
-    """Write a random PRESET checkpoint to OUT (shards, index, config.json, generation_config.json)."""
-    from glmconv.fixtures.generate import write_fixture
+def make(out: Path, preset: str, layers: int | None, size: int | None, shard_size: int | None, fp8: bool, seed: int,
+         init: str, force: bool, no_space_check: bool, as_json: bool) -> None:
+    """Write a random PRESET checkpoint to OUT (shards, index, config.json, generation_config.json).
 
+    Real-cut presets show progress on stderr (not with --json) and draw on every core.
+    """
     if size is not None and preset != "bench":
         raise click.BadParameter("only the bench preset takes a size", param_hint="--size")
-    info = write_fixture(out, preset, fp8=fp8, seed=seed, force=force, size=size, shard_bytes=shard_size,
-                         init=init)
+    if layers is not None and preset not in REAL_CUTS:
+        raise click.BadParameter(f"only the real-cut presets ({', '.join(REAL_CUTS)}) take a layer count",
+                                 param_hint="--layers")
+    if preset in REAL_CUTS:
+        from glmconv.fixtures.real import write_real_cut
+
+        info = write_real_cut(out, preset, layers=layers, fp8=fp8, seed=seed, force=force, shard_bytes=shard_size,
+                              init=init, progress=not as_json, space_check=not no_space_check)
+        what = f"{preset} {count(info.layers, 'layer')}"
+    else:
+        from glmconv.fixtures.generate import write_fixture
+
+        info = write_fixture(out, preset, fp8=fp8, seed=seed, force=force, size=size, shard_bytes=shard_size,
+                             init=init)
+        what = preset
     if as_json:
         click.echo(json.dumps(info.as_json()))
         return
     kind = "fp8" if fp8 else "bf16"
-    click.echo(f"{printable(str(info.path))}: {preset} {kind} seed {seed}, {count(info.tensors, 'tensor')}, "
+    click.echo(f"{printable(str(info.path))}: {what} {kind} seed {seed}, {count(info.tensors, 'tensor')}, "
                f"{count(info.bytes, 'byte')} in {count(info.shards, 'shard')}")
