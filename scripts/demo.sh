@@ -11,7 +11,7 @@ if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ ! -f "$MARK" ]; then
   exit 2
 fi
 rm -rf "$OUT" && mkdir -p "$OUT" && touch "$MARK"
-echo "== glmconv fixture make (tiny, FP8 release layout)"
+echo "== glmconv fixture make (tiny, FP8 release layout, realistic init: residual streams at RMS ~2e-3)"
 $G fixture make "$OUT/hf-tiny-fp8" --preset tiny --fp8 --seed 0
 echo "== glmconv audit-names: the FP8 fixture against the plan its config implies"
 $G audit-names "$OUT/hf-tiny-fp8"
@@ -26,6 +26,9 @@ $G export "$OUT/mcore-tiny" "$OUT/hf-tiny-fp8-roundtrip" --fp8 --like "$OUT/hf-t
 $G audit-names "$OUT/hf-tiny-fp8-roundtrip" --against "$OUT/mcore-tiny"
 echo "== glmconv parity: train (Megatron conventions, torch_dist) vs serve (HF conventions, safetensors)"
 $G parity "$OUT/hf-tiny-fp8" "$OUT/mcore-tiny" --report-dir "$OUT/parity" || true
+echo "== glmconv parity, proj_rms=megatron alone: the eps form creates the divergence at layer 0 (the first fix the field made)"
+$G parity "$OUT/hf-tiny-fp8" "$OUT/mcore-tiny" --train-conventions serve --train-convention proj_rms=megatron \
+  --report-dir "$OUT/parity-proj-rms" || true
 echo "== glmconv parity --train-conventions serve: aligned conventions must agree to fp32 noise"
 $G parity "$OUT/hf-tiny-fp8" "$OUT/mcore-tiny" --train-conventions serve --report-dir "$OUT/parity-aligned" \
   --fail-on 'logprob_abs_diff.max>1e-4'

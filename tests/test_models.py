@@ -9,7 +9,7 @@ with everything before it <= 1e-6.
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from ops_helpers import cu, rel
 from glmconv.errors import GlmconvError
 from glmconv.models.conventions import ConventionError, Conventions
 from glmconv.models.model import GlmModel
-from glmconv.models.weights import ExpertBank, HfWeights, MegatronWeights, Swiglu
+from glmconv.models.weights import ExpertBank, HfWeights, MegatronWeights
 
 TOL_HF = 1e-5
 TOL_SAME = 1e-6
@@ -52,9 +52,9 @@ def _serve(hf: Path, **kw: Any) -> GlmModel:
     return GlmModel(w.config, w, Conventions.serve(), **kw)
 
 
-def _train(mc: Path, conventions: Conventions, wrap: Any = None) -> GlmModel:
+def _train(mc: Path, conventions: Conventions) -> GlmModel:
     w = MegatronWeights(mc)
-    return GlmModel(w.config, wrap(w) if wrap else w, conventions)
+    return GlmModel(w.config, w, conventions)
 
 
 def _ids(n: int, seed: int = 0, vocab: int = 512) -> torch.Tensor:
@@ -176,27 +176,6 @@ def test_megatron_layout_is_read_natively_into_the_same_tensors(ckpts: Any) -> N
         _same(s.mlp(layer), t.mlp(layer), f"layer {layer} mlp")
 
 
-class _Scaled:
-    """A weight source with the embedding at GLM-5.3's small residual scale (where the proj-RMS eps matters)
-    and the dense fc1 scaled past the SwiGLU clamp (the fixture's unit-scale units never reach 10)."""
-
-    def __init__(self, inner: Any, embed: float = 0.01, fc1: float = 20.0) -> None:
-        self.inner, self.scale_embed, self.scale_fc1 = inner, embed, fc1
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def embedding(self) -> torch.Tensor:
-        return self.inner.embedding().float() * self.scale_embed
-
-    def mlp(self, layer: int) -> Any:
-        w = self.inner.mlp(layer)
-        if w.dense is None:
-            return w
-        d = w.dense
-        return replace(w, dense=Swiglu(d.gate.float() * self.scale_fc1, d.up.float() * self.scale_fc1, d.down))
-
-
 @pytest.mark.parametrize("preset, override, first", [
     ("tiny", "proj_rms=megatron", (0, "attention")),
     ("tiny", "hc_mix=bf16", (0, "attention")),
@@ -207,9 +186,11 @@ class _Scaled:
 ])
 def test_each_divergence_first_shows_where_expected(preset: str, override: str, first: tuple[int, str],
                                                     ckpts: Any) -> None:
+    """On the default (realistic) fixtures as made: streams at RMS ~2e-3, where the proj-RMS eps form matters, and
+    hot gate units past the SwiGLU clamp in every MLP (--init unit would need both planted by hand)."""
     hf, mc = ckpts(preset)
-    serve = GlmModel(HfWeights(hf).config, _Scaled(HfWeights(hf)), Conventions.serve())
-    train = _train(mc, Conventions.serve().with_overrides([override]), wrap=_Scaled)
+    serve = _serve(hf)
+    train = _train(mc, Conventions.serve().with_overrides([override]))
     steps = _walk(serve, train, _ids(70, 4), cu(70))
     errs = [((layer, sub), err) for layer, sub, err, _, _ in steps]
     at = next(i for i, (_, err) in enumerate(errs) if err > DIVERGED)
