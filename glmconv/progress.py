@@ -23,12 +23,13 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.enabled and sys.stderr.isatty():
+            from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
             from rich.progress import Progress as RichProgress
 
             self._rich = RichProgress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
                                       TransferSpeedColumn(), TextColumn("{task.fields[items]}", markup=False),
-                                      TimeRemainingColumn(), transient=True)
+                                      TimeRemainingColumn(), console=Console(stderr=True), transient=True)
             self._rich.__enter__()
             self._task = self._rich.add_task(printable(self.label), total=self.total_bytes, items="")
         return self

@@ -17,7 +17,7 @@ from repo_files import REAL_CONFIG
 
 from glmconv import api
 from glmconv.config import DSA, KDA, parse_config
-from glmconv.fixtures import FixtureError, preset_config, real
+from glmconv.fixtures import FixtureError, make_fixture, preset_config, real
 from glmconv.fixtures.generate import fixture_tensors, upstream_shapes
 from glmconv.io.fp8 import dequantize_fp8_blocks
 from glmconv.plan import FP8
@@ -126,6 +126,14 @@ def test_layers_outside_the_release_is_a_one_line_error(layers):
 def test_layers_is_for_real_cut_presets_only():
     with pytest.raises(FixtureError, match=r"^--layers is for the real-cut presets \(real-cut4\), not 'tiny'$"):
         preset_config("tiny", layers=2)
+
+
+def test_make_fixture_takes_layers_for_real_cuts_only(tmp_path):
+    with pytest.raises(FixtureError, match=r"^--layers 46: must be between 1 and 45"):
+        make_fixture(tmp_path / "a", "real-cut4", layers=46)
+    with pytest.raises(FixtureError, match=r"^--layers is for the real-cut presets \(real-cut4\), not 'cut8'$"):
+        make_fixture(tmp_path / "b", "cut8", layers=2)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("args,message", [
