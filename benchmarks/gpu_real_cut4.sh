@@ -37,7 +37,7 @@ for step in "$@"; do
     tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parity_cuda.py > "$OUT/gpu-tests.txt" 2>&1
            echo "gpu tests rc=$?" >> "$OUT/times.txt" ;;
     parity)
-      for conv in default serve; do
+      for conv in ${CONVS:-default serve}; do
         rm -rf "$OUT/parity-$conv"
         timed "parity-$conv" G parity "$WORK/hf" "$WORK/mc" --device cuda --stream-layers --dtype bf16 \
           --tokens 4096 --sequences 2 --train-conventions "$conv" --report-dir "$OUT/parity-$conv" --json
