@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from glmconv.rules.table import DTYPE_CHOICES, KEEP
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SIZE
 
@@ -29,14 +30,17 @@ from glmconv_cli.sizes import SIZE
               help="Bytes per data file (bounds memory per worker).")
 @click.option("--check-finite", is_flag=True,
               help="Refuse NaN/Inf in any source tensor (checked after FP8 dequantisation), naming the first one.")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=KEEP, show_default=True,
+              help="What Megatron gets: keep = what the source stores (bit-exact round trip); bf16 rounds F32 "
+              "weights (counted in the summary); fp32 widens. F32 state (A_log, hc, biases) stays F32.")
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int,
-            force: bool, mtp: bool, vision: bool, group_size: int, check_finite: bool) -> None:
+            force: bool, mtp: bool, vision: bool, group_size: int, check_finite: bool, dtype: str) -> None:
     """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
     from glmconv import api
 
     summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,
                           group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json,
-                          space_check=not no_space_check)
+                          space_check=not no_space_check, dtype=dtype)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
     if as_json:
@@ -52,6 +56,8 @@ def _print(s: dict, dry_run: bool) -> None:
                f"{' into ' + printable(s['published']) if 'published' in s else ''}")
     for part, n in s["left_out"].items():
         click.echo(f"left out by request: {part} ({count(n, 'HF tensor')})")
+    if s["narrowed_f32_to_bf16"]:
+        click.echo(f"--dtype {s['dtype']}: {count(s['narrowed_f32_to_bf16'], 'HF tensor')} stored F32 rounded to BF16")
     if dry_run:
         for w in s["workers"]:
             click.echo(f"  worker {w['rank']}: {count(w['mappings'], 'mapping')}, {w['bytes_in'] / 1e9:.3f} GB in, "

@@ -28,8 +28,12 @@ def lead_process() -> bool:
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 1, force: bool = False, mtp: bool = True,
             vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
-            dry_run: bool = False, progress: bool = False, space_check: bool = True) -> dict[str, Any]:
+            dry_run: bool = False, progress: bool = False, space_check: bool = True,
+            dtype: str = "keep") -> dict[str, Any]:
     """HF checkpoint (BF16 or the FP8 release) -> Megatron torch_dist in `out_dir`, verified, published atomically.
+
+    `dtype` `keep` gives Megatron what the source stores (bit-exact round trip), `bf16` rounds F32 weights to
+    BF16 (counted in the summary's `narrowed_f32_to_bf16`), `fp32` widens; F32 state (A_log, hc, biases) stays F32.
 
     `dry_run` returns the plan (tensors, bytes, peak memory per worker, estimated time, free space at `out_dir`)
     and writes nothing. With `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s
@@ -38,7 +42,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 1, force:
     from glmconv.runners.convert import RunOptions, dry_run_summary, prepare
     from glmconv.runners.convert import convert as run
 
-    job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision)
+    job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype)
     opts = RunOptions(workers=workers, group_bytes=group_bytes, progress=progress, check_finite=check_finite,
                       space_check=space_check)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -12,12 +13,12 @@ from glmconv.config import DSA, MOE, GlmConfig
 from glmconv.io.dtypes import DTYPE_SIZES
 from glmconv.io.fp8 import scale_shape
 from glmconv.rules import names
-from glmconv.rules.table import BF16, F32, GLOBAL, LAYER, MTP, RULES, VISION, Rule
+from glmconv.rules.table import BF16, F32, FP8, GLOBAL, KEEP, LAYER, MTP, RULES, VISION, Rule
 
 if TYPE_CHECKING:
     from glmconv.rules.ops import Layout
 
-FP8 = "F8_E4M3"
+__all__ = ["BF16", "F32", "FP8", "Mapping", "Plan", "TensorSpec", "build_plan", "dims", "retyped"]
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,15 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str
-    alt_dtype: str | None = None  # also accepted on disk (see `_mapping`)
+    dtype: str  # the plan's own: what is written when nothing else says
+    accepted: tuple[str, ...] = ()  # also accepted on disk (the rule's dtype policy)
 
     def accepts(self, dtype: str) -> bool:
-        return dtype == self.dtype or dtype == self.alt_dtype
+        return dtype == self.dtype or dtype in self.accepted
+
+    def expected_dtypes(self) -> str:
+        """What `accepts` takes, for a message: `BF16 or F32`."""
+        return " or ".join(dict.fromkeys((self.dtype, *self.accepted)))
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +55,7 @@ class Mapping:
     scales: tuple[TensorSpec | None, ...]  # FP8 `_scale_inv` per HF tensor, when the plan is FP8
     layer: int | None  # HF layer index (MTP layers count after the decoder), None for global/vision
     part: str  # "global", "layer", "mtp" or "vision"
+    stored: tuple[str | None, ...] = ()  # per HF tensor, the dtype the source stores (None: unknown)
 
     def optional_part(self, num_layers: int) -> str:
         """The part a mapping can be left out with: the MTP layer's decoder-layer rules have scope "layer"."""
@@ -103,6 +109,7 @@ class Plan:
     vision: bool
     text_prefix: str
     mappings: list[Mapping] = field(default_factory=list)
+    dtype: str = KEEP  # convert --dtype: what the Megatron tensors become (the rules' dtype policies)
 
     def hf_tensors(self) -> Iterator[TensorSpec]:
         for m in self.mappings:
@@ -177,17 +184,30 @@ def dims(config: GlmConfig) -> dict[str, int]:
 
 
 def build_plan(config: GlmConfig, *, fp8: bool = False, mtp: bool = True, vision: bool = True,
-               text_prefix: str = names.HF_TEXT_PREFIX) -> Plan:
-    """Expand every rule against `config`; MTP and vision are included when the config has them."""
+               text_prefix: str = names.HF_TEXT_PREFIX, dtype: str = KEEP,
+               stored: dict[str, str] | None = None) -> Plan:
+    """Expand every rule against `config`; MTP and vision are included when the config has them.
+
+    `dtype` (convert --dtype) and `stored` (HF tensor -> the dtype the source stores) fix each Megatron dtype.
+    """
     plan = Plan(config=config, fp8=fp8, mtp=mtp and config.num_mtp_layers > 0,
-                vision=vision and config.vision is not None, text_prefix=text_prefix)
+                vision=vision and config.vision is not None, text_prefix=text_prefix, dtype=dtype)
     d = dims(config)
     for scope, ctx in _scopes(plan):
         for rule in RULES:
             if _applies(rule, scope, ctx, config):
-                plan.mappings.append(_expand(rule, ctx, d, plan))
+                plan.mappings.append(_expand(rule, ctx, d, plan, stored or {}))
     plan.hf_index, plan.mcore_index  # noqa: B018 - validates the bijection now, not at first use
     return plan
+
+
+def retyped(plan: Plan, mcore_dtypes: dict[str, str]) -> Plan:
+    """`plan` with the Megatron dtypes a torch_dist checkpoint holds (each one its spec accepts)."""
+    def spec(t: TensorSpec) -> TensorSpec:
+        return dataclasses.replace(t, dtype=mcore_dtypes.get(t.name, t.dtype))
+
+    maps = [dataclasses.replace(m, mcore=tuple(spec(t) for t in m.mcore)) for m in plan.mappings]
+    return dataclasses.replace(plan, mappings=maps)
 
 
 @dataclass(frozen=True)
@@ -233,14 +253,15 @@ def _side(ctx: _Ctx, side: int) -> dict[str, object]:
     return {k: (v[side] if isinstance(v, tuple) else v) for k, v in ctx.values.items()}
 
 
-def _expand(rule: Rule, ctx: _Ctx, d: dict[str, int], plan: Plan) -> Mapping:
+def _expand(rule: Rule, ctx: _Ctx, d: dict[str, int], plan: Plan, stored: dict[str, str]) -> Mapping:
     hf_ctx, mc_ctx = _side(ctx, 0), _side(ctx, 1)
     shapes = [tuple(x if isinstance(x, int) else d[x] for x in s) for s in rule.shapes]
     reps = _repeats(rule, plan.config)
     hf_names = [names.expand(t, **hf_ctx, **{rule_key: i}) if rule_key else names.expand(t, **hf_ctx)
                 for t in rule.hf for rule_key, i in reps]
     hf_shapes = [s for s in shapes for _ in reps]
-    return _mapping(rule, ctx, hf_names, hf_shapes, [names.expand(t, **mc_ctx) for t in rule.mcore], plan)
+    mc_names = [names.expand(t, **mc_ctx) for t in rule.mcore]
+    return _mapping(rule, ctx, hf_names, hf_shapes, mc_names, plan, tuple(stored.get(n) for n in hf_names))
 
 
 def _repeats(rule: Rule, config: GlmConfig) -> list[tuple[str | None, int]]:
@@ -250,15 +271,15 @@ def _repeats(rule: Rule, config: GlmConfig) -> list[tuple[str | None, int]]:
 
 
 def _mapping(rule: Rule, ctx: _Ctx, hf_names: list[str], hf_shapes: list[tuple[int, ...]],
-             mc_names: list[str], plan: Plan) -> Mapping:
+             mc_names: list[str], plan: Plan, stored: tuple[str | None, ...]) -> Mapping:
+    """HF specs by the rule's dtype policy (FP8 alone where the plan is FP8); Megatron's by --dtype and `stored`."""
+    policy = rule.dtypes
     fp8 = plan.fp8 and rule.fp8
-    hf_dtype = F32 if rule.keep_f32 else FP8 if fp8 else BF16
-    # The design notes give these tensors as F32, but the release's total_size (328,326,771,576 bytes) is
-    # only reached with hc_*_fn and the kpool ape in BF16: accept either on disk, keep F32 in Megatron.
-    alt = BF16 if rule.keep_f32 else None
-    hf = tuple(TensorSpec(n, s, hf_dtype, alt) for n, s in zip(hf_names, hf_shapes))
+    hf_dtype, accepted = (FP8, ()) if fp8 else (policy.export_default, policy.accepted)
+    hf = tuple(TensorSpec(n, s, hf_dtype, accepted) for n, s in zip(hf_names, hf_shapes))
     scales = tuple(TensorSpec(names.scale_name(n), scale_shape(s), F32) if fp8 else None
                    for n, s in zip(hf_names, hf_shapes))
     mc_shapes = rule.transform.mcore_shapes(hf_shapes, len(mc_names))
-    mc = tuple(TensorSpec(n, s, F32 if rule.keep_f32 else BF16) for n, s in zip(mc_names, mc_shapes))
-    return Mapping(rule=rule, hf=hf, mcore=mc, scales=scales, layer=ctx.layer, part=rule.scope)
+    mc_dtype = policy.megatron_dtype(plan.dtype, stored)
+    mc = tuple(TensorSpec(n, s, mc_dtype, policy.megatron_dtypes()) for n, s in zip(mc_names, mc_shapes))
+    return Mapping(rule=rule, hf=hf, mcore=mc, scales=scales, layer=ctx.layer, part=rule.scope, stored=stored)

@@ -23,3 +23,14 @@ def headers(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                 sl = f.get_slice(name)
                 out[name] = (tuple(sl.get_shape()), sl.get_dtype())
     return out
+
+
+def save_with_transformers(src: Path, out: Path, dtype: str, max_shard_size: str | None = None) -> Path:
+    """`Glm5NextForConditionalGeneration.from_pretrained(src, dtype=...).save_pretrained(out)`: a checkpoint as
+    transformers itself writes it (conv1d kept F32 in a BF16 save, no MTP layer, one file unless sharded)."""
+    import torch
+    from transformers import Glm5NextForConditionalGeneration
+
+    model = Glm5NextForConditionalGeneration.from_pretrained(src, dtype=getattr(torch, dtype))
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return out

@@ -135,7 +135,8 @@ def test_tracker_says_release_and_sidecars_sit_in_the_root(sources: dict[str, Pa
                                                            converted: dict[str, Path]) -> None:
     out = converted["tiny"]
     assert (out / TRACKER).read_text() == "release"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "glmconv.json", TRACKER, "release"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "glmconv.json", "hf_sidecars", TRACKER, "release"]
+    assert sorted(p.name for p in (out / "hf_sidecars").iterdir()) == ["generation_config.json"]
     assert json.loads((out / "release" / "metadata.json").read_text()) == {
         "sharded_backend": "torch_dist", "sharded_backend_version": 1}
     src_cfg = json.loads((sources["tiny"] / "config.json").read_text())
@@ -210,7 +211,7 @@ def test_dry_run_json_reports_each_worker_and_writes_nothing(sources: dict[str, 
     assert [w["rank"] for w in s["workers"]] == [0, 1]
     assert sum(w["bytes_in"] for w in s["workers"]) == s["bytes_in"]
     assert all(w["mappings"] > 0 and w["bytes_in"] > 0 for w in s["workers"])
-    assert all(0 < w["peak_bytes_estimate"] < 10**6 + 2 * s["bytes_in"] for w in s["workers"])
+    assert all(0 <= w["peak_bytes_estimate"] < 10**6 + 2 * s["bytes_in"] for w in s["workers"])  # 0: bytes only move
     assert list(tmp_path.iterdir()) == []
 
 

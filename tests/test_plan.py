@@ -132,12 +132,50 @@ def test_dsa_layer_with_shared_indexer_has_no_indexer_tensors():
     assert "model.language_model.layers.3.self_attn.indexer.wk.weight" in plan.hf_index
 
 
-def test_f32_kept_tensors_also_accept_bf16_on_disk_but_bf16_tensors_do_not_accept_f32(cfg):
+def test_every_bf16_or_f32_tensor_accepts_both_on_disk_but_not_f16(cfg):
     plan = build_plan(cfg, vision=False)
     fn = plan.hf_index["model.language_model.layers.0.hc_attn_fn"]
-    assert fn.accepts("F32") and fn.accepts("BF16") and not fn.accepts("F16")
-    assert not plan.hf_index["model.language_model.layers.0.self_attn.q_proj.weight"].accepts("F32")
+    q = plan.hf_index["model.language_model.layers.0.self_attn.q_proj.weight"]
+    assert (fn.dtype, fn.accepts("BF16"), fn.accepts("F32"), fn.accepts("F16")) == ("F32", True, True, False)
+    assert (q.dtype, q.accepts("BF16"), q.accepts("F32"), q.accepts("F16")) == ("BF16", True, True, False)
     assert plan.mcore_index["decoder.layers.0.self_attention_hyper_connection.mapping_proj.weight"].dtype == "F32"
+
+
+def test_fp8_weights_of_an_fp8_plan_accept_only_fp8(cfg):
+    spec = build_plan(cfg, fp8=True, vision=False).hf_index["model.language_model.layers.0.mlp.down_proj.weight"]
+    assert (spec.dtype, spec.accepts("BF16"), spec.accepts("F32")) == ("F8_E4M3", False, False)
+
+
+CONV = ("model.language_model.layers.0.self_attn.q_conv1d.weight", "model.language_model.layers.0.self_attn.k_conv1d"
+        ".weight", "model.language_model.layers.0.self_attn.v_conv1d.weight")
+MC_CONV = "decoder.layers.0.self_attention.kda.conv1d.weight"
+MC_Q, MC_A_LOG = "decoder.layers.0.self_attention.kda.q_proj.weight", "decoder.layers.0.self_attention.kda.A_log"
+
+
+def _mcore_dtypes(cfg, dtype: str, stored: dict[str, str]) -> tuple[str, str, str]:
+    plan = build_plan(cfg, vision=False, dtype=dtype, stored=stored)
+    return tuple(plan.mcore_index[n].dtype for n in (MC_CONV, MC_Q, MC_A_LOG))
+
+
+def test_dtype_keep_gives_megatron_what_the_source_stores(cfg):
+    f32_conv = dict.fromkeys(CONV, "F32")
+    assert _mcore_dtypes(cfg, "keep", f32_conv) == ("F32", "BF16", "F32")
+    assert _mcore_dtypes(cfg, "keep", {}) == ("BF16", "BF16", "F32")  # unknown: the release's
+
+
+def test_dtype_keep_meets_mixed_parts_of_one_tensor_in_f32(cfg):
+    assert _mcore_dtypes(cfg, "keep", {CONV[0]: "F32", CONV[1]: "BF16", CONV[2]: "BF16"})[0] == "F32"
+
+
+def test_dtype_keep_dequantises_fp8_to_bf16(cfg):
+    assert _mcore_dtypes(cfg, "keep", {"model.language_model.layers.0.self_attn.q_proj.weight": "F8_E4M3"})[1] == "BF16"
+
+
+def test_dtype_bf16_and_fp32_decide_every_weight_but_f32_state_stays_f32(cfg):
+    f32_conv = dict.fromkeys(CONV, "F32")
+    assert _mcore_dtypes(cfg, "bf16", f32_conv) == ("BF16", "BF16", "F32")
+    assert _mcore_dtypes(cfg, "fp32", {}) == ("F32", "F32", "F32")
+    assert _mcore_dtypes(cfg, "bf16", {"model.language_model.layers.0.self_attn.A_log": "BF16"})[2] == "F32"
 
 
 def test_release_total_size_is_reached_with_bf16_hc_fn_and_kpool_ape(cfg):

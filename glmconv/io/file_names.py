@@ -20,3 +20,4 @@ COMMON_STATE_KEY = f"{COMMON_STATE}/shard_0_1"  # ... and its DCP entry (`Sharde
 
 # glmconv's own
 MANIFEST_NAME = "glmconv.json"  # in every directory glmconv publishes; `written_by` marks it as glmconv's
+SIDECAR_DIR = "hf_sidecars"  # in a converted checkpoint: the HF source's tokenizer and generation files

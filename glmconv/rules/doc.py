@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from glmconv.rules.table import BF16, F32, GLOBAL, MTP, RULES, VISION, Rule
+from glmconv.rules.table import DTYPE_CHOICES, FP8, GLOBAL, MTP, POLICIES, RULES, VISION, DtypePolicy, Rule
 
 HEADER = """# The mapping table
 
@@ -10,12 +10,29 @@ Generated from `glmconv/rules/table.py` by `python -m glmconv.rules.doc > docs/m
 current. Templates: `{text}` the HF text prefix (`model.language_model.`), `{layer}` a layer's prefix on either
 side (`model.language_model.layers.N.` / `decoder.layers.N.`), `{mtp}` the Megatron MTP layer
 (`mtp.layers.0.transformer_layer.`), `{visual}` the HF vision prefix, `{e}` an expert, `{b}` a vision block.
-Shapes are named dimensions resolved from the config. dtype: what the release stores and Megatron receives
-(FP8 weights are dequantised to BF16; `export --fp8` re-quantises them).
+Shapes are named dimensions resolved from the config. dtype: the rule's dtype policy, below.
 
 | HF | Megatron | transform | shape (HF) | applies to | dtype |
 |---|---|---|---|---|---|
 """
+
+POLICY_HEADER = """
+## Dtype policies
+
+Every rule has one. **release**: what the GLM-5.3-Flash release stores. **accepted**: what `convert` takes from
+any checkpoint (transformers' own `save_pretrained` keeps modules matching `conv1d` in F32 in a BF16 save, and a
+full-F32 save stores everything F32); rules marked `FP8` also take the release's F8_E4M3 weights with their
+`_scale_inv` blocks (then every FP8-eligible weight must be FP8), dequantised to BF16 as the serving stacks do.
+**Megatron**: the dtype `convert --dtype keep|bf16|fp32` gives it (`keep`, the default: as stored, so a BF16
+release stays BF16, an F32 conv1d stays F32 and the round trip is bit-exact; HF tensors of one mapping stored in
+different dtypes meet in F32). `--dtype bf16` rounds F32 weights to BF16: the summary counts them
+(`narrowed_f32_to_bf16`), it is never silent. **export writes**: each HF tensor in the dtype the source stored
+(recorded by convert in `glmconv.json`, or `--like`'s where given); for a checkpoint converted by an older
+glmconv, which has no record, this column.
+
+| policy | release | accepted | Megatron: CHOICES | export writes |
+|---|---|---|---|---|
+""".replace("CHOICES", " / ".join(f"`--dtype {c}`" for c in DTYPE_CHOICES))
 
 
 def _where(rule: Rule) -> str:
@@ -27,7 +44,7 @@ def _where(rule: Rule) -> str:
 
 
 def _dtype(rule: Rule) -> str:
-    return F32 if rule.keep_f32 else f"FP8 -> {BF16}" if rule.fp8 else BF16
+    return f"`{rule.dtypes.name}`" + (f", {FP8} in the FP8 release" if rule.fp8 else "")
 
 
 def _row(rule: Rule) -> str:
@@ -37,8 +54,16 @@ def _row(rule: Rule) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _policy_row(p: DtypePolicy) -> str:
+    megatron = " / ".join(want for _, want in p.megatron)
+    cells = [f"**{p.name}**", p.release, ", ".join(p.accepted), megatron,
+             p.export_default]
+    return "| " + " | ".join(cells) + " |"
+
+
 def render() -> str:
-    return HEADER + "\n".join(_row(r) for r in RULES) + "\n"
+    return (HEADER + "\n".join(_row(r) for r in RULES) + "\n" + POLICY_HEADER
+            + "\n".join(_policy_row(p) for p in POLICIES) + "\n")
 
 
 if __name__ == "__main__":

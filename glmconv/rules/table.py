@@ -9,6 +9,7 @@ names resolved by `glmconv.plan` from the config (see `dims()` there).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from glmconv.config import DENSE, DSA, KDA, MOE
@@ -17,7 +18,54 @@ from glmconv.rules import roles as R
 from glmconv.rules.ops import Concat, Rename, SplitVector, StackExperts, Transform
 
 GLOBAL, LAYER, MTP, VISION = "global", "layer", "mtp", "vision"
-F32, BF16 = "F32", "BF16"
+F32, BF16, FP8 = "F32", "BF16", "F8_E4M3"
+
+KEEP, TO_BF16, TO_FP32 = "keep", "bf16", "fp32"
+DTYPE_CHOICES = (KEEP, TO_BF16, TO_FP32)  # convert --dtype: what Megatron gets
+AS_STORED = "as stored"
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """One rule's dtypes: what the release stores, what a checkpoint may store (transformers' own save_pretrained
+    keeps conv1d modules F32 and a full-F32 save is common), what Megatron gets under each `--dtype` choice, and
+    what export writes when nothing records the source's dtype (a checkpoint converted by an older glmconv)."""
+
+    name: str
+    release: str
+    accepted: tuple[str, ...]
+    megatron: tuple[tuple[str, str], ...]  # (--dtype choice, Megatron dtype or AS_STORED)
+    export_default: str
+
+    def megatron_dtype(self, choice: str, stored: Sequence[str | None] = ()) -> str:
+        """The Megatron dtype under `choice` for HF tensors stored as `stored` (None: unknown, the release's).
+
+        As stored: FP8 is dequantised to BF16; HF tensors of one mapping stored in different dtypes meet in F32,
+        the wider, so that none is rounded.
+        """
+        want = dict(self.megatron)[choice]
+        if want != AS_STORED:
+            return want
+        found = {BF16 if d == FP8 else d or self.release for d in stored} or {self.release}
+        return found.pop() if len(found) == 1 else F32
+
+    def megatron_dtypes(self) -> tuple[str, ...]:
+        """Every dtype a Megatron tensor of this rule may hold (whatever --dtype made it)."""
+        out = [d for _, want in self.megatron for d in ((BF16, F32) if want == AS_STORED else (want,))]
+        return tuple(dict.fromkeys(out))
+
+
+WEIGHT = DtypePolicy("weight", release=BF16, accepted=(BF16, F32),
+                     megatron=((KEEP, AS_STORED), (TO_BF16, BF16), (TO_FP32, F32)), export_default=BF16)
+# Computed in F32 by the model (A_log, dt_bias, hyper-connections, the router bias): F32 in Megatron whatever
+# --dtype says; a BF16 copy on disk is widened exactly.
+F32_STATE = DtypePolicy("f32", release=F32, accepted=(F32, BF16),
+                        megatron=((KEEP, F32), (TO_BF16, F32), (TO_FP32, F32)), export_default=F32)
+# The same, but the release stores them BF16: its total_size (328,326,771,576 bytes) is only reached with the
+# hc_*_fn and the kpool ape in BF16 (the design notes say F32).
+F32_STATE_BF16_RELEASE = DtypePolicy("f32-bf16-release", release=BF16, accepted=(F32, BF16),
+                                     megatron=F32_STATE.megatron, export_default=F32)
+POLICIES = (WEIGHT, F32_STATE, F32_STATE_BF16_RELEASE)
 
 
 @dataclass(frozen=True)
@@ -33,7 +81,7 @@ class Rule:
     mlp: str | None = None  # only layers of this MLP type
     indexer: bool = False  # only DSA layers that run their own indexer (indexer_types "full")
     hc: bool = False  # only decoder layers with hyper-connections (not the MTP layer)
-    keep_f32: bool = False  # stored F32 in the release and kept F32 in Megatron
+    dtypes: DtypePolicy = WEIGHT  # release, accepted and Megatron dtypes
     fp8: bool = False  # in the release's FP8 set (e4m3 + `_scale_inv`)
     per_expert: bool = False  # HF templates expand over `{e}` in 0..n_routed_experts-1
     needs_shared_experts: bool = False
@@ -44,6 +92,11 @@ class Rule:
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
             raise ValueError(f"rule {self.hf}: one shape per HF template")
+
+    @property
+    def keep_f32(self) -> bool:
+        """F32 in Megatron whatever --dtype says."""
+        return self.dtypes.megatron_dtypes() == (F32,)
 
 
 def _r(hf: str | tuple[str, ...], mcore: str | tuple[str, ...], *shapes: tuple[str | int, ...],
@@ -57,12 +110,12 @@ def _hc(site_hf: str, site_mc: str) -> list[Rule]:
     """The three hyper-connection tensors of one site (attn or ffn)."""
     return [
         _r(f"{{layer}}hc_{site_hf}_fn", f"{{layer}}{site_mc}_hyper_connection.mapping_proj.weight",
-           ("hc_mix", "hc_in"), hc=True, keep_f32=True, role=R.HC[site_hf][0]),
+           ("hc_mix", "hc_in"), hc=True, dtypes=F32_STATE_BF16_RELEASE, role=R.HC[site_hf][0]),
         _r(f"{{layer}}hc_{site_hf}_base", f"{{layer}}{site_mc}_hyper_connection.bias", ("hc_mix",),
-           hc=True, keep_f32=True, role=R.HC[site_hf][1]),
+           hc=True, dtypes=F32_STATE, role=R.HC[site_hf][1]),
         _r(f"{{layer}}hc_{site_hf}_scale",
            tuple(f"{{layer}}{site_mc}_hyper_connection.alpha_{a}" for a in ("pre", "post", "res")),
-           (3,), transform=SplitVector(), hc=True, keep_f32=True, role=R.HC[site_hf][2]),
+           (3,), transform=SplitVector(), hc=True, dtypes=F32_STATE, role=R.HC[site_hf][2]),
     ]
 
 
@@ -77,9 +130,9 @@ def _kda() -> list[Rule]:
     rules += [
         _r(tuple(f"{{layer}}self_attn.{p}_conv1d.weight" for p in "qkv"), "{layer}self_attention.kda.conv1d.weight",
            *[("kda_dim", 1, "conv_k")] * 3, transform=Concat(0), attn=KDA, role=R.KDA_CONV),
-        _r("{layer}self_attn.A_log", "{layer}self_attention.kda.A_log", ("kda_heads",), attn=KDA, keep_f32=True,
+        _r("{layer}self_attn.A_log", "{layer}self_attention.kda.A_log", ("kda_heads",), attn=KDA, dtypes=F32_STATE,
            role=R.KDA_A_LOG),
-        _r("{layer}self_attn.dt_bias", "{layer}self_attention.kda.dt_bias", ("kda_dim",), attn=KDA, keep_f32=True,
+        _r("{layer}self_attn.dt_bias", "{layer}self_attention.kda.dt_bias", ("kda_dim",), attn=KDA, dtypes=F32_STATE,
            role=R.KDA_DT_BIAS),
         _r("{layer}self_attn.o_norm.weight", "{layer}self_attention.kda.o_norm.weight", ("kda_head",), attn=KDA,
            role=R.KDA_O_NORM),
@@ -117,7 +170,7 @@ def _dsa() -> list[Rule]:
         _r(a + "indexer.index_kpool_compress_gate", m + "index_kpool_compress_gate", ("idx_dim", "hidden"),
            attn=DSA, indexer=True, role=R.INDEXER_COMPRESS_GATE),
         _r(a + "indexer.index_kpool_compress_ape", m + "index_kpool_compress_ape", ("kpool", "idx_dim"),
-           attn=DSA, indexer=True, keep_f32=True, role=R.INDEXER_COMPRESS_APE),
+           attn=DSA, indexer=True, dtypes=F32_STATE_BF16_RELEASE, role=R.INDEXER_COMPRESS_APE),
     ]
 
 
@@ -134,7 +187,7 @@ def _mlp() -> list[Rule]:
         _r("{layer}post_attention_layernorm.weight", "{layer}pre_mlp_layernorm.weight", ("hidden",), mlp=MOE,
            role=R.MLP_NORM),
         _r(h + "gate.weight", m + "router.weight", ("experts", "hidden"), mlp=MOE, role=R.MOE_ROUTER),
-        _r(h + "gate.e_score_correction_bias", m + "router.expert_bias", ("experts",), mlp=MOE, keep_f32=True,
+        _r(h + "gate.e_score_correction_bias", m + "router.expert_bias", ("experts",), mlp=MOE, dtypes=F32_STATE,
            role=R.MOE_EXPERT_BIAS),
         _r(tuple(h + "shared_experts." + p for p in gate_up), m + "shared_experts.linear_fc1.weight",
            ("shared_inter", "hidden"), ("shared_inter", "hidden"), transform=Concat(0), mlp=MOE, fp8=True,

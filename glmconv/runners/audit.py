@@ -280,7 +280,7 @@ def _check_one(name: str, spec: TensorSpec, got: Found, side: str) -> list[Findi
         kind = "scale-shape" if names.scale_owner(name) is not None else "shape"
         return [Finding(kind, name, file, str(list(spec.shape)), str(list(shape)), side)]
     if not spec.accepts(dtype):
-        return [Finding("dtype", name, file, spec.dtype, dtype, side)]
+        return [Finding("dtype", name, file, spec.expected_dtypes(), dtype, side)]
     return []
 
 

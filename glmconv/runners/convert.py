@@ -8,12 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv.errors import CheckpointError
+from glmconv import source_dtypes
+from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io import sidecars
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
+from glmconv.rules.table import BF16, DTYPE_CHOICES, F32, KEEP
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
 from glmconv.runners.ranks import run_on_output
@@ -35,6 +38,7 @@ class ConvertJob:
     plan: Plan
     files: dict[str, Path]
     left_out: dict[str, int] = field(default_factory=dict)  # part -> HF tensors deliberately not converted
+    sidecars: dict[str, Path] = field(default_factory=dict)  # the source's tokenizer and generation files
 
     @property
     def bytes_in(self) -> int:
@@ -44,9 +48,19 @@ class ConvertJob:
     def bytes_out(self) -> int:
         return sum(m.mcore_bytes for m in self.plan.mappings)
 
+    def recast(self, stored: str, megatron: str) -> int:
+        """HF tensors stored as `stored` that Megatron gets as `megatron` (F32 -> BF16: narrowed, rounded)."""
+        return sum(d == stored for m in self.plan.mappings if m.mcore[0].dtype == megatron for d in m.stored)
 
-def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool = True) -> ConvertJob:
-    """Audit the source against its own plan (refuse on any finding) and fix the conversion plan."""
+
+def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool = True,
+            dtype: str = KEEP) -> ConvertJob:
+    """Audit the source against its own plan (refuse on any finding) and fix the conversion plan.
+
+    `dtype` (`keep`, `bf16`, `fp32`): what the Megatron tensors become (the rules' dtype policies).
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise GlmconvError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     src_p, out_p = Path(src), Path(out)
     check_overlap(out_p, {"input": src_p})  # before reading anything: OUT may never be, hold or sit in SRC
     opts = audit_mod.Options(accept_flat_prefix=True)
@@ -60,14 +74,16 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
         more = f" (and {len(findings) - 1} more; run `glmconv audit-names {src_p}`)" if len(findings) > 1 else ""
         where = f" ({f.file})" if f.file else ""
         raise CheckpointError(f"{f.tensor}{where}: {f.kind}: expected {f.expected}, found {f.found}{more}")
+    stored = {n: t[1] for n, t in (side.tensors or {}).items()}
     plan = build_plan(full.config, fp8=full.fp8, mtp=full.mtp and mtp, vision=full.vision and vision,
-                      text_prefix=full.text_prefix)
+                      text_prefix=full.text_prefix, dtype=dtype, stored=stored)
     left_out = {part: sum(len(m.hf) + sum(1 for s in m.scales if s) for m in full.mappings
                           if m.optional_part(full.config.num_layers) == part)
                 for part, keep in (("mtp", plan.mtp), ("vision", plan.vision)) if getattr(full, part) and not keep}
     ck = inspect_hf_checkpoint(src_p)
     files = {n: shard_path(src_p, t.file) for n, t in ck.tensors.items()}
-    return ConvertJob(src=src_p, out=out_p, plan=plan, files=files, left_out=left_out)
+    return ConvertJob(src=src_p, out=out_p, plan=plan, files=files, left_out=left_out,
+                      sidecars=sidecars.find(src_p))
 
 
 def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int) -> int:
@@ -81,8 +97,8 @@ def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int) -> i
 
 
 def moves_bytes(m: Mapping) -> bool:
-    """The plan says this mapping is a pure byte move (F32-kept tensors may be stored BF16: not counted as one)."""
-    return m.byte_layout([None if t.alt_dtype else t.dtype for t in m.hf]) is not None
+    """The plan says this mapping is a pure byte move: its HF tensors are stored in the Megatron dtype."""
+    return m.byte_layout(list(m.stored)) is not None
 
 
 def _step_bytes(m: Mapping, chunk_bytes: int) -> int:
@@ -179,13 +195,22 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any,
 # ---- sidecars and verification --------------------------------------------------------------------------
 
 def write_sidecars(job: ConvertJob, stage: Path) -> None:
-    """The config (so audit and export know the model) and a manifest of what was done."""
+    """The config (so audit and export know the model), the source's HF sidecar files, and a manifest of what was
+    done: with the source's dtypes and the sidecars' sha256, export restores both without --like."""
     write_new(stage / CONFIG_NAME, json.dumps(job.plan.config.to_json(), indent=2) + "\n")
+    hashes = sidecars.store(job.sidecars, stage)
     manifest = {**manifest_fields(), "source": str(job.src.resolve()), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
                 "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
                 "hf_tensors": len(job.plan.hf_index), "mcore_tensors": len(job.plan.mcore_index),
-                "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out}
+                "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out,
+                **dtype_summary(job), source_dtypes.KEY: source_dtypes.record(job.plan), sidecars.KEY: hashes}
     write_new(stage / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+
+
+def dtype_summary(job: ConvertJob) -> dict[str, Any]:
+    """--dtype and what it did: HF tensors rounded F32 -> BF16 (never silent) and widened BF16 -> F32."""
+    return {"dtype": job.plan.dtype, "narrowed_f32_to_bf16": job.recast(F32, BF16),
+            "widened_bf16_to_f32": job.recast(BF16, F32)}
 
 
 def verify_staged(job: ConvertJob, stage: Path) -> None:
@@ -238,7 +263,8 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
     return {"src": str(job.src), "out": str(job.out), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
             "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
             "hf_tensors": len(job.plan.hf_index), "mcore_tensors": len(job.plan.mcore_index),
-            "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out,
+            "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out, **dtype_summary(job),
+            "sidecars": sorted(job.sidecars),
             "workers": [{"rank": r, "mappings": len(p), "bytes_in": sum(m.hf_bytes for m in p),
                          "peak_bytes_estimate": peak_bytes(p, opts.group_bytes, opts.chunk_bytes)}
                         for r, p in enumerate(parts)]}

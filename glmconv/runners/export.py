@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glmconv import source_dtypes
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
+from glmconv.io import sidecars
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import (
     COMMON_PT_NAME,
@@ -46,7 +48,7 @@ from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoin
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata import config_path as mcore_config_path
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
-from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
+from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
@@ -62,10 +64,7 @@ if TYPE_CHECKING:
 DEFAULT_SHARD_BYTES = 5 * 10**9
 ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
 VOCAB_DIM = "vocab"
-LIKE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
-              "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
-LIKE_GLOBS = ("chat_template*", "*.tiktoken")
+LIKE, CONVERTED, PLAN = "--like", "converted checkpoint", "plan"  # where dtypes and sidecars come from
 _RANK_DIR = ".rank-{:05d}"
 
 
@@ -85,6 +84,9 @@ class ExportJob:
     source_text_prefix: str | None = None  # from convert's manifest, when there is one
     source_fp8: bool | None = None
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    sidecars: dict[str, Path] = field(default_factory=dict)  # HF files to copy: --like's, else convert's record
+    dtypes_from: str = PLAN  # LIKE, CONVERTED (glmconv.json's record) or PLAN (an older glmconv's checkpoint)
+    sidecars_from: str | None = None  # LIKE, CONVERTED or None
 
 
 @dataclass(frozen=True)
@@ -118,18 +120,20 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
     like_ck = inspect_hf_checkpoint(like) if like is not None else None
     if like_ck is not None:
         _check_like_config(cfg, like_ck)
-        like_sidecars(like_ck.path)  # a sidecar that is not a plain file inside --like: refused before any work
     prefix = (like_ck.text_prefix if like_ck is not None else None) or names.HF_TEXT_PREFIX
     parts = names.mcore_parts_present(ck.tensors)
     plan = build_plan(cfg, fp8=fp8, mtp="mtp" in parts, vision="vision" in parts, text_prefix=prefix)
     stored_rows = check_source(plan, ck)
+    plan = retyped(plan, {n: ck.tensors[n].dtype for n in plan.mcore_index})
     manifest = _manifest(src_p)
+    dtypes, dtypes_from = _dtypes(plan, like_ck, manifest, src_p)
+    files, files_from = _sidecars(like_ck, manifest, src_p)  # refused before any work when not plain files inside
     return ExportJob(
         src=src_p, out=Path(out), plan=plan, config_json=_config_json(like_ck.config if like_ck else cfg, plan),
-        dtypes=_dtypes(plan, like_ck), stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
+        dtypes=dtypes, stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
         like=Path(like) if like is not None else None, config_path=Path(config) if config is not None else None,
         source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
-        max_shard_bytes=max_shard_bytes)
+        max_shard_bytes=max_shard_bytes, sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from)
 
 
 def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> dict[str, Path | None]:
@@ -139,10 +143,13 @@ def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> di
 
 
 def _manifest(src: Path) -> dict[str, Any]:
+    """What convert recorded; the dtype record and the sidecar list are checked where they are used."""
     path = optional_file(src, MANIFEST_NAME)
     data = load_json_file(path, source=str(src / MANIFEST_NAME)) if path is not None else {}
     types = {"text_prefix": str, "fp8_source": bool}  # convert wrote it, anyone may have edited it
-    return {k: data[k] for k, kind in types.items() if isinstance(data, dict) and type(data.get(k)) is kind}
+    out = {k: data[k] for k, kind in types.items() if isinstance(data, dict) and type(data.get(k)) is kind}
+    records = (source_dtypes.KEY, sidecars.KEY)
+    return {**out, **{k: data[k] for k in records if isinstance(data, dict) and k in data}}
 
 
 def _check_like_config(cfg: GlmConfig, like: HfCheckpoint) -> None:
@@ -156,13 +163,27 @@ def _check_like_config(cfg: GlmConfig, like: HfCheckpoint) -> None:
                           f"the torch_dist config says {f.expected}")
 
 
-def _dtypes(plan: Plan, like: HfCheckpoint | None) -> dict[str, str]:
-    """The plan's dtype per HF tensor, or the --like checkpoint's where the plan accepts it (BF16 hc fn)."""
-    out: dict[str, str] = {}
-    for name, spec in plan.hf_index.items():
-        have = like.tensors.get(name) if like is not None else None
-        out[name] = have.dtype if have is not None and spec.accepts(have.dtype) else spec.dtype
-    return out
+def _dtypes(plan: Plan, like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) -> tuple[dict[str, str], str]:
+    """The dtype to write per HF tensor and where it comes from: --like's header where the plan accepts it, else
+    the source dtypes convert recorded, else (an older glmconv's checkpoint) the plan's."""
+    found: dict[str, str] = {}
+    if like is not None:
+        found = {n: t.dtype for n, t in like.tensors.items()}
+    elif source_dtypes.KEY in manifest:
+        prefix = manifest.get("text_prefix", names.HF_TEXT_PREFIX)
+        found = source_dtypes.restore(plan, manifest[source_dtypes.KEY], prefix, src)
+    out = {name: found[name] if name in found and spec.accepts(found[name]) else spec.dtype
+           for name, spec in plan.hf_index.items()}
+    return out, LIKE if like is not None else CONVERTED if source_dtypes.KEY in manifest else PLAN
+
+
+def _sidecars(like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) -> tuple[dict[str, Path], str | None]:
+    """The HF files to copy: --like's when given (it wins), else those convert stored, checked against its sha256."""
+    if like is not None:
+        return sidecars.find(like.path), LIKE
+    if sidecars.KEY in manifest:
+        return sidecars.stored(src, manifest[sidecars.KEY]), CONVERTED
+    return {}, None
 
 
 def _config_json(cfg: GlmConfig, plan: Plan) -> dict[str, Any]:
@@ -192,8 +213,8 @@ def check_source(plan: Plan, ck: DcpCheckpoint) -> dict[str, int]:
     padded: dict[str, int] = {}
     for name, spec in plan.mcore_index.items():
         got = ck.tensors[name]
-        if got.dtype != spec.dtype:
-            raise CheckpointError(f"{name}: {got.dtype} in {where}, the plan says {spec.dtype}")
+        if not spec.accepts(got.dtype):
+            raise CheckpointError(f"{name}: {got.dtype} in {where}, the plan says {spec.expected_dtypes()}")
         if got.shape != spec.shape:
             padded[name] = _padded_rows(plan, spec, got.shape, where)
     return padded
@@ -390,22 +411,21 @@ def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
 
 
 def write_sidecars(job: ExportJob, stage: Path) -> None:
-    """config.json (FP8 block only when FP8), and with --like its generation config and tokenizer files."""
+    """config.json (FP8 block only when FP8), and the generation config and tokenizer files: --like's, or else
+    those convert stored in the torch_dist checkpoint."""
     write_new(stage / CONFIG_NAME, json.dumps(job.config_json, indent=2) + "\n")
-    if job.like is not None:
-        for name, path in like_sidecars(job.like).items():
-            copy_new(path, stage / name)
+    for name, path in job.sidecars.items():
+        copy_new(path, stage / name)
     manifest = {**manifest_fields(), "source": str(job.src.resolve()), "format": "hf-safetensors",
                 "fp8": job.plan.fp8, "mtp": job.plan.mtp, "vision": job.plan.vision,
-                "text_prefix": job.plan.text_prefix, "like": str(job.like.resolve()) if job.like else None}
+                "text_prefix": job.plan.text_prefix, "like": str(job.like.resolve()) if job.like else None,
+                **origins(job)}
     write_new(stage / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")  # last: the mark of a glmconv export
 
 
-def like_sidecars(like: Path) -> dict[str, Path]:
-    """The --like checkpoint's tokenizer and generation files, each resolved inside it (or refused)."""
-    globbed = sorted({p.name for g in LIKE_GLOBS for p in like.glob(g)})
-    found = {name: optional_file(like, name) for name in (*LIKE_FILES, *globbed)}
-    return {name: path for name, path in found.items() if path is not None}
+def origins(job: ExportJob) -> dict[str, Any]:
+    """Where the written dtypes and the sidecar files came from (--like wins over convert's record)."""
+    return {"dtypes_from": job.dtypes_from, "sidecars_from": job.sidecars_from, "sidecars": sorted(job.sidecars)}
 
 
 def verify_staged(job: ExportJob, stage: Path) -> None:
@@ -454,7 +474,7 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
     return {"src": str(job.src), "out": str(job.out), "iteration": job.iteration, "fp8": plan.fp8, "mtp": plan.mtp,
             "vision": plan.vision, "text_prefix": plan.text_prefix, "like": str(job.like) if job.like else None,
             "hf_tensors": len(plan.hf_index), "mcore_tensors": len(plan.mcore_index), "bytes_in": bytes_in(job),
-            "bytes_out": bytes_out(job), "workers": opts.workers, **space_plan(job, opts.space_check)}
+            "bytes_out": bytes_out(job), "workers": opts.workers, **origins(job), **space_plan(job, opts.space_check)}
 
 
 def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
@@ -513,5 +533,5 @@ def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int,
             "bytes_out": total, "shards": shards, "workers": world,
             "vocab_padding_stripped": {n: {"stored_rows": rows, "vocab_size": plan.mcore_index[n].shape[0]}
                                        for n, rows in sorted(job.stored_rows.items())},
-            "fp8_requantized": vars(fp8) if plan.fp8 else None, "published": str(job.out)}
+            "fp8_requantized": vars(fp8) if plan.fp8 else None, **origins(job), "published": str(job.out)}
 
