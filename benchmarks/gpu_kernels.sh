@@ -2,14 +2,16 @@
 # On the lent H200 (device tool): the kernel tests, `glmconv bench kernels`, and parity with kernels on cut8.
 # Wheels: `make gpu-wheels` here; on the machine, .whl into /tmp/site and .whl-z3 into /tmp/site-z3 (two calls,
 # see scripts/stage-wheels.sh). Fixtures are made here and carried in out/gpu (the GPU machine's transformers
-# lacks Glm5Next): glmconv fixture make out/gpu/hf-cut8 --preset cut8 && glmconv convert out/gpu/hf-cut8 out/gpu/mc-cut8
+# lacks Glm5Next): glmconv fixture make out/gpu/hf-cut8 --preset cut8 --init unit && glmconv convert out/gpu/hf-cut8 out/gpu/mc-cut8
 # (same for tiny). Usage: bash benchmarks/gpu_kernels.sh STEP...   STEP: kpool | tests | parity | bench | dsa
 #   kpool: the triton indexer's tests and timings only (needs no fla / tilelang); tests: all of tests/gpu/test_kernels.py;
 #   parity: cut8 parity with --kernels auto (fp32, bf16) and reference (bf16) + the CUDA parity tests; bench: the CLI;
 #   dsa: the SparseMLA tests only. Results go to $OUT (default out/gpu-kernels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
+# the CLI package installs as glmconv_cli from cli/ (setup.py package_dir): a link makes it importable in place
+mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
+export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 OUT=${OUT:-out/gpu-kernels}
 mkdir -p "$OUT"

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # On the lent H200 (device tool): tests/gpu, then parity timings on CUDA vs CPU for the tiny and cut8 fixtures.
 # Fixtures are made here and carried in out/gpu (the GPU machine's transformers may lack Glm5Next):
-#   glmconv fixture make out/gpu/hf-tiny --preset tiny && glmconv convert out/gpu/hf-tiny out/gpu/mc-tiny (same for cut8)
+#   glmconv fixture make out/gpu/hf-tiny --preset tiny --init unit && glmconv convert out/gpu/hf-tiny out/gpu/mc-tiny (same for cut8)
 # Results go to $OUT (gpu-tests.txt, parity-*.json, timings.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# the CLI package installs as glmconv_cli from cli/ (setup.py package_dir): a link makes it importable in place
+mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
+export PYTHONPATH=$PWD:/tmp/glmconv-cli${PYTHONPATH:+:$PYTHONPATH}
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 OUT=${OUT:-out/gpu-results}
 mkdir -p "$OUT"

@@ -10,13 +10,14 @@
 # Results go to $OUT (default out/gpu-real-cut4); checkpoints to $WORK (default /tmp/rc4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
+# the CLI package installs as glmconv_cli from cli/ (setup.py package_dir): a link makes it importable in place
+mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
+export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 OUT=${OUT:-out/gpu-real-cut4}
 WORK=${WORK:-/tmp/rc4}
 LAYERS=${LAYERS:-4}
 mkdir -p "$OUT" "$WORK"
-G() { python3 -m glmconv "$@"; }
 timed() {  # timed NAME CMD...: wall time and peak RSS of CMD into $OUT/times.txt, its output into $OUT/NAME.txt
   local name=$1; shift
   /usr/bin/time -f "$name wall %e s, peak RSS %M KB" -a -o "$OUT/times.txt" "$@" > "$OUT/$name.txt" 2>&1
@@ -24,23 +25,28 @@ timed() {  # timed NAME CMD...: wall time and peak RSS of CMD into $OUT/times.tx
 }
 for step in "$@"; do
   case $step in
-    whl) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
-    z3) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 .whl-z3/*.whl ;;
+    whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
+    z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 .whl-z3/*.whl ;;
     make)
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
         python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"; } \
         > "$OUT/env.txt" 2>&1
       rm -rf "$WORK/hf" "$WORK/mc"
-      timed fixture G fixture make "$WORK/hf" --preset real-cut4 --layers "$LAYERS" --fp8 --seed 0 --json
-      timed convert G convert "$WORK/hf" "$WORK/mc" --json
+      timed fixture python3 -m glmconv fixture make "$WORK/hf" --preset real-cut4 --layers "$LAYERS" --fp8 --seed 0 --json
+      timed convert python3 -m glmconv convert "$WORK/hf" "$WORK/mc" --json
       du -sb "$WORK/hf" "$WORK/mc" >> "$OUT/times.txt" ;;
     tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_parity_cuda.py > "$OUT/gpu-tests.txt" 2>&1
            echo "gpu tests rc=$?" >> "$OUT/times.txt" ;;
-    parity)
+    parity)  # 4096 tokens in two packed sequences of 3072 + 1024 (random ids, seed 0): the first is longer than
+             # index_topk (2048), so the kpool indexer really selects; two equal halves of 2048 would select all
+      python3 -c "
+import json, random
+r = random.Random(0)
+print('\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (3072, 1024)))" > "$WORK/prompt.jsonl"
       for conv in ${CONVS:-default serve}; do
         rm -rf "$OUT/parity-$conv"
-        timed "parity-$conv" G parity "$WORK/hf" "$WORK/mc" --device cuda --stream-layers --dtype bf16 \
-          --tokens 4096 --sequences 2 --train-conventions "$conv" --report-dir "$OUT/parity-$conv" --json
+        timed "parity-$conv" python3 -m glmconv parity "$WORK/hf" "$WORK/mc" --device cuda --stream-layers --dtype bf16 \
+          --prompt-file "$WORK/prompt.jsonl" --train-conventions "$conv" --report-dir "$OUT/parity-$conv" --json
       done ;;
     summary) python3 benchmarks/real_cut4_summary.py "$OUT" > "$OUT/summary.md" 2>&1; cat "$OUT/summary.md" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -297,7 +297,11 @@ def test_sigkill_of_a_two_worker_run_leaves_no_checkpoint(big_src: Path, baselin
 
 
 def test_a_killed_worker_fails_the_run_without_publishing(big_src: Path, baseline: Baseline, tmp_path: Path) -> None:
-    """SIGKILL one of the two workers only: the run must end (no hang) with an error, and publish nothing."""
+    """SIGKILL one of the two workers only: the run must end (no hang) with an error, and publish nothing.
+
+    The survivor may die too before the parent reaps it (gloo aborts a rank whose peer vanished mid-collective:
+    SIGABRT, seen once in 40 runs); the error line then names both deaths, the SIGKILL among them.
+    """
     out = tmp_path / "out"
     k = RNG.randint(2, baseline.files // 2)
     run = run_until(convert_cmd(big_src, out, "--workers", "2"), tmp_path / "log",
@@ -305,7 +309,8 @@ def test_a_killed_worker_fails_the_run_without_publishing(big_src: Path, baselin
     why = f"kill of one worker after {k} data files (seed {SEED})"
     assert run.killed, f"{why}: the run ended first\n{run.log}"
     assert run.rc not in (0, -signal.SIGKILL), f"{why}: rc {run.rc}\n{run.log}"
-    died = r"error: a convert worker died \(rank [01] killed by SIGKILL\); nothing published"
+    other = r"rank [01] killed by SIG[A-Z]+"
+    died = rf"error: a convert worker died \(({other}, )?rank [01] killed by SIGKILL(, {other})?\); nothing published"
     assert re.search(died, run.log), run.log
     assert "Traceback" not in run.log, run.log
     assert_nothing_published(out, why)
