@@ -67,7 +67,11 @@ def _print(s: dict) -> None:
         click.echo(f"vocab padding stripped: {name} {pad['stored_rows']:,} -> {count(pad['vocab_size'], 'row')}")
     if s["fp8_requantized"]:
         f = s["fp8_requantized"]
-        click.echo(f"fp8: {count(f['tensors'], 'weight')}, {count(f['blocks'], 'block')}, "
+        kept = f["blocks"] - f["requantized_blocks"]
+        reused = f", {count(kept, 'block')} kept as --like stores them" if s["like"] else ""
+        click.echo(f"fp8: {count(f['tensors'], 'weight')}, {count(f['blocks'], 'block')}: "
+                   f"{count(f['requantized_blocks'], 'block')} re-quantised (in "
+                   f"{count(f['requantized_tensors'], 'weight')}){reused}; "
                    f"{count(f['scale_adjusted_blocks'], 'scale')} moved off amax/448 to reproduce the bf16 values, "
                    f"{count(f['inexact_blocks'], 'block')} inexact")
     for part in ("mtp", "vision"):

@@ -17,6 +17,13 @@ def quantize_fp8_exact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int
 
     Returns (codes, scales, blocks whose scale moved off amax/448, blocks that still do not reproduce w).
     """
+    q, s, moved, inexact = quantize_fp8_exact_blocks(w)
+    return q, s, int(moved.sum()), int(inexact.sum())
+
+
+def quantize_fp8_exact_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_exact` with per-block masks (scale moved, not reproduced): callers that keep some blocks
+    (export --like, glmconv/io/fp8_reuse.py) count only the blocks they take."""
     import torch
 
     from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
@@ -24,12 +31,18 @@ def quantize_fp8_exact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int
     w = w.contiguous()
     q, s = quantize_fp8_blocks(w)
     if w.dtype != torch.bfloat16:
-        return q, s, 0, 0
+        none = torch.zeros(s.shape, dtype=torch.bool)
+        return q, s, none, none.clone()
     lo, hi = _scale_bounds(q, w)
     moved = torch.where(lo <= hi, torch.minimum(torch.maximum(s, lo), hi), s)
-    exact = _blocks(dequantize_fp8_blocks(q, moved).view(torch.int16) != w.view(torch.int16), False).logical_not()
+    exact = block_any(dequantize_fp8_blocks(q, moved).view(torch.int16) != w.view(torch.int16)).logical_not()
     final = torch.where(exact, moved, s)
-    return q, final.contiguous(), int((final != s).sum()), int(exact.logical_not().sum())
+    return q, final.contiguous(), final != s, exact.logical_not()
+
+
+def block_any(mask: torch.Tensor) -> torch.Tensor:
+    """Per 128x128 block of a 2-D bool tensor: does any element hold (edge blocks cropped)."""
+    return _blocks(mask, False)
 
 
 def _scale_bounds(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ path can be switched off (`ExportOptions(zero_copy=False)`, or `GLMCONV_ZERO_COP
 both paths write byte-identical files (tests/test_export.py).
 
 FP8 (`--fp8`): the codes are re-quantised and each block's scale moved so that every value dequantises to
-exactly the bf16 being exported (`glmconv.io.fp8_exact`; why and what was measured: docs/fp8.md).
+exactly the bf16 being exported (`glmconv.io.fp8_exact`; why and what was measured: docs/fp8.md). With `--like`
+an FP8 checkpoint, each 128x128 block whose --like codes and scale still give back the exported weight keeps
+them byte for byte; only the other blocks are re-quantised, and counted (`glmconv.io.fp8_reuse`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
     import torch
 
     from glmconv.io.byte_copy import Extent
+    from glmconv.io.fp8_reuse import LikeFp8
     from glmconv.io.safetensors.writer import PlannedTensor
     from glmconv.io.torch_dist.reader import DcpReader
 
@@ -105,6 +109,7 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
             fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportJob:
     """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch)."""
     from glmconv.io.torch_dist.common_state import read_common_state
+    from glmconv.megatron_args import check_stored_args
 
     if max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
@@ -117,6 +122,7 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
     common = read_common_state(ck.iter_dir)
     cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir)
     cfg = load_config(cfg_path)
+    check_stored_args(common.get("args"), cfg, str(ck.iter_dir))  # another model than its config: refused now
     like_ck = inspect_hf_checkpoint(like) if like is not None else None
     if like_ck is not None:
         _check_like_config(cfg, like_ck)
@@ -236,15 +242,18 @@ def _padded_rows(plan: Plan, spec: TensorSpec, shape: tuple[int, ...], where: Pa
 
 @dataclass
 class Fp8Stats:
-    """What re-quantisation did: blocks written, scales moved off amax/448, blocks not reproduced exactly."""
+    """What FP8 encoding did: weights and blocks written, those re-quantised (the rest are --like's own bytes),
+    and of those, scales moved off amax/448 and blocks not reproduced exactly."""
 
     tensors: int = 0
     blocks: int = 0
     scale_adjusted_blocks: int = 0
     inexact_blocks: int = 0
+    requantized_tensors: int = 0
+    requantized_blocks: int = 0
 
     def add(self, other: Fp8Stats) -> None:
-        for k in ("tensors", "blocks", "scale_adjusted_blocks", "inexact_blocks"):
+        for k in vars(other):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
@@ -257,27 +266,28 @@ def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str
 
 
 def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], stored_rows: dict[str, int],
-                    chunk_bytes: int, stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
+                    chunk_bytes: int, stats: Fp8Stats,
+                    like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One mapping backward; stacked experts come `chunk_bytes` of experts at a time, never whole."""
     try:
         if m.by_rows:
-            yield from _row_tensors(m, reader, dtypes, chunk_bytes, stats)
+            yield from _row_tensors(m, reader, dtypes, chunk_bytes, stats, like)
             return
         mcore = [reader.read(t.name, (0, t.shape[0]) if t.name in stored_rows else None) for t in m.mcore]
         hf = m.rule.transform.backward(mcore, [t.shape for t in m.hf])
         for spec, scale, tensor in zip(m.hf, m.scales, hf, strict=True):
-            yield from _encode(spec, scale, tensor, dtypes, stats)
+            yield from _encode(spec, scale, tensor, dtypes, stats, like)
     finally:
         reader.drop_cache()
 
 
 def _row_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], chunk_bytes: int,
-                stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
+                stats: Fp8Stats, like: LikeFp8 | None) -> Iterator[tuple[str, torch.Tensor]]:
     for rows, picks in m.row_steps(chunk_bytes) or []:
         chunk = reader.read(m.mcore[0].name, (rows.start, rows.stop))
         hf = m.rule.transform.backward([chunk], [])
         for i, tensor in zip(picks, hf, strict=True):
-            yield from _encode(m.hf[i], m.scales[i], tensor, dtypes, stats)
+            yield from _encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like)
 
 
 def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> list[PlannedTensor]:
@@ -324,7 +334,7 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
 
 
 def _encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: dict[str, str],
-            stats: Fp8Stats) -> Iterator[tuple[str, torch.Tensor]]:
+            stats: Fp8Stats, like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from glmconv.io.dtypes import TORCH_DTYPES
 
     if tuple(t.shape) != spec.shape:
@@ -335,12 +345,13 @@ def _encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes:
         return
     if scale is None:
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
-    from glmconv.io.fp8_exact import quantize_fp8_exact
+    from glmconv.io.fp8_reuse import encode
 
-    q, s, adjusted, inexact = quantize_fp8_exact(t)
-    stats.add(Fp8Stats(1, s.numel(), adjusted, inexact))
-    yield spec.name, q
-    yield scale.name, s
+    fp8 = encode(t, like.pair(spec.name) if like is not None else None)
+    stats.add(Fp8Stats(1, fp8.scales.numel(), fp8.scale_adjusted, fp8.inexact, int(fp8.requantized > 0),
+                       fp8.requantized))
+    yield spec.name, fp8.codes
+    yield scale.name, fp8.scales
 
 
 # ---- one rank's share --------------------------------------------------------------------------------
@@ -355,6 +366,15 @@ class ShareResult:
     consumed: list[str]
     bytes_read: int
     fp8: Fp8Stats
+
+
+def like_fp8(job: ExportJob) -> AbstractContextManager[LikeFp8 | None]:
+    """--like's FP8 codes and scales to reuse, when both the export and --like are FP8-capable; else None."""
+    from contextlib import nullcontext
+
+    from glmconv.io.fp8_reuse import LikeFp8
+
+    return LikeFp8(job.like) if job.plan.fp8 and job.like is not None else nullcontext(None)
 
 
 def rank_dir(stage: Path, rank: int) -> Path:
@@ -375,14 +395,15 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     outputs = [planned_outputs(m, job.dtypes, chunk_bytes) for m in share]
     writer = PlannedShardWriter(rank_dir(stage, rank), [t for ts in outputs for t in ts], job.max_shard_bytes)
     try:
-        with FileCopier() as copier:
+        with FileCopier() as copier, like_fp8(job) as like:
             for m, planned in zip(share, outputs):
                 route = byte_route(m, reader, job.dtypes) if zero_copy and not check_finite else None
                 if route is not None:
                     for t in planned:
                         reader.bytes_read += writer.copy(t.name, route[t.name], copier)
                 else:
-                    for name, tensor in mapping_tensors(m, reader, job.dtypes, job.stored_rows, chunk_bytes, stats):
+                    for name, tensor in mapping_tensors(m, reader, job.dtypes, job.stored_rows, chunk_bytes, stats,
+                                                        like):
                         writer.write(name, tensor)
                 consumed.extend(t.name for t in m.mcore)
                 prog.advance(m.mcore_bytes, len(m.hf))
@@ -410,16 +431,16 @@ def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
     return len(files), total
 
 
-def write_sidecars(job: ExportJob, stage: Path) -> None:
+def write_sidecars(job: ExportJob, stage: Path, fp8: Fp8Stats | None = None) -> None:
     """config.json (FP8 block only when FP8), and the generation config and tokenizer files: --like's, or else
-    those convert stored in the torch_dist checkpoint."""
+    those convert stored in the torch_dist checkpoint; glmconv.json records what FP8 encoding did."""
     write_new(stage / CONFIG_NAME, json.dumps(job.config_json, indent=2) + "\n")
     for name, path in job.sidecars.items():
         copy_new(path, stage / name)
     manifest = {**manifest_fields(), "source": str(job.src.resolve()), "format": "hf-safetensors",
                 "fp8": job.plan.fp8, "mtp": job.plan.mtp, "vision": job.plan.vision,
                 "text_prefix": job.plan.text_prefix, "like": str(job.like.resolve()) if job.like else None,
-                **origins(job)}
+                **origins(job), "fp8_requantized": vars(fp8) if job.plan.fp8 and fp8 is not None else None}
     write_new(stage / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")  # last: the mark of a glmconv export
 
 
@@ -513,7 +534,7 @@ class ExportRun(PlanRun):
     def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
         try:
             shards, total = merge_shards(stage, results)
-            write_sidecars(self.job, stage)
+            write_sidecars(self.job, stage, fp8_stats(results))
             verify_staged(self.job, stage)
         except OSError as exc:
             raise CheckpointError(f"{self.job.out}: cannot write the export ({exc.strerror or exc})") from None
@@ -522,9 +543,7 @@ class ExportRun(PlanRun):
 
 def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int, world: int) -> dict[str, Any]:
     """What was exported: tensors, bytes in (read from .distcp) and out (written), padding, FP8 re-quantisation."""
-    fp8 = Fp8Stats()
-    for r in results:
-        fp8.add(r.fp8)
+    fp8 = fp8_stats(results)
     plan = job.plan
     return {"src": str(job.src), "out": str(job.out), "iteration": job.iteration, "fp8": plan.fp8, "mtp": plan.mtp,
             "vision": plan.vision, "text_prefix": plan.text_prefix, "source_text_prefix": job.source_text_prefix,
@@ -535,3 +554,11 @@ def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int,
                                        for n, rows in sorted(job.stored_rows.items())},
             "fp8_requantized": vars(fp8) if plan.fp8 else None, **origins(job), "published": str(job.out)}
 
+
+
+def fp8_stats(results: list[ShareResult]) -> Fp8Stats:
+    """Every rank's FP8 counts, summed."""
+    fp8 = Fp8Stats()
+    for r in results:
+        fp8.add(r.fp8)
+    return fp8

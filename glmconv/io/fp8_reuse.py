@@ -1,0 +1,104 @@
+"""`export --fp8 --like`: keep the --like checkpoint's own FP8 codes and scales wherever they still reproduce the
+weight, block by block, so an untouched FP8 checkpoint round-trips byte-identical (docs/fp8.md).
+
+A 128x128 block is reused whole (codes and scale) when its --like codes times its --like scale, dequantised
+exactly as convert does (`dequantize_fp8_blocks` into the weight's dtype), equal the exported weight bit for
+bit and the scale is one convert accepts; every other block is re-quantised whole (`quantize_fp8_exact_blocks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from glmconv.rules import names
+from glmconv.rules.table import F32, FP8
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmconv.io.safetensors.reader import HfTensorSource
+
+_INT_VIEW_BYTES = (2, 4)  # bf16/f16 and f32 weights are compared as int16/int32 bit patterns
+
+
+@dataclass
+class Fp8Blocks:
+    """One FP8 weight as written: codes, scales, and per-block counts of what happened to it."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    requantized: int  # blocks quantised anew (the rest are --like's bytes)
+    scale_adjusted: int  # of those, blocks whose scale moved off amax/448
+    inexact: int  # of those, blocks that still do not reproduce the weight
+
+
+def encode(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> Fp8Blocks:
+    """`w` as FP8: --like's blocks where they reproduce `w` bit for bit, the others re-quantised."""
+    import torch
+
+    from glmconv.io.fp8_exact import quantize_fp8_exact_blocks
+
+    keep = reusable_blocks(w, *like) if like is not None else None
+    if keep is not None and bool(keep.all()):
+        return Fp8Blocks(like[0], like[1], 0, 0, 0)  # type: ignore[index]
+    q, s, moved, inexact = quantize_fp8_exact_blocks(w)
+    if keep is None:
+        return Fp8Blocks(q, s, s.numel(), int(moved.sum()), int(inexact.sum()))
+    new = keep.logical_not()
+    codes = torch.where(_elements(new, tuple(w.shape)), q.view(torch.uint8), like[0].view(torch.uint8))  # type: ignore[index]
+    scales = torch.where(new, s, like[1])  # type: ignore[index]
+    return Fp8Blocks(codes.view(torch.float8_e4m3fn), scales.contiguous(), int(new.sum()), int((moved & new).sum()),
+                     int((inexact & new).sum()))
+
+
+def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """Per block: do --like's codes and scale give back `w` exactly (and is the scale valid)? None: not comparable."""
+    import torch
+
+    from glmconv.io.fp8 import dequantize_fp8_blocks, scale_shape
+    from glmconv.io.fp8_exact import block_any
+
+    if (w.dim() != 2 or w.element_size() not in _INT_VIEW_BYTES or codes.dtype != torch.float8_e4m3fn
+            or tuple(codes.shape) != tuple(w.shape) or scales.dtype != torch.float32
+            or tuple(scales.shape) != scale_shape(tuple(w.shape))):
+        return None
+    bits = torch.int16 if w.element_size() == 2 else torch.int32
+    got = dequantize_fp8_blocks(codes, scales, out_dtype=w.dtype)
+    same = block_any(got.view(bits) != w.contiguous().view(bits)).logical_not()
+    valid = torch.isfinite(scales) & (scales >= torch.finfo(torch.float32).tiny)
+    return same & valid
+
+
+def _elements(blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A per-block mask spread over the elements of a `shape` weight."""
+    from glmconv.io.fp8 import FP8_BLOCK
+
+    rows, cols = shape
+    return blocks.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+
+
+class LikeFp8:
+    """The --like checkpoint's FP8 codes and scales, read one weight at a time (bounded memory)."""
+
+    def __init__(self, like: Path) -> None:
+        from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+        from glmconv.io.safetensors.reader import HfTensorSource
+
+        ck = inspect_hf_checkpoint(like)
+        self._stored = {n: t.dtype for n, t in ck.tensors.items()}
+        self._source: HfTensorSource = HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
+
+    def __enter__(self) -> LikeFp8:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._source.close()
+
+    def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(codes, scales) of FP8 weight `name` in --like, or None where --like does not store it as FP8."""
+        scale = names.scale_name(name)
+        if self._stored.get(name) != FP8 or self._stored.get(scale) != F32:
+            return None
+        return self._source.raw(name), self._source.raw(scale)
