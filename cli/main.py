@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -43,6 +44,8 @@ class _Group(click.Group):
             _fail(f"error: {one_line(exc.format_message())}", exc.exit_code)
         except (click.exceptions.Exit, click.Abort, click.ClickException):
             raise
+        except BrokenPipeError:
+            _reader_gone()
         except Exception as exc:
             _fail(internal_error_line(exc), INTERNAL_EXIT)
 
@@ -60,6 +63,12 @@ def _interruptible(invoke: Callable[[click.Context], object], ctx: click.Context
         if really is exc:
             raise
         raise really from None
+
+
+def _reader_gone() -> NoReturn:
+    """stdout's reader went away (`glmconv ... | head`): stop quietly with SIGPIPE's status, like any Unix tool."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not fail again
+    sys.exit(128 + signal.SIGPIPE)
 
 
 def _fail(line: str, code: int) -> NoReturn:
@@ -93,6 +102,7 @@ def _register() -> None:
     from glmconv_cli.convert_cmd import convert
     from glmconv_cli.export_cmd import export
     from glmconv_cli.fixture_cmd import fixture
+    from glmconv_cli.megatron_args_cmd import megatron_args
     from glmconv_cli.parity_cmd import parity
 
     cli.add_command(audit_names)
@@ -100,6 +110,7 @@ def _register() -> None:
     cli.add_command(convert)
     cli.add_command(export)
     cli.add_command(fixture)
+    cli.add_command(megatron_args)
     cli.add_command(parity)
 
 
@@ -107,7 +118,14 @@ _register()
 
 
 def main() -> None:
-    cli(prog_name="glmconv")
+    try:
+        cli(prog_name="glmconv")
+    except SystemExit:
+        try:
+            sys.stdout.flush()  # what is still buffered goes now, while a closed pipe can be told apart
+        except BrokenPipeError:
+            _reader_gone()
+        raise
 
 
 if __name__ == "__main__":

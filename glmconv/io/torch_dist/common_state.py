@@ -73,7 +73,7 @@ def build_args(config: GlmConfig, *, padded_vocab_size: int | None = None, **ove
     shared = t["moe_intermediate_size"] * t["n_shared_experts"]
     args: dict[str, Any] = dict(
         num_layers=config.num_layers, hidden_size=t["hidden_size"], ffn_hidden_size=t["intermediate_size"],
-        num_attention_heads=t["num_attention_heads"], normalization="RMSNorm", norm_epsilon=t["rms_norm_eps"],
+        num_attention_heads=t["num_attention_heads"], normalization="RMSNorm", layernorm_epsilon=t["rms_norm_eps"],
         swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
         position_embedding_type="none", add_position_embedding=False,
         max_position_embeddings=t.get("max_position_embeddings"),
