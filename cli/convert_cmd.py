@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from glmconv.progress import PLAN, say
 from glmconv.rules.table import DTYPE_CHOICES, KEEP
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SIZE
@@ -36,6 +37,7 @@ from glmconv_cli.sizes import SIZE
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int,
             force: bool, mtp: bool, vision: bool, group_size: int, check_finite: bool, dtype: str) -> None:
     """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
+    say("convert", PLAN, f"reading and auditing {hf_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 
     summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,

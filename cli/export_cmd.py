@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from glmconv.progress import PLAN, say
 from glmconv.text import count, printable, show
 from glmconv_cli.convert_cmd import plan_lines
 from glmconv_cli.sizes import SIZE
@@ -35,6 +36,7 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
            workers: int, as_json: bool, force: bool, check_finite: bool, dry_run: bool,
            no_space_check: bool) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
+    say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,

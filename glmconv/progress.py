@@ -1,4 +1,9 @@
-"""Progress for long jobs: rich bars on a terminal, a plain line every few seconds otherwise."""
+"""Progress for long jobs: rich bars on a terminal, a plain line every few seconds otherwise.
+
+Bytes are counted once written (a write or copy_file_range returned), never when queued; tensors once their last
+byte is written. On a terminal each phase of a run (plan, copy, flush, verify, publish) gets a line when it
+starts (`say`), the first at once, before torch is imported; a pipe keeps the periodic plain lines alone.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,35 @@ from types import TracebackType
 
 from glmconv.text import printable
 
+PLAN, COPY, FLUSH, VERIFY, PUBLISH = "plan", "copy", "flush", "verify", "publish"
+
+
+def on_terminal() -> bool:
+    """stderr is a terminal: phases are shown (a pipe or a log file gets the plain periodic lines only)."""
+    return sys.stderr.isatty()
+
+
+def say(label: str, phase: str, detail: str = "", *, enabled: bool = True) -> None:
+    """One line `LABEL: PHASE DETAIL` on a terminal's stderr, at once (cheap: nothing heavy is imported)."""
+    if enabled and on_terminal():
+        print(f"{printable(label)}: {phase}{' ' + printable(detail) if detail else ''}", file=sys.stderr, flush=True)
+
 
 class Progress:
-    """Counts bytes and tensors against known totals; silent when `enabled` is False (e.g. --json)."""
+    """Counts written bytes and finished tensors against known totals; silent when `enabled` is False (--json)."""
 
     def __init__(self, label: str, total_bytes: int, total_items: int, *, enabled: bool = True,
-                 every_s: float = 5.0) -> None:
-        self.label, self.total_bytes, self.total_items = label, total_bytes, total_items
+                 every_s: float = 5.0, noun: str = "tensors") -> None:
+        self.label, self.total_bytes, self.total_items, self.noun = label, total_bytes, total_items, noun
         self.done_bytes = self.done_items = 0
         self.enabled, self.every_s = enabled, every_s
+        self.phase_name = ""
         self._rich = None
         self._task = None
         self._start = self._last = time.monotonic()
 
     def __enter__(self) -> Progress:
-        if self.enabled and sys.stderr.isatty():
+        if self.enabled and on_terminal():
             from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
             from rich.progress import Progress as RichProgress
@@ -31,17 +50,34 @@ class Progress:
                                       TransferSpeedColumn(), TextColumn("{task.fields[items]}", markup=False),
                                       TimeRemainingColumn(), console=Console(stderr=True), transient=True)
             self._rich.__enter__()
-            self._task = self._rich.add_task(printable(self.label), total=self.total_bytes, items="")
+            self._task = self._rich.add_task(self._description(), total=self.total_bytes, items="")
         return self
 
     def advance(self, nbytes: int, items: int = 1) -> None:
+        """`nbytes` more written and `items` more tensors finished."""
         self.done_bytes += nbytes
         self.done_items += items
         if self._rich is not None:
-            self._rich.update(self._task, advance=nbytes, items=f"{self.done_items}/{self.total_items} tensors")
+            self._rich.update(self._task, advance=nbytes, items=self._items())
         elif self.enabled and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             print(self.line(), file=sys.stderr, flush=True)
+
+    def phase(self, name: str, detail: str = "", *, quiet: bool = False) -> None:
+        """A new phase starts: the bar names it and, unless `quiet` (a brief flush between writes), a line says it."""
+        if name == self.phase_name:
+            return
+        self.phase_name = name
+        if self._rich is not None:
+            self._rich.update(self._task, description=self._description())
+            if not quiet:
+                self._rich.console.print(self._phase_text(name, detail), markup=False, highlight=False)
+
+    def summary_line(self) -> str:
+        """What the copy phase wrote: real bytes and finished tensors, with the elapsed time and rate."""
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        return (f"{self.done_bytes / 1e9:.3f} GB written, {self._items()} in {elapsed:.1f}s "
+                f"({self.done_bytes / elapsed / 1e6:.0f} MB/s)")
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self._start, 1e-9)
@@ -49,9 +85,18 @@ class Progress:
         eta = (self.total_bytes - self.done_bytes) / rate if rate else float("inf")
         pct = 100.0 * self.done_bytes / self.total_bytes if self.total_bytes else 100.0
         return (f"{printable(self.label)}: {pct:5.1f}% {self.done_bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB, "
-                f"{self.done_items}/{self.total_items} tensors, {rate / 1e6:.0f} MB/s, ETA {eta:.0f}s")
+                f"{self.done_items}/{self.total_items} {self.noun}, {rate / 1e6:.0f} MB/s, ETA {eta:.0f}s")
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._rich is not None:
             self._rich.__exit__(exc_type, exc, tb)
+
+    def _items(self) -> str:
+        return f"{self.done_items:,}/{self.total_items:,} {self.noun}"
+
+    def _description(self) -> str:
+        return f"{printable(self.label)}: {self.phase_name}"
+
+    def _phase_text(self, name: str, detail: str) -> str:
+        return f"{printable(self.label)}: {name}{' ' + printable(detail) if detail else ''}"

@@ -185,8 +185,7 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any,
                 consumed.extend(t.name for t in m.hf)
                 consumed.extend(s.name for s in m.scales if s)
                 state["written"] += len(m.mcore)
-                state["bytes"] += m.hf_bytes
-                progress.advance(m.hf_bytes, len(m.hf))
+                state["bytes"] += m.hf_bytes  # the writer counts bytes on `progress` as it writes them
 
     writer.write_stream(chunks(), group_bytes)
     return ShareResult(consumed=consumed, written=state["written"], bytes_in=state["bytes"])
@@ -272,14 +271,18 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
+    from glmconv.progress import PUBLISH, say
+
     return run_on_output(job.out, {"input": job.src}, force, run_plan, (ConvertRun(job, opts),), opts.workers,
-                         "convert", space_check=(lambda: space_plan(job, True)) if opts.space_check else None)
+                         "convert", space_check=(lambda: space_plan(job, True)) if opts.space_check else None,
+                         on_publish=lambda: say("convert", PUBLISH, str(job.out), enabled=opts.progress))
 
 
 class ConvertRun(PlanRun):
     """Convert's steps of the shared flow: each rank writes its own DCP data files; rank 0 the metadata."""
 
     verb = "convert"
+    noun = "Megatron tensors"
 
     def __init__(self, job: ConvertJob, opts: RunOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
@@ -289,12 +292,15 @@ class ConvertRun(PlanRun):
         return shares(self.job.plan.mappings, world)[rank]
 
     def share_bytes(self, share: list[Mapping]) -> int:
-        return sum(m.hf_bytes for m in share)
+        return sum(m.mcore_bytes for m in share)
+
+    def share_items(self, share: list[Mapping]) -> int:
+        return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
         from glmconv.io.torch_dist.writer import DcpWriter
 
-        self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group)
+        self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
         return run_share(self.job, share, self._writer, prog, group_bytes=self.opts.group_bytes,
                          chunk_bytes=self.opts.chunk_bytes, check_finite=self.opts.check_finite)
 

@@ -400,13 +400,15 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
                 route = byte_route(m, reader, job.dtypes) if zero_copy and not check_finite else None
                 if route is not None:
                     for t in planned:
-                        reader.bytes_read += writer.copy(t.name, route[t.name], copier)
+                        copied = writer.copy(t.name, route[t.name], copier)
+                        reader.bytes_read += copied
+                        prog.advance(copied)  # once written: bytes and tensors as they reach the shard
                 else:
                     for name, tensor in mapping_tensors(m, reader, job.dtypes, job.stored_rows, chunk_bytes, stats,
                                                         like):
                         writer.write(name, tensor)
+                        prog.advance(tensor.numel() * tensor.element_size())
                 consumed.extend(t.name for t in m.mcore)
-                prog.advance(m.mcore_bytes, len(m.hf))
     except BaseException:
         writer.abort()
         raise
@@ -502,8 +504,11 @@ def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[
     """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     start = time.monotonic()
     inputs = _inputs(job.src, job.like, job.config_path)
+    from glmconv.progress import PUBLISH, say
+
     summary = run_on_output(job.out, inputs, force, run_plan, (ExportRun(job, opts),), opts.workers, "export",
-                            space_check=(lambda: space_plan(job, True)) if opts.space_check else None)
+                            space_check=(lambda: space_plan(job, True)) if opts.space_check else None,
+                            on_publish=lambda: say("export", PUBLISH, str(job.out), enabled=opts.progress))
     return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
 
 
@@ -511,6 +516,7 @@ class ExportRun(PlanRun):
     """Export's steps of the shared flow: each rank writes shards into its own folder; rank 0 names them."""
 
     verb = "export"
+    noun = "HF tensors"
 
     def __init__(self, job: ExportJob, opts: ExportOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
@@ -520,7 +526,10 @@ class ExportRun(PlanRun):
         return sorted(shares(self.job.plan.mappings, world)[rank], key=lambda m: order[id(m)])
 
     def share_bytes(self, share: list[Mapping]) -> int:
-        return sum(m.mcore_bytes for m in share)
+        return sum(t.nbytes for m in share for t in planned_outputs(m, self.job.dtypes, self.opts.chunk_bytes))
+
+    def share_items(self, share: list[Mapping]) -> int:
+        return sum(len(planned_outputs(m, self.job.dtypes, self.opts.chunk_bytes)) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
         o = self.opts

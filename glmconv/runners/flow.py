@@ -13,6 +13,7 @@ from typing import Any
 
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.plan import Mapping
+from glmconv.progress import COPY, FLUSH, VERIFY
 from glmconv.runners.ranks import broadcast, gather, progress, try_, try_none
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are moved in steps of at most this many bytes
@@ -28,9 +29,15 @@ class PlanRun(ABC):
     def share_of(self, rank: int, world: int) -> list[Mapping]:
         """This rank's mappings, in the order it runs them."""
 
+    noun: str = "tensors"  # what the progress bar counts: the summary's name for the tensors written
+
     @abstractmethod
     def share_bytes(self, share: list[Mapping]) -> int:
-        """The bytes the progress bar counts for `share`."""
+        """The bytes `share` writes: what the progress bar counts, as each write returns."""
+
+    @abstractmethod
+    def share_items(self, share: list[Mapping]) -> int:
+        """The tensors `share` writes (`noun`), as the summary counts them."""
 
     @abstractmethod
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> Any:
@@ -52,16 +59,19 @@ def run_plan(run: PlanRun, stage: Path, rank: int, world: int, group: Any) -> di
     """One rank's part of `run` (the `fn` that `ranks.run_on_output` calls); rank 0's summary on every rank."""
     share = run.share_of(rank, world)
     label = f"{run.verb} [{rank}/{world}]" if world > 1 else run.verb
-    with progress(label, run.share_bytes(share), sum(len(m.hf) for m in share),
-                  run.show_progress and rank == 0) as prog:
+    with progress(label, run.share_bytes(share), run.share_items(share), run.show_progress and rank == 0,
+                  run.noun) as prog:
+        prog.phase(COPY, f"{prog.total_bytes / 1e9:.3f} GB in {prog.total_items:,} {run.noun}")
         outcome = try_(lambda: run.run_share(share, rank, stage, prog, group))
-    results = gather(group, outcome, world)
-    error = None
-    if rank == 0:
-        error = next((r for r in results if isinstance(r, str)), None) or try_none(lambda: run.check(results))
-    _raise(broadcast(group, error))
-    run.after_check(rank, stage, group)
-    verdict = try_(lambda: run.finish(stage, results, world)) if rank == 0 else None
+        prog.phase(FLUSH, f"(copy done: {prog.summary_line()})")
+        results = gather(group, outcome, world)
+        error = None
+        if rank == 0:
+            error = next((r for r in results if isinstance(r, str)), None) or try_none(lambda: run.check(results))
+        _raise(broadcast(group, error))
+        run.after_check(rank, stage, group)
+        prog.phase(VERIFY)
+        verdict = try_(lambda: run.finish(stage, results, world)) if rank == 0 else None
     verdict = broadcast(group, verdict)
     _raise(verdict if isinstance(verdict, str) else None)
     return verdict

@@ -70,10 +70,10 @@ def collective_error(group: Any, error: str | None) -> str | None:
     return broadcast(group, error)
 
 
-def progress(label: str, total: int, items: int, enabled: bool) -> Any:
+def progress(label: str, total: int, items: int, enabled: bool, noun: str = "tensors") -> Any:
     from glmconv.progress import Progress
 
-    return Progress(label, total, items, enabled=enabled)
+    return Progress(label, total, items, enabled=enabled, noun=noun)
 
 
 # ---- running: one process, --workers N, or torchrun ranks ---------------------------------------------
@@ -85,10 +85,12 @@ def torchrun_env() -> tuple[int, int] | None:
 
 
 def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: RankFn, args: tuple[Any, ...],
-                  workers: int, what: str, space_check: Callable[[], Any] | None = None) -> dict[str, Any]:
+                  workers: int, what: str, space_check: Callable[[], Any] | None = None,
+                  on_publish: Callable[[], None] | None = None) -> dict[str, Any]:
     """Check OUT against the inputs, then stage, run every rank and publish, holding OUT's exclusive lock.
 
-    `space_check` (glmconv/space.py) runs once OUT is known to be writable, before anything is written.
+    `space_check` (glmconv/space.py) runs once OUT is known to be writable, before anything is written;
+    `on_publish` (progress) just before the staging directory is renamed into place.
 
     `fn(*args, stage, rank, world, group)` writes into `stage` and never publishes: the launching process
     does, once every rank is done (under torchrun, rank 0, which also takes the lock; a refusal there ends
@@ -110,7 +112,7 @@ def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: Ra
                 if lead:
                     output.recover(real)  # a run killed inside publish: its old OUT is put back first
                 output.check_target(out, real, force)  # again, under the lock: another run may have published
-                return _run_staged(out, real, force, fn, args, workers, what)
+                return _run_staged(out, real, force, fn, args, workers, what, on_publish)
         except BaseException as exc:
             really = interrupt.as_interrupt(exc)
             if really is exc:
@@ -119,13 +121,15 @@ def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: Ra
 
 
 def _run_staged(out: Path, real: Path, force: bool, fn: RankFn, args: tuple[Any, ...], workers: int,
-                what: str) -> dict[str, Any]:
+                what: str, on_publish: Callable[[], None] | None = None) -> dict[str, Any]:
     """The lead makes the staging directory, runs the ranks, publishes; on any failure it discards the stage."""
     env = torchrun_env()
     stage = output.open_stage(real) if env is None or env[0] == 0 else None
     try:
         summary = run_ranks(fn, (*args, output.sibling(real, STAGING_SUFFIX)), workers, what, stage)
         if stage is not None:
+            if on_publish is not None:
+                on_publish()
             with interrupt.deferred():
                 output.publish(stage, out, real, force)
         return summary

@@ -44,6 +44,7 @@ from glmconv.io.file_names import COMMON_STATE_KEY, MCORE_METADATA_NAME, RELEASE
 from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 from glmconv.output import new_file
+from glmconv.progress import FLUSH
 
 if TYPE_CHECKING:
     from glmconv.plan import TensorSpec
@@ -75,6 +76,12 @@ class Chunk:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    @property
+    def completes(self) -> bool:
+        """This chunk holds the global tensor's last rows (a whole tensor always does)."""
+        rows = self.tensor.shape[0] if self.tensor.dim() else 1
+        return not self.global_shape or self.row + rows >= self.global_shape[0]
+
 
 def stacked_chunks(name: str, shape: tuple[int, ...], rows: Iterable[torch.Tensor], per: int = 1) -> Iterator[Chunk]:
     """Stack per-row tensors (one expert each) into dim-0 chunks of `per` rows; the whole is never built."""
@@ -102,8 +109,11 @@ def _tensor_entry(c: Chunk) -> TensorStorageMetadata:
 
 
 def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapping[str, io.BytesIO],
-                      sync: bool) -> tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo]]:
-    """One DCP data file as `dcp.save` lays it out (objects, then one torch.save archive per chunk)."""
+                      sync: bool, progress: Any = None) -> tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo]]:
+    """One DCP data file as `dcp.save` lays it out (objects, then one torch.save archive per chunk).
+
+    `progress` (glmconv.progress) counts each chunk's bytes once written, a tensor once its last rows are.
+    """
     md: dict[str, _Entry] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     pos = 0
@@ -115,13 +125,20 @@ def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapp
             pos += data.nbytes
         for c in chunks:
             n = save_tensor(f.fileno(), c.tensor, copier)
+            if progress is not None:
+                progress.advance(c.nbytes, int(c.completes))
             storage[MetadataIndex(c.name, c.offsets)] = _StorageInfo(final, pos, n)
             pos += n
             error = _merge(md, {}, {c.name: _tensor_entry(c)}, {})
             if error:
                 raise CheckpointError(error)
         if sync:
+            before = progress.phase_name if progress is not None else ""
+            if progress is not None:
+                progress.phase(FLUSH, quiet=True)
             os.fsync(f.fileno())
+            if progress is not None:
+                progress.phase(before, quiet=True)
     return md, storage
 
 
@@ -129,9 +146,9 @@ class DcpWriter:
     """Writes `<root>/release` group by group; `finish()` publishes it (collective when `group` is given)."""
 
     def __init__(self, root: str | Path, *, specs: Mapping[str, TensorSpec] | None = None,
-                 group: dist.ProcessGroup | None = None, sync_files: bool = True) -> None:
+                 group: dist.ProcessGroup | None = None, sync_files: bool = True, progress: Any = None) -> None:
         self.root, self.ckpt_dir = Path(root), Path(root) / RELEASE
-        self._specs, self._group, self._sync = specs, group, sync_files
+        self._specs, self._group, self._sync, self._progress = specs, group, sync_files, progress
         self.rank = dist.get_rank() if group is not None else 0
         self.coordinator = dist.get_global_rank(group, 0) if group is not None else 0
         self._md: dict[str, _Entry] = {}
@@ -239,7 +256,7 @@ class DcpWriter:
         final = f"__{self.rank}_{self._groups}.distcp"
         tmp = self.ckpt_dir / f".part{final}"
         try:
-            md, infos = _write_group_file(tmp, final, chunks, objects, self._sync)
+            md, infos = _write_group_file(tmp, final, chunks, objects, self._sync, self._progress)
             os.replace(tmp, self.ckpt_dir / final)
         except CheckpointError:
             tmp.unlink(missing_ok=True)
