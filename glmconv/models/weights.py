@@ -55,6 +55,14 @@ class ExpertBank(ABC):
     def get(self, expert: int) -> Swiglu:
         """Expert `expert`'s matrices."""
 
+    def groups(self) -> list[range]:
+        """Experts in groups that `read` takes independently: a loader reads them on several threads."""
+        return [range(e, e + 1) for e in range(self.num)]
+
+    def read(self, experts: range) -> list[Swiglu]:
+        """The experts of one group; safe to call from several threads at once."""
+        return [self.get(e) for e in experts]
+
 
 @dataclass(frozen=True)
 class MoeWeights:
@@ -320,6 +328,10 @@ class MegatronWeights(WeightSource):
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self._reader.read(name, rows)
 
+    def row_cuts(self, name: str) -> set[int]:
+        """Rows where a stored chunk of `name` starts (chunks split along dim 0)."""
+        return {offsets[0] for offsets, _ in self._reader.chunks(name) if offsets}
+
     def row_range(self, role: str, start: int, stop: int) -> torch.Tensor:
         (spec,) = self.mapping(None, role).mcore
         return self.read(spec.name, (start, stop))
@@ -370,3 +382,14 @@ class _StackedExperts(ExpertBank):
         start, fc1, fc2 = self._window
         gate, up = fc1[expert - start].chunk(2, dim=0)
         return Swiglu(gate, up, fc2[expert - start])
+
+    def groups(self) -> list[range]:
+        """Runs of experts that start and end on a stored chunk boundary of both tensors: each chunk read once."""
+        cuts = self._src.row_cuts(self._fc1) & self._src.row_cuts(self._fc2)
+        edges = sorted(cuts | {0, self.num})
+        return [range(a, b) for a, b in zip(edges, edges[1:]) if a < b]
+
+    def read(self, experts: range) -> list[Swiglu]:
+        rows = (experts.start, experts.stop)
+        fc1, fc2 = self._src.read(self._fc1, rows), self._src.read(self._fc2, rows)
+        return [Swiglu(*fc1[i].chunk(2, dim=0), fc2[i]) for i in range(len(experts))]

@@ -168,10 +168,12 @@ class DcpReader:
         return start, stop
 
     def _chunk(self, name: str, chunk: Any) -> torch.Tensor:
+        """One chunk, the last one kept (a snapshot of it: threads may read through one reader at once)."""
         key = (name, tuple(int(o) for o in chunk.offsets))
-        if self._cache is not None and self._cache[0] == key:
-            return self._cache[1]
-        self._cache = None
+        cached = self._cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        self._cache = None  # memory: one chunk plus the one loading
         tensor = self._load(name, chunk)
         self._cache = (key, tensor)
         return tensor
