@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+
+    import torch
+
+    from glmconv.config import GlmConfig
     from glmconv.runners.audit import AuditReport
 
 DEFAULT_GROUP_BYTES = 1 << 30
@@ -64,6 +69,22 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes)
     opts = ExportOptions(workers=workers, progress=progress, check_finite=check_finite, space_check=space_check)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
+
+
+def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: GlmConfig | str | Path | None = None,
+               *, fp8: bool = False, dtypes: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of Megatron parameters, in bounded memory: an RL trainer's weight sync to a rollout engine.
+
+    `params`: (Megatron name, tensor) pairs in any order (a split parameter, the hc alphas, is held only until
+    its parts are in), or a torch_dist directory (streamed as export reads it). `config`: the model's config
+    (needed for in-memory parameters). `dtypes`: HF name -> safetensors dtype to produce (default: the plan's;
+    a directory's recorded source dtypes, as export). `fp8`: the release's FP8 set, as `export --fp8`. The
+    tensors are export's, bit for bit; they may share memory with `params`. Unknown names, duplicates, wrong
+    shapes and groups left incomplete raise `GlmconvError`.
+    """
+    from glmconv.weight_sync import hf_weights as run
+
+    return run(params, config, fp8=fp8, dtypes=dtypes)
 
 
 def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None, mtp: bool | None = None,

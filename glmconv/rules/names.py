@@ -134,6 +134,11 @@ EXTRA_STATE = "._extra_state"
 WEIGHT_SUFFIX = ".weight"
 
 
+def is_extra_state(key: str) -> bool:
+    """A TE linear's `_extra_state` entry (a state dict's key, or a DCP object key), not a weight."""
+    return key.endswith(EXTRA_STATE) or EXTRA_STATE + "/" in key
+
+
 def sharded_object_key(key: str, offset: tuple[int, ...] = (0,), shape: tuple[int, ...] = (1,)) -> str:
     """DCP key of a megatron ShardedObject (`ShardedObject.unique_key`), e.g. `X._extra_state/shard_0_1`."""
     return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"

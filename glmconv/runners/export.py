@@ -22,6 +22,7 @@ them byte for byte; only the other blocks are re-quantised, and counted (`glmcon
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
 from glmconv.runners.ranks import run_on_output
+from glmconv.weight_sync import Fp8Stats, mapping_hf
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +79,7 @@ class ExportJob:
     """Everything decided before a byte of tensor data is read."""
 
     src: Path
-    out: Path
+    out: Path  # `source_job` leaves the source here: only `prepare` names an output
     plan: Plan
     config_json: dict[str, Any]
     dtypes: dict[str, str]  # HF tensor (and FP8 scale) -> safetensors dtype to write
@@ -108,13 +110,21 @@ class ExportOptions:
 def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
             fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportJob:
     """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch)."""
+    if max_shard_bytes < 1:
+        raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
+    check_overlap(Path(out), _inputs(Path(src), like, config))  # before reading anything
+    job = source_job(src, like=like, config=config, fp8=fp8)
+    return dataclasses.replace(job, out=Path(out), max_shard_bytes=max_shard_bytes)
+
+
+def source_job(src: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
+               fp8: bool = False) -> ExportJob:
+    """What export would write from `src`, decided and checked (plan, stored args, shapes, dtypes), with no output:
+    `prepare` and the weight-sync API (`glmconv.weight_sync`) both start here."""
     from glmconv.io.torch_dist.common_state import read_common_state
     from glmconv.megatron_args import check_stored_args
 
-    if max_shard_bytes < 1:
-        raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     src_p = Path(src)
-    check_overlap(Path(out), _inputs(src_p, like, config))  # before reading anything
     ck = inspect_torch_dist(src_p)
     if ck.common_state is None:
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
@@ -135,11 +145,11 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
     dtypes, dtypes_from = _dtypes(plan, like_ck, manifest, src_p)
     files, files_from = _sidecars(like_ck, manifest, src_p)  # refused before any work when not plain files inside
     return ExportJob(
-        src=src_p, out=Path(out), plan=plan, config_json=_config_json(like_ck.config if like_ck else cfg, plan),
+        src=src_p, out=src_p, plan=plan, config_json=_config_json(like_ck.config if like_ck else cfg, plan),
         dtypes=dtypes, stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
         like=Path(like) if like is not None else None, config_path=Path(config) if config is not None else None,
         source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
-        max_shard_bytes=max_shard_bytes, sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from)
+        sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from)
 
 
 def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> dict[str, Path | None]:
@@ -222,11 +232,11 @@ def check_source(plan: Plan, ck: DcpCheckpoint) -> dict[str, int]:
         if not spec.accepts(got.dtype):
             raise CheckpointError(f"{name}: {got.dtype} in {where}, the plan says {spec.expected_dtypes()}")
         if got.shape != spec.shape:
-            padded[name] = _padded_rows(plan, spec, got.shape, where)
+            padded[name] = padded_rows(plan, spec, got.shape, where)
     return padded
 
 
-def _padded_rows(plan: Plan, spec: TensorSpec, shape: tuple[int, ...], where: Path) -> int:
+def padded_rows(plan: Plan, spec: TensorSpec, shape: tuple[int, ...], where: str | Path) -> int:
     """Megatron pads the vocabulary to a multiple (of 128 x TP): more rows are stripped, fewer are an error."""
     m = plan.mapping_of_mcore[spec.name]
     vocab = m.rule.shapes[0][0] == VOCAB_DIM
@@ -240,23 +250,6 @@ def _padded_rows(plan: Plan, spec: TensorSpec, shape: tuple[int, ...], where: Pa
 
 # ---- producing HF tensors ----------------------------------------------------------------------------
 
-@dataclass
-class Fp8Stats:
-    """What FP8 encoding did: weights and blocks written, those re-quantised (the rest are --like's own bytes),
-    and of those, scales moved off amax/448 and blocks not reproduced exactly."""
-
-    tensors: int = 0
-    blocks: int = 0
-    scale_adjusted_blocks: int = 0
-    inexact_blocks: int = 0
-    requantized_tensors: int = 0
-    requantized_blocks: int = 0
-
-    def add(self, other: Fp8Stats) -> None:
-        for k in vars(other):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-
-
 def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str, str] | None = None, *,
                     stored_rows: dict[str, int] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     stats: Fp8Stats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -268,26 +261,14 @@ def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str
 def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], stored_rows: dict[str, int],
                     chunk_bytes: int, stats: Fp8Stats,
                     like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """One mapping backward; stacked experts come `chunk_bytes` of experts at a time, never whole."""
+    """One mapping backward, read from the `.distcp` files (a padded vocabulary: its first rows) through the
+    weight-sync code (`glmconv.weight_sync.mapping_hf`); stacked experts `chunk_bytes` at a time, never whole."""
+    plain = {t.name: (0, t.shape[0]) if t.name in stored_rows else None for t in m.mcore}
     try:
-        if m.by_rows:
-            yield from _row_tensors(m, reader, dtypes, chunk_bytes, stats, like)
-            return
-        mcore = [reader.read(t.name, (0, t.shape[0]) if t.name in stored_rows else None) for t in m.mcore]
-        hf = m.rule.transform.backward(mcore, [t.shape for t in m.hf])
-        for spec, scale, tensor in zip(m.hf, m.scales, hf, strict=True):
-            yield from _encode(spec, scale, tensor, dtypes, stats, like)
+        yield from mapping_hf(m, lambda name, rows: reader.read(name, plain[name] if rows is None else rows), dtypes,
+                              chunk_bytes, stats, like)
     finally:
         reader.drop_cache()
-
-
-def _row_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], chunk_bytes: int,
-                stats: Fp8Stats, like: LikeFp8 | None) -> Iterator[tuple[str, torch.Tensor]]:
-    for rows, picks in m.row_steps(chunk_bytes) or []:
-        chunk = reader.read(m.mcore[0].name, (rows.start, rows.stop))
-        hf = m.rule.transform.backward([chunk], [])
-        for i, tensor in zip(picks, hf, strict=True):
-            yield from _encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like)
 
 
 def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> list[PlannedTensor]:
@@ -331,27 +312,6 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
             return None
         route[spec.name] = extents
     return route
-
-
-def _encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: dict[str, str],
-            stats: Fp8Stats, like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    from glmconv.io.dtypes import TORCH_DTYPES
-
-    if tuple(t.shape) != spec.shape:
-        raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
-    dtype = dtypes.get(spec.name, spec.dtype)
-    if dtype != FP8:
-        yield spec.name, t.to(TORCH_DTYPES[dtype]).contiguous()
-        return
-    if scale is None:
-        raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
-    from glmconv.io.fp8_reuse import encode
-
-    fp8 = encode(t, like.pair(spec.name) if like is not None else None)
-    stats.add(Fp8Stats(1, fp8.scales.numel(), fp8.scale_adjusted, fp8.inexact, int(fp8.requantized > 0),
-                       fp8.requantized))
-    yield spec.name, fp8.codes
-    yield scale.name, fp8.scales
 
 
 # ---- one rank's share --------------------------------------------------------------------------------
