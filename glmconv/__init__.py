@@ -5,6 +5,7 @@
     glmconv.convert("hf/", "mcore/")                      # HF (BF16 or FP8) -> torch_dist
     glmconv.export("mcore/", "hf2/", like="hf/")          # torch_dist -> HF, bit-exact for BF16
     assert glmconv.audit("hf2/", against="mcore/").ok     # every tensor, both ways, through the mapping
+    assert glmconv.verify("hf/", "mcore/")["equal"]       # every value, bit for bit, through the mapping
     report = glmconv.parity("hf/", "mcore/", fail_on=("logprob_abs_diff.max>1e-4",))
     for name, tensor in glmconv.hf_weights(params, "mcore/config.json"):  # a trainer's (name, tensor) pairs
         ...                                                # -> HF names, export's bytes, bounded memory
@@ -13,7 +14,7 @@ Errors a user can cause raise `GlmconvError` (subclasses `ConfigError`, `Checkpo
 message. `load_config` and `build_plan` give the tensor plan (every tensor on both sides) without reading any.
 """
 
-from glmconv.api import audit, convert, export, hf_weights, parity
+from glmconv.api import audit, convert, export, hf_weights, parity, verify
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.plan import Plan, build_plan
@@ -21,4 +22,4 @@ from glmconv.plan import Plan, build_plan
 __version__ = "0.1.0"
 
 __all__ = ["CheckpointError", "ConfigError", "GlmConfig", "GlmconvError", "Plan", "__version__", "audit",
-           "build_plan", "convert", "export", "hf_weights", "load_config", "parity"]
+           "build_plan", "convert", "export", "hf_weights", "load_config", "parity", "verify"]

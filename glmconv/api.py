@@ -71,6 +71,20 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 
+def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False) -> dict[str, Any]:
+    """Every tensor of `hf_dir` against its mapped counterpart in `mcore_dir`, bit for bit, one mapping at a time.
+
+    BF16/F32 kept dtypes must be equal bit for bit, FP8 weights dequantised by the reference formula must equal
+    the Megatron BF16 tensor; the summary's `equal` is the verdict (the CLI's exit 1 when False), with the first
+    and the worst mismatch (names on both sides, values that differ, max abs diff). Both checkpoints are checked
+    first as convert and export check them (a stored `args` of another model is refused).
+    """
+    from glmconv.runners.verify import prepare
+    from glmconv.runners.verify import verify as run
+
+    return run(prepare(hf_dir, mcore_dir), progress=progress)
+
+
 def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: GlmConfig | str | Path | None = None,
                *, fp8: bool = False, dtypes: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of Megatron parameters, in bounded memory: an RL trainer's weight sync to a rollout engine.

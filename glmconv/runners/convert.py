@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ class ConvertJob:
     """Everything decided before a byte of tensor data is read."""
 
     src: Path
-    out: Path
+    out: Path  # `source_job` leaves the source here: only `prepare` names an output
     plan: Plan
     files: dict[str, Path]
     left_out: dict[str, int] = field(default_factory=dict)  # part -> HF tensors deliberately not converted
@@ -61,8 +62,14 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
     """
     if dtype not in DTYPE_CHOICES:
         raise GlmconvError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
-    src_p, out_p = Path(src), Path(out)
-    check_overlap(out_p, {"input": src_p})  # before reading anything: OUT may never be, hold or sit in SRC
+    check_overlap(Path(out), {"input": Path(src)})  # before reading anything: OUT may never be, hold or sit in SRC
+    return dataclasses.replace(source_job(src, mtp=mtp, vision=vision, dtype=dtype), out=Path(out))
+
+
+def source_job(src: str | Path, *, mtp: bool = True, vision: bool = True, dtype: str = KEEP) -> ConvertJob:
+    """The HF checkpoint audited against its own plan (refused on any finding) and its plan, with no output:
+    `prepare` and `glmconv verify` both start here."""
+    src_p = Path(src)
     opts = audit_mod.Options(accept_flat_prefix=True)
     side = audit_mod.load_side(src_p, opts)
     if side.kind != audit_mod.HF:
@@ -82,7 +89,7 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
                 for part, keep in (("mtp", plan.mtp), ("vision", plan.vision)) if getattr(full, part) and not keep}
     ck = inspect_hf_checkpoint(src_p)
     files = {n: shard_path(src_p, t.file) for n, t in ck.tensors.items()}
-    return ConvertJob(src=src_p, out=out_p, plan=plan, files=files, left_out=left_out,
+    return ConvertJob(src=src_p, out=src_p, plan=plan, files=files, left_out=left_out,
                       sidecars=sidecars.find(src_p))
 
 

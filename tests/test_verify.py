@@ -1,0 +1,119 @@
+"""`glmconv verify HF MCORE`: every value through the mapping, bit for bit; one value changed on either side is named
+(exit 1); a checkpoint of another model is refused (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from test_export import _rewrite
+
+import glmconv
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.header import read_header
+from glmconv.plan import Mapping, build_plan
+from glmconv.rules import roles as R
+from glmconv_cli.main import cli
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_ckpt: Path, tiny_fp8_ckpt: Path, cut8_ckpt: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("verify")
+    pairs = {"tiny": tiny_ckpt, "tiny-fp8": tiny_fp8_ckpt, "cut8": cut8_ckpt}
+    for name, hf in pairs.items():
+        glmconv.convert(hf, root / name)
+    return {name: (hf, root / name) for name, hf in pairs.items()}
+
+
+def _mapping(hf: Path, role: str) -> Mapping:
+    plan = build_plan(glmconv.load_config(hf))
+    return next(m for m in plan.mappings if m.rule.role == role)
+
+
+def _nudge_hf(src: Path, dst: Path, name: str, index: int) -> None:
+    """A copy of `src` whose tensor `name` has its `index`-th value changed (the low byte of the element)."""
+    shutil.copytree(src, dst)
+    entry = inspect_hf_checkpoint(dst).tensors[name]
+    path = shard_path(dst, entry.file)
+    header = read_header(path)
+    e = header.entries[name]
+    size = (e.end - e.begin) // max(1, int(torch.tensor(e.shape).prod()))
+    data = bytearray(path.read_bytes())
+    data[header.data_start + e.begin + index * size] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "tiny-fp8", "cut8"])
+def test_a_converted_checkpoint_is_equal_bit_for_bit(converted: dict[str, tuple[Path, Path]], fixture: str) -> None:
+    hf, mc = converted[fixture]
+    s = glmconv.verify(hf, mc)
+    assert s["equal"] and s["mismatches"] == 0 and s["first_mismatch"] is None
+    assert s["mcore_tensors"] == len(build_plan(glmconv.load_config(hf)).mcore_index)
+    assert s["fp8_source"] == (fixture == "tiny-fp8")
+
+
+def test_one_hf_value_changed_names_the_expert_on_both_sides(converted: dict[str, tuple[Path, Path]],
+                                                             tmp_path: Path) -> None:
+    hf, mc = converted["tiny"]
+    m = _mapping(hf, R.MOE_EXPERTS_FC1)
+    up3 = m.hf[len(m.hf) // 2 + 3]  # expert 3's up_proj (gates first, then ups)
+    _nudge_hf(hf, tmp_path / "hf", up3.name, index=5)
+    res = CliRunner().invoke(cli, ["verify", str(tmp_path / "hf"), str(mc), "--json"])
+    assert res.exit_code == 1, res.output
+    s = json.loads(res.output)
+    assert s["mismatches"] == 1 and s["first_mismatch"] == s["worst_mismatch"]
+    first = s["first_mismatch"]
+    assert first["hf"] == [up3.name] and first["mcore"] == [m.mcore[0].name] and first["values"] == 1
+    assert first["rows"][0] <= 3 < first["rows"][1] and first["max_abs_diff"] > 0
+
+
+def test_one_fp8_code_changed_is_found_after_dequantisation(converted: dict[str, tuple[Path, Path]],
+                                                            tmp_path: Path) -> None:
+    hf, mc = converted["tiny-fp8"]
+    m = _mapping(hf, R.DENSE_FC2)
+    _nudge_hf(hf, tmp_path / "hf", m.hf[0].name, index=0)
+    s = glmconv.verify(tmp_path / "hf", mc)
+    assert not s["equal"] and s["first_mismatch"]["hf"] == [m.hf[0].name]
+    assert s["first_mismatch"]["mcore"] == [m.mcore[0].name]
+
+
+def test_one_megatron_value_changed_is_named_in_the_table(converted: dict[str, tuple[Path, Path]],
+                                                          tmp_path: Path) -> None:
+    hf, mc = converted["tiny"]
+    m = _mapping(hf, R.DENSE_FC1)
+    gate_rows = m.hf[0].shape[0]
+
+    def edit(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        fc1 = tensors[m.mcore[0].name]
+        fc1[gate_rows, 0] += 1.0  # the first value of the up half
+        return tensors
+
+    _rewrite(mc, tmp_path / "mc", edit)
+    res = CliRunner().invoke(cli, ["verify", str(hf), str(tmp_path / "mc")])
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert m.hf[1].name in text and m.mcore[0].name in text and m.hf[0].name not in text
+    assert "verify: 1 mismatch:" in text
+
+
+def test_stored_args_of_another_model_are_refused(converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    from glmconv.io.torch_dist.common_state import build_common_state
+
+    hf, mc = converted["tiny"]
+    shutil.copytree(mc, tmp_path / "mc")
+    torch.save(build_common_state(glmconv.load_config(hf), num_experts=7), tmp_path / "mc" / "release" / "common.pt")
+    res = CliRunner().invoke(cli, ["verify", str(hf), str(tmp_path / "mc")])
+    assert res.exit_code == 2
+    assert "the stored Megatron args say 7 routed experts (num_experts) but the config says 8" in res.output
+
+
+def test_a_checkpoint_of_another_model_is_refused(converted: dict[str, tuple[Path, Path]]) -> None:
+    res = CliRunner().invoke(cli, ["verify", str(converted["cut8"][0]), str(converted["tiny"][1])])
+    assert res.exit_code == 2 and res.output.startswith("error: ")
