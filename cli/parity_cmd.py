@@ -51,12 +51,22 @@ from glmconv_cli.sizes import SEED
 @click.option("--stream-layers", is_flag=True,
               help="Hold one decoder layer's weights at a time (embedding rows and head windows read as needed): "
                    "a full-size model in about one MoE layer of memory per side. Same numbers as without.")
+@click.option("--replay", type=click.Choice(["none", "routing", "indexer", "both"]), default="none", show_default=True,
+              help="The train side uses the serve side's selections: routing = its MoE expert ids (the gate weights "
+                   "stay the train router's own scores at those experts, normalised as usual, as Megatron's routing "
+                   "replay does), indexer = its DSA top-k token ids (shared-indexer layers too), both. Rel errs then "
+                   "show the numerics alone; the overlap column still shows the train side's own selection.")
+@click.option("--replay-file", type=click.Path(path_type=Path), default=None,
+              help="Replay these selections instead of the serve side's: a safetensors file with routed_experts "
+                   "[MoE layers, tokens, top_k] and/or indexer_topk [DSA layers, tokens, width] (what an RL engine "
+                   "captured for the same tokens), checked before use.")
 @click.option("--allow-different-weights", is_flag=True,
               help="Compare even when MCORE_DIR is not a conversion of HF_DIR (e.g. a checkpoint trained further).")
 def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path | None, sequences: int | None,
            seed: int, mode: str, dtype: str, device: str, train_conventions: str, overrides: tuple[str, ...],
            threshold: float | None, fail_on: tuple[str, ...], report_dir: Path | None, as_json: bool,
-           allow_different_weights: bool, kernels: str, stream_layers: bool) -> None:
+           allow_different_weights: bool, kernels: str, stream_layers: bool, replay: str,
+           replay_file: Path | None) -> None:
     """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block."""
     from glmconv import api
     from glmconv.compare.report import to_json
@@ -65,7 +75,7 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
                         fail_on=fail_on, threshold=threshold, report_dir=report_dir, seed=seed, mode=mode,
                         dtype=dtype, device=device, train_conventions=train_conventions, overrides=overrides,
                         progress=not as_json, allow_different_weights=allow_different_weights, kernels=kernels,
-                        stream_layers=stream_layers)
+                        stream_layers=stream_layers, replay=replay, replay_file=replay_file)
     paths = [Path(p) for p in report.get("report_files", [])]
     if as_json:
         click.echo(to_json(report))

@@ -233,6 +233,27 @@ def test_cli_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Pa
     assert "error:" in res.output and match in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.parametrize("tensors,match", [
+    ({"routed_experts": torch.zeros(2, 16, 2, dtype=torch.int64)},
+     "error: routing payload: all routed-expert ids are 0: the backend most likely bypassed routing capture"),
+    ({"routed_experts": torch.tensor([[0, 1]]).repeat(2, 16, 1), "indexer_topk": torch.full((4, 16, 19), -1)},
+     "error: indexer payload: 4 streams but the config has 1 DSA layer (one per DSA layer, in layer order; "
+     "KDA layers have no indexer)"),
+])
+def test_cli_refuses_a_bad_replay_payload_exit_2(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path],
+                                                 tmp_path: Path, tensors: dict[str, torch.Tensor], match: str) -> None:
+    """tiny: MoE layers 2 and 3, one DSA layer (3) among three KDA ones; 16 tokens."""
+    from safetensors.torch import save_file
+
+    _fake(monkeypatch, None)
+    save_file(tensors, tmp_path / "payload.safetensors")
+    hf, mc = dirs
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--tokens", "16", "--replay", "both",
+                                   "--replay-file", str(tmp_path / "payload.safetensors")])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [match]
+
+
 def test_cli_missing_dirs_exit_2(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["parity", str(tmp_path / "nope"), str(tmp_path)])
     assert res.exit_code == 2 and "error:" in res.output
@@ -491,6 +512,107 @@ def test_cli_bad_convention_override_exit_2(tiny_ckpt: Path, tiny_mc: Path) -> N
 def test_cli_refuses_checkpoints_of_different_models(tiny_ckpt: Path, cut8_mc: Path) -> None:
     res = CliRunner().invoke(cli, ["parity", str(tiny_ckpt), str(cut8_mc)])
     assert res.exit_code == 2 and "describes a different model" in res.output, res.output
+
+
+# ---- replay: selection disagreement told from numerical error ------------------------------------------------
+
+ROUTER_BIAS_2 = "model.language_model.layers.2.mlp.gate.e_score_correction_bias"
+
+
+@pytest.fixture(scope="module")
+def bias_flip(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny converted with layer 2's router bias doubled on the Megatron side (~1e-2 per expert): the bias steers
+    only the selection, so ~5% of layer 2's expert choices flip while the router scores stay bit-identical."""
+    _models_or_skip()
+    d = tmp_path_factory.mktemp("parity-bias-flip")
+    return _convert(_scaled_copy(tiny_ckpt, d / "hf", {ROUTER_BIAS_2: 2.0}), d / "mc")
+
+
+def _assert_replayed_to_noise(r: dict) -> None:
+    """What an aligned run measures (`_assert_noise_only`), the overlaps aside: those stay the own selections."""
+    assert r["first_divergence"] is None and max(rec["rel_err"] for rec in r["layers"]) <= FP32_NOISE
+    assert r["logits"]["logprob_abs_diff"]["max"] <= 1e-5 and r["logits"]["top1_agreement"] == 1.0
+    assert r["logits"]["kl"] <= 1e-10
+
+
+@pytest.mark.parametrize("mode", ["propagated", "isolated"])
+def test_replay_indexer_removes_the_raw_query_from_the_numerics(tiny_ckpt: Path, tiny_mc: Path, mode: str) -> None:
+    """Measured: layer 3's own top-k overlap 0.937 and rel err 8.5e-2 without replay; rel err 0 with it."""
+    kw: dict[str, Any] = dict(tokens=128, sequences=2, train_conventions="serve", mode=mode,
+                              overrides=("indexer_query=raw",))
+    plain, replayed = _parity(tiny_ckpt, tiny_mc, **kw), _parity(tiny_ckpt, tiny_mc, replay="indexer", **kw)
+    assert plain["layers"][6]["topk_overlap"] < 0.97 and plain["layers"][6]["rel_err"] > 1e-2
+    _assert_replayed_to_noise(replayed)
+    assert replayed["layers"][6]["topk_overlap"] == plain["layers"][6]["topk_overlap"]  # the disagreement, still
+    assert replayed["layers"][6]["replayed"] == "topk" and replayed["replay"] == "indexer"
+
+
+def test_replay_routing_removes_a_router_bias_flip_from_the_numerics(tiny_ckpt: Path, bias_flip: Path) -> None:
+    """Measured: layer 2's own expert overlap 0.949 and rel err 7.1e-2 without replay; rel err 0 with it (the gate
+    weights are the train router's own scores at the replayed experts, and those scores are the serve side's)."""
+    kw: dict[str, Any] = dict(tokens=128, sequences=2, train_conventions="serve")
+    plain, replayed = _parity(tiny_ckpt, bias_flip, **kw), _parity(tiny_ckpt, bias_flip, replay="routing", **kw)
+    assert _where(plain) == (2, "mlp") and plain["layers"][5]["expert_overlap"] < 0.97
+    assert plain["layers"][5]["rel_err"] > 1e-2
+    _assert_replayed_to_noise(replayed)
+    assert replayed["layers"][5]["expert_overlap"] == plain["layers"][5]["expert_overlap"]
+    assert [rec.get("replayed") for rec in replayed["layers"]][4:] == [None, "experts", None, "experts"]
+
+
+@pytest.mark.parametrize("replay,where", [("routing", (3, "attention")), ("indexer", (2, "mlp")), ("both", None)])
+def test_each_replay_removes_only_its_own_selection_difference(tiny_ckpt: Path, bias_flip: Path, replay: str,
+                                                               where: tuple[int, str] | None) -> None:
+    """Both differences planted (the bias flip at layer 2's MoE, the raw indexer query at layer 3's DSA)."""
+    r = _parity(tiny_ckpt, bias_flip, tokens=128, sequences=2, train_conventions="serve",
+                overrides=("indexer_query=raw",), replay=replay)
+    assert _where(r) == where
+    if replay == "both":
+        _assert_replayed_to_noise(r)
+        assert r["layers"][5]["expert_overlap"] < 1.0 and r["layers"][6]["topk_overlap"] < 1.0
+
+
+def _serve_selections(hf: Path, mc: Path, batch: Any) -> dict[str, torch.Tensor]:
+    """The serve side's expert ids and indexer top-k over `batch`, stacked as a replay file holds them."""
+    from glmconv.config import load_config
+
+    serve, _, _ = parity_mod.build_models(load_config(hf), ParityOptions(hf_dir=hf, mcore_dir=mc))
+    experts, topk = [], []
+    with torch.inference_mode():
+        x = serve.embed(batch.ids)
+        for layer in range(serve.num_layers):
+            x, aux = serve.attention(layer, x, batch.cu_seqlens)
+            topk += [aux["topk"]] if "topk" in aux else []
+            x, aux = serve.mlp(layer, x)
+            experts += [aux["experts"]] if "experts" in aux else []
+    return {"routed_experts": torch.stack(experts), "indexer_topk": torch.stack(topk)}
+
+
+def test_a_replay_file_of_the_serve_selections_replays_like_the_serve_side(tiny_ckpt: Path, bias_flip: Path,
+                                                                           tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(_serve_selections(tiny_ckpt, bias_flip, random_batch(VOCAB, 128, 2, 0)), tmp_path / "p.safetensors")
+    kw: dict[str, Any] = dict(tokens=128, sequences=2, train_conventions="serve", overrides=("indexer_query=raw",),
+                              replay="both")
+    r = _parity(tiny_ckpt, bias_flip, replay_file=tmp_path / "p.safetensors", **kw)
+    _assert_replayed_to_noise(r)
+    assert r["replay_source"] == str(tmp_path / "p.safetensors")
+    assert r["layers"] == [{**rec, "wall_s": r["layers"][i]["wall_s"], "load_s": r["layers"][i]["load_s"]}
+                           for i, rec in enumerate(_parity(tiny_ckpt, bias_flip, **kw)["layers"])]
+
+
+def test_cli_replay_is_named_in_the_table_and_the_report(tiny_ckpt: Path, tiny_mc: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["parity", str(tiny_ckpt), str(tiny_mc), "--tokens", "128", "--sequences", "2",
+                                   "--train-conventions", "serve", "--train-convention", "indexer_query=raw",
+                                   "--replay", "indexer", "--report-dir", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    line = ("replay indexer: the train side ran the serve side's indexer top-k; rel errs are the numerics under "
+            "replay, overlaps the train side's own selection vs serve's")
+    title = " ".join(" ".join(res.stdout.splitlines()[:2]).split())  # rich wraps the title to the table's width
+    assert title == "glmconv parity: propagated, fp32, 128 tokens in 2 sequences, replay indexer" and line in res.output
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert (report["replay"], report["replay_source"]) == ("indexer", "serve")
+    assert f"- {line}" in (tmp_path / "rep" / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -57,6 +57,8 @@ class ParityOptions:
     allow_different_weights: bool = False  # skip the check that MCORE_DIR is a conversion of HF_DIR
     kernels: str = "auto"  # train side: GPU kernels on CUDA (auto) or the torch references everywhere
     stream_layers: bool = False  # hold one layer's weights at a time (a full-size model on one GPU)
+    replay: str = "none"  # routing | indexer | both: the train side uses the serve side's selections (replay.py)
+    replay_file: Path | None = None  # ... or those of a payload file instead (replay.load_replay_file)
 
     @property
     def effective_threshold(self) -> float:
@@ -69,6 +71,7 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
 
     from glmconv.compare.capture import StepProgress, capture, steps
     from glmconv.compare.memory import peak_memory, start_peak
+    from glmconv.compare.replay import Replay, load_replay_file
     from glmconv.compare.report import build_report
     from glmconv.config import load_config
 
@@ -76,13 +79,16 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
         raise GlmconvError(f"--dtype {opts.dtype!r}: choose from {', '.join(DTYPES)}")
     config = load_config(opts.hf_dir)
     _check_same_config(config, opts.mcore_dir)
+    replay = Replay.parse(opts.replay)
     batch = make_batch(opts, config.dim("vocab_size"))
+    if opts.replay_file is not None:
+        replay = load_replay_file(Path(opts.replay_file), replay, config, batch.cu_seqlens)
     device = torch.device(check_device(opts.device))
     start_peak(device)
     serve, train, conventions = build_models(config, opts)
     with StepProgress("parity", steps(serve), enabled=opts.progress) as progress:
         twin = getattr(train, "kernel_twin", lambda: None)()  # the train side on the references, if it runs kernels
-        cap = capture(serve, train, batch.to(opts.device), opts.mode, progress, twin=twin)
+        cap = capture(serve, train, batch.to(opts.device), opts.mode, progress, twin=twin, replay=replay)
     report = build_report(cap, opts, batch, conventions)
     report["peak_memory"] = peak_memory(device)
     return report

@@ -8,6 +8,9 @@ When the train side runs GPU kernels, `twin` is the same train model on the torc
 sub-block also runs there on the train side's own input, and its record gains the kernels' own error
 (`kernel_rel_err` on the streams, `kernel_out_rel_err` on the sub-block's output, `kernel_topk_overlap` of
 the kpool selections), so kernel numerics can be told from convention divergences.
+With `replay` (glmconv.compare.replay) the train side's MoE layers run the serve side's expert ids and its DSA
+layers attend over the serve side's token ids; the records' overlaps stay the train side's OWN selections
+against the serve side's (the selection disagreement), their rel errs are the numerics under replay.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from glmconv.compare import metrics
 from glmconv.compare.inputs import Batch
+from glmconv.compare.replay import Replay
 from glmconv.errors import GlmconvError
 from glmconv.text import printable
 
@@ -39,8 +43,10 @@ class Model(Protocol):
     mlp_types: tuple[str, ...] | list[str]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
-    def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, dict]: ...
-    def mlp(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, dict]: ...
+    # `replay` (the ids to use instead of the own selection) is passed only when replaying
+    def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                  replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]: ...
+    def mlp(self, layer: int, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]: ...
     def head(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -57,12 +63,13 @@ Step = Callable[[str], None]
 
 
 def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
-            on_step: Step | None = None, twin: Model | None = None) -> Capture:
+            on_step: Step | None = None, twin: Model | None = None, replay: Replay | None = None) -> Capture:
     """Run both models over `batch`; `on_step(label)` is called after each of the 2L + 1 steps."""
     if mode not in MODES:
         raise GlmconvError(f"--mode {mode!r}: choose from {', '.join(MODES)}")
     _check_same_shape(serve, train)
     step = on_step or (lambda label: None)
+    replay = replay or Replay()
     start = time.monotonic()
     out = Capture()
     with torch.inference_mode():
@@ -70,10 +77,10 @@ def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
         xt = xs if mode == "isolated" else train.embed(batch.ids)
         for layer in range(serve.num_layers):
             with _timed(out, serve, train):
-                xs, xt = _attention(serve, train, layer, xs, xt, batch, out, mode, twin)
+                xs, xt = _attention(serve, train, layer, xs, xt, batch, out, mode, twin, replay)
             step(f"layer {layer} attention")
             with _timed(out, serve, train):
-                xs, xt = _mlp(serve, train, layer, xs, xt, out, mode)
+                xs, xt = _mlp(serve, train, layer, xs, xt, out, mode, replay)
             step(f"layer {layer} mlp")
         logits_s = serve.head(xs)
         logits_t = train.head(xs if mode == "isolated" else xt)
@@ -111,26 +118,35 @@ def _check_same_shape(serve: Model, train: Model) -> None:
 
 
 def _attention(serve: Model, train: Model, layer: int, xs: torch.Tensor, xt: torch.Tensor, batch: Batch,
-               out: Capture, mode: str, twin: Model | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               out: Capture, mode: str, twin: Model | None = None,
+               replay: Replay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     ys, aux_s = serve.attention(layer, xs, batch.cu_seqlens)
     x_in = xs if mode == "isolated" else xt
-    yt, aux_t = train.attention(layer, x_in, batch.cu_seqlens)
+    ids = (replay or Replay()).token_ids(layer, aux_s)
+    kw = {} if ids is None else {"replay": ids}
+    yt, aux_t = train.attention(layer, x_in, batch.cu_seqlens, **kw)
     rec = _record(serve, layer, ATTENTION, yt, ys)
     if _has(aux_s, aux_t, "topk"):
         rec["topk_overlap"] = metrics.selection_overlap(aux_t["topk"], aux_s["topk"])
+    if ids is not None:
+        rec["replayed"] = "topk"
     if twin is not None:
-        rec.update(_kernel_error(twin, layer, x_in, batch, yt, aux_t))
+        rec.update(_kernel_error(twin, layer, x_in, batch, yt, aux_t, kw))
     out.layers.append(rec)
     return ys, yt
 
 
 def _mlp(serve: Model, train: Model, layer: int, xs: torch.Tensor, xt: torch.Tensor, out: Capture,
-         mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+         mode: str, replay: Replay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     ys, aux_s = serve.mlp(layer, xs)
-    yt, aux_t = train.mlp(layer, xs if mode == "isolated" else xt)
+    ids = (replay or Replay()).expert_ids(layer, aux_s)
+    kw = {} if ids is None else {"replay": ids}
+    yt, aux_t = train.mlp(layer, xs if mode == "isolated" else xt, **kw)
     rec = _record(serve, layer, MLP, yt, ys)
     if _has(aux_s, aux_t, "experts"):
         rec["expert_overlap"] = metrics.selection_overlap(aux_t["experts"], aux_s["experts"])
+    if ids is not None:
+        rec["replayed"] = "experts"
     out.layers.append(rec)
     return ys, yt
 
@@ -145,9 +161,9 @@ def _record(model: Model, layer: int, sub_block: str, train: torch.Tensor, serve
 
 
 def _kernel_error(twin: Model, layer: int, x_in: torch.Tensor, batch: Batch, yt: torch.Tensor,
-                  aux_t: dict) -> dict[str, Any]:
-    """The train side with kernels against itself on the references, on the same input streams."""
-    yr, aux_r = twin.attention(layer, x_in, batch.cu_seqlens)
+                  aux_t: dict, kw: dict | None = None) -> dict[str, Any]:
+    """The train side with kernels against itself on the references, on the same input streams (and replay)."""
+    yr, aux_r = twin.attention(layer, x_in, batch.cu_seqlens, **(kw or {}))
     rec: dict[str, Any] = {"kernel_rel_err": metrics.rel_err(yt, yr)}
     if _has(aux_r, aux_t, "out"):
         rec["kernel_out_rel_err"] = metrics.rel_err(aux_t["out"], aux_r["out"])

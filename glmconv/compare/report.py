@@ -31,6 +31,7 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
         "glmconv_version": __version__, "hf_dir": str(opts.hf_dir), "mcore_dir": str(opts.mcore_dir),
         "mode": opts.mode, "dtype": opts.dtype, "device": opts.device, "tokens": batch.tokens,
         "stream_layers": opts.stream_layers,
+        "replay": opts.replay, "replay_source": _replay_source(opts),
         "kernels": _kernels_used(cap, opts),
         "sequences": batch.sequences, "seed": opts.seed, "inputs": batch.source,
         "train_conventions_base": opts.train_conventions, "train_convention_overrides": list(opts.overrides),
@@ -38,6 +39,28 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
         "summary": values, "first_divergence": metrics.first_divergence(cap.layers, threshold),
         "bounds": bounds, "passed": not any(b["broken"] for b in bounds), "elapsed_s": round(cap.elapsed_s, 3),
     }
+
+
+def _replay_source(opts: ParityOptions) -> str | None:
+    """Whose selections the train side replayed: the serve side's, a payload file's, or none (no replay)."""
+    if opts.replay == "none":
+        return None
+    return "serve" if opts.replay_file is None else str(opts.replay_file)
+
+
+_REPLAYED = {"routing": "expert choices", "indexer": "indexer top-k", "both": "expert choices and indexer top-k"}
+
+
+def replay_line(report: dict[str, Any]) -> list[str]:
+    """What --replay did, and that the overlaps are the train side's own selections (the disagreement)."""
+    what = report.get("replay", "none")
+    if what == "none":
+        return []
+    source = report.get("replay_source") or "serve"
+    whose = "the serve side's" if source == "serve" else f"those of {source}"
+    gates = " (gate weights from its own router scores)" if what in ("routing", "both") else ""
+    return [f"replay {what}: the train side ran {whose} {_REPLAYED[what]}{gates}; rel errs are the numerics under "
+            f"replay, overlaps the train side's own selection vs serve's"]
 
 
 def _kernels_used(cap: Capture, opts: ParityOptions) -> str:
@@ -159,8 +182,10 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    replay = report.get("replay", "none")
     t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, "
-                                   f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}")))
+                                   f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}"
+                                   + ("" if replay == "none" else f", replay {replay}"))))
     cols = ["layer", "sub-block", "type", "rel err", "max abs", "overlap"]
     kernels = report.get("kernels") == "kernels"
     if kernels:
@@ -176,7 +201,7 @@ def print_table(report: dict[str, Any], console: Console) -> None:
                  _fmt(rec["max_abs"]), _overlap(rec)] + ([_kernel(rec)] if kernels else [])
         t.add_row(*cells, style="bold red" if first else "red" if over else None)
     console.print(t)
-    for line in logits_lines(report) + [divergence_line(report)] + kernel_line(report):
+    for line in replay_line(report) + logits_lines(report) + [divergence_line(report)] + kernel_line(report):
         console.print(printable(line), markup=False, highlight=False, soft_wrap=True)
     for line, b in zip(bound_lines(report), report["bounds"]):
         console.print(printable(line), style="bold red" if b["broken"] else "green", markup=False, highlight=False,
@@ -193,7 +218,8 @@ def to_markdown(report: dict[str, Any]) -> str:
              f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}, "
              f"inputs {report['inputs']}, seed {report['seed']}",
              f"- threshold (rel err): {report['threshold']:g}",
-             f"- train side ops: {report.get('kernels', 'reference')}", "",
+             f"- train side ops: {report.get('kernels', 'reference')}",
+             f"- {(replay_line(report) or ['replay: none'])[0]}", "",
              "## Conventions", "", "| switch | serve | train |", "|---|---|---|"]
     lines += [f"| {k} | {conv.get('serve', {}).get(k, '-')} | {conv.get('train', {}).get(k, '-')}"
               f"{' (differs)' if conv.get('serve', {}).get(k) != conv.get('train', {}).get(k) else ''} |" for k in keys]

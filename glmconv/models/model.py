@@ -27,7 +27,7 @@ from glmconv.ops.dsa import DsaParams, dsa_layer
 from glmconv.ops.kda import KdaParams
 from glmconv.ops.kpool import KpoolParams
 from glmconv.ops.mhc import HcParams, hc_post, hc_pre, head_learned, head_mean
-from glmconv.ops.moe import RouterParams, route, routed, swiglu_limit
+from glmconv.ops.moe import RouterParams, replay_route, route, routed, swiglu_limit
 from glmconv.ops.moe import mlp as swiglu_mlp
 from glmconv.rules import roles as R
 
@@ -60,7 +60,8 @@ class GlmModel:
         self.ops = op_set(kernels, self.device, self.kpool_p.width)
         self.record_out = False  # aux["out"]: the attention output itself, for the kernel error rows
         self.cache = WeightCache(stream)
-        self._last_topk: torch.Tensor | None = None
+        self._last_topk: torch.Tensor | None = None  # the last DSA layer's own selection
+        self._last_used: torch.Tensor | None = None  # and the ids it attended over (replayed or its own)
 
     def _params(self, t: dict[str, Any]) -> None:
         self.eps = float(t["rms_norm_eps"])
@@ -107,8 +108,12 @@ class GlmModel:
         x = rows.to(self.device, self.dtype)
         return x.unsqueeze(1).expand(-1, self.hc.hc_mult, -1).contiguous()
 
-    def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Streams after layer `layer`'s attention sub-block; aux `topk` [T, W] on DSA layers."""
+    def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                  replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """Streams after layer `layer`'s attention sub-block; aux `topk` [T, W] on DSA layers.
+
+        `replay` [T, W] (indexer replay, DSA layers): attend over these token ids; aux `topk` stays the own selection.
+        """
         w = self._attention_weights(layer)
         post, comb, collapsed = self._pre(w.hc, x, layer)
         a = rms_norm(collapsed, w.norm, self.eps)
@@ -116,13 +121,17 @@ class GlmModel:
         if w.kda is not None:
             y = self.ops.kda_layer(a, w.kda, self.kda_p, cu_seqlens)
         else:
-            y, aux["topk"] = self._dsa(layer, a, w, cu_seqlens)
+            y, aux["topk"] = self._dsa(layer, a, w, cu_seqlens, replay)
         if self.record_out:
             aux["out"] = y
         return hc_post(y, x, post, comb, self.conventions.hc_mix), aux
 
-    def mlp(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Streams after layer `layer`'s MLP sub-block; aux `experts` [T, k] on MoE layers."""
+    def mlp(self, layer: int, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """Streams after layer `layer`'s MLP sub-block; aux `experts` [T, k] on MoE layers.
+
+        `replay` [T, k] (routing replay, MoE layers): route to these experts, gate weights from this router's own
+        scores at them; aux `experts` stays the own choice.
+        """
         w = self._mlp_weights(layer)
         post, comb, collapsed = self._pre(w.hc, x, layer)
         h = rms_norm(collapsed, w.norm, self.eps)
@@ -130,7 +139,7 @@ class GlmModel:
         if w.dense is not None:
             y = swiglu_mlp(h, w.dense.gate, w.dense.up, w.dense.down, self._limit)
         else:
-            y, aux["experts"] = self._moe(h, w)
+            y, aux["experts"] = self._moe(h, w, replay)
         return hc_post(y, x, post, comb, self.conventions.hc_mix), aux
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,27 +188,37 @@ class GlmModel:
             raise GlmconvError(f"layer {layer}: no hyper-connection tensors (only the mHC model is implemented)")
         return hc_pre(x, hc.fn, hc.base, hc.scale, self.hc, self.conventions.proj_rms)
 
-    def _dsa(self, layer: int, a: torch.Tensor, w: AttentionWeights,
-             cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dsa(self, layer: int, a: torch.Tensor, w: AttentionWeights, cu_seqlens: torch.Tensor,
+             replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (out, own top-k); a shared-indexer layer reuses the earlier layer's own top-k and what it attended."""
         assert w.dsa is not None
         shared = w.dsa.indexer is None
         if shared and self._last_topk is None:
             raise GlmconvError(f"layer {layer} reuses the indexer top-k of an earlier DSA layer; run that first")
+        if shared and replay is None:
+            replay = self._last_used
         y, topk = dsa_layer(a, w.dsa, self.dsa_p, self.kpool_p, cu_seqlens, self.conventions.indexer_query,
                             topk=self._last_topk if shared else None, indexer=self.ops.indexer,
-                            attend=self.ops.sparse_mla)
-        self._last_topk = topk
+                            attend=self.ops.sparse_mla, replay=replay)
+        self._last_topk, self._last_used = topk, topk if replay is None else replay
         return y, topk
 
-    def _moe(self, h: torch.Tensor, w: MlpWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moe(self, h: torch.Tensor, w: MlpWeights,
+             replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (out, own expert choice); with `replay` the experts run are the replayed ones."""
         assert w.moe is not None
-        weights, ids = route(h, w.moe.router, w.moe.expert_bias, self.router_p)
+        if replay is None:
+            weights, ids = route(h, w.moe.router, w.moe.expert_bias, self.router_p)
+            own = ids
+        else:
+            weights, own = replay_route(h, w.moe.router, w.moe.expert_bias, self.router_p, replay)
+            ids = replay.to(own.device, own.dtype)
         bank = w.moe.experts
         y = routed(h, weights, ids, lambda e: self._expert(bank, e), self._limit)
         if w.moe.shared is not None:
             s = w.moe.shared
             y = y + swiglu_mlp(h, s.gate, s.up, s.down, self._limit)
-        return y, ids
+        return y, own
 
     def _expert(self, bank: ExpertBank, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = bank.get(e)

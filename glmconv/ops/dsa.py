@@ -50,13 +50,15 @@ class DsaParams:
 def dsa_layer(x: torch.Tensor, w: DsaTensors, p: DsaParams, kp: KpoolParams, cu_seqlens: torch.Tensor,
               indexer_query: str = "normed", topk: torch.Tensor | None = None,
               indexer: Callable[..., torch.Tensor] = kpool_topk,
-              attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              attend: Callable[..., torch.Tensor] | None = None,
+              replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The DSA sub-block: x [T, hidden] (input-normed) -> (out [T, hidden], top-k ids [T, W]).
 
     `indexer_query`: the indexer reads the normalised q_resid (`normed`, serve) or the raw q_a_proj output
     (`raw`, what a port that fuses q_a_layernorm into linear_q_up_proj feeds it). `topk` given: reuse it.
     `indexer` / `attend`: the kpool selection and the sparse attention (the references here by default; the
-    GPU kernels of glmconv.kernels have the same signatures).
+    GPU kernels of glmconv.kernels have the same signatures). `replay` given (indexer replay): attend over those
+    ids instead; the returned top-k is still the layer's own selection.
     """
     if indexer_query not in INDEXER_QUERIES:
         raise GlmconvError(f"unknown indexer query {indexer_query!r} (choose from {', '.join(INDEXER_QUERIES)})")
@@ -68,7 +70,8 @@ def dsa_layer(x: torch.Tensor, w: DsaTensors, p: DsaParams, kp: KpoolParams, cu_
         if w.indexer is None:
             raise GlmconvError("a DSA layer without its own indexer needs the top-k of a previous layer")
         topk = indexer(x, q_resid if indexer_query == "normed" else q_raw, w.indexer, kp, cu_seqlens)
-    o = (attend or sparse_mla)(q, latent, w.kv_b, topk, p.v_dim, p.nope ** -0.5)
+    used = topk if replay is None else replay.to(topk.device)
+    o = (attend or sparse_mla)(q, latent, w.kv_b, used, p.v_dim, p.nope ** -0.5)
     return F.linear(o.reshape(x.shape[0], -1), w.o_proj), topk
 
 

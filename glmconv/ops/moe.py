@@ -56,15 +56,34 @@ def mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
           p: RouterParams) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (weights [T, k] fp32, expert ids [T, k]) for x [T, hidden]."""
+    scores, ids = _scores_and_choice(x, weight, bias, p)
+    return _gates(scores, ids, p), ids
+
+
+def replay_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, p: RouterParams,
+                 replay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing replay as Megatron's RouterReplay does it: -> (weights at the replayed ids [T, k], own choice [T, k]).
+
+    Only the selection is replayed: the gate weights are this router's own scores at `replay`, normalised as usual.
+    """
+    scores, own = _scores_and_choice(x, weight, bias, p)
+    return _gates(scores, replay.to(own.device, own.dtype), p), own
+
+
+def _scores_and_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       p: RouterParams) -> tuple[torch.Tensor, torch.Tensor]:
     scores = F.linear(x.float(), weight.float()).sigmoid()
     choice = scores + bias.float()
     if p.n_group > 1:
         choice = _group_limit(choice, p)
-    ids = choice.topk(p.top_k, dim=-1, sorted=False).indices
+    return scores, choice.topk(p.top_k, dim=-1, sorted=False).indices
+
+
+def _gates(scores: torch.Tensor, ids: torch.Tensor, p: RouterParams) -> torch.Tensor:
     w = scores.gather(1, ids)
     if p.norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * p.scaling, ids
+    return w * p.scaling
 
 
 def _group_limit(choice: torch.Tensor, p: RouterParams) -> torch.Tensor:
