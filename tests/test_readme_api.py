@@ -12,10 +12,11 @@ import pytest
 from repo_files import ROOT
 
 
-def _example() -> str:
+def _example(which: int = 0) -> str:
+    """The `which`-th python block of the README's Python API section."""
     text = (ROOT / "README.md").read_text()
-    section = text.split("## Python API", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[which]
 
 
 def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -27,18 +28,26 @@ def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert (tmp_path / "demo" / "hf2" / "model.safetensors.index.json").is_file()
 
 
+def test_readme_weight_sync_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_example(1), "README.md", "exec"), {})
+    assert "decoder.layers.0.bogus.weight: not a Megatron parameter" in capsys.readouterr().out
+
+
 def test_import_glmconv_lists_the_api_without_torch() -> None:
     code = ("import sys, glmconv; assert 'torch' not in sys.modules, 'torch imported';"
             "print(sorted(glmconv.__all__))")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert got.returncode == 0, got.stderr
-    for name in ("convert", "export", "audit", "parity", "load_config", "build_plan", "GlmconvError"):
+    for name in ("convert", "export", "audit", "verify", "parity", "hf_weights", "load_config", "build_plan",
+                 "GlmconvError"):
         assert f"'{name}'" in got.stdout
 
 
 def test_api_functions_have_docstrings() -> None:
     import glmconv
 
-    assert all(getattr(glmconv, n).__doc__ for n in ("convert", "export", "audit", "parity", "load_config",
-                                                     "build_plan"))
+    assert all(getattr(glmconv, n).__doc__ for n in ("convert", "export", "audit", "verify", "parity", "hf_weights",
+                                                     "load_config", "build_plan"))
