@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -67,11 +68,15 @@ def merge(extents: Iterable[Extent]) -> list[Extent]:
 
 
 class FileCopier:
-    """Copies extents to an open file or into memory; keeps each source file open once for the copier's life."""
+    """Copies extents to an open file or into memory; keeps each source file open once for the copier's life.
+
+    Reads may come from several threads at once (convert's readers share one source): opening is locked.
+    """
 
     def __init__(self) -> None:
         self._stack = ExitStack()
         self._fds: dict[Path, int] = {}
+        self._opening = threading.Lock()
         self._kernel_copy = hasattr(os, "copy_file_range")
 
     def __enter__(self) -> FileCopier:
@@ -107,6 +112,13 @@ class FileCopier:
             raise CheckpointError(f"read {pos} bytes into a buffer of {len(out)}")
 
     def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is not None:
+            return fd
+        with self._opening:
+            return self._open(path)
+
+    def _open(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
             try:

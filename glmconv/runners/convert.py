@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules.table import BF16, DTYPE_CHOICES, F32, KEEP
 from glmconv.runners import audit as audit_mod
+from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
 from glmconv.runners.ranks import run_on_output
 
@@ -93,14 +95,17 @@ def source_job(src: str | Path, *, mtp: bool = True, vision: bool = True, dtype:
                       sidecars=sidecars.find(src_p))
 
 
-def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int) -> int:
-    """Upper bound of tensor memory one worker holds: a write group plus the inputs of one mapping step.
+def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int, threads: int = DEFAULT_THREADS,
+               ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> int:
+    """Upper bound of tensor memory one worker holds: a write group and the chunks made ahead of it (never more
+    than all computed outputs), plus one mapping step in the making per reader thread and one being written.
 
     Mappings that only move bytes are copied file to file and hold no tensor memory; the rest count.
     """
     computed = [m for m in mappings if not moves_bytes(m)]
     step = max((_step_bytes(m, chunk_bytes) for m in computed), default=0)
-    return min(group_bytes, sum(m.mcore_bytes for m in computed)) + 2 * step
+    held = group_bytes + (ahead_bytes if threads else 0)
+    return min(held, sum(m.mcore_bytes for m in computed)) + (max(threads, 1) + 1) * step
 
 
 def moves_bytes(m: Mapping) -> bool:
@@ -115,27 +120,43 @@ def _step_bytes(m: Mapping, chunk_bytes: int) -> int:
 
 
 def mapping_chunks(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Chunk]:
-    """The Megatron tensors of one mapping; stacked experts come as dim-0 chunks, never whole.
+    """The Megatron tensors of one mapping, made here, in order (`mapping_steps` one after the other)."""
+    for step in mapping_steps(m, source, chunk_bytes):
+        yield from step.make()
+
+
+def mapping_steps(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Step]:
+    """The Megatron tensors of one mapping as independent steps; stacked experts come as dim-0 chunks, never whole.
 
     Where the mapping only moves bytes (same dtype on both sides, no check to make on the values), the
-    chunks are `FileTensor`s: the writer copies the source bytes file to file without reading them.
+    chunks are `FileTensor`s: the writer copies the source bytes file to file without reading them. A step's
+    `nbytes` is what its chunks hold in memory (`glmconv.runners.ahead` bounds the steps made ahead by it).
     """
     from glmconv.io.dtypes import TORCH_DTYPES
-    from glmconv.io.torch_dist.writer import Chunk
 
     out_dtype = TORCH_DTYPES[m.mcore[0].dtype]
     layout = byte_layout(m, source)
     if m.by_rows:
-        yield from _row_chunks(m, source, chunk_bytes, out_dtype, layout)
-        return
-    if layout is not None:
-        extents = [source.entry(t.name)[1] for t in m.hf]
-        for spec, pieces in zip(m.mcore, layout):
-            yield Chunk(spec.name, _file_tensor(spec.shape, out_dtype, pieces, extents))
-        return
-    hf = [source.weight(t.name, out_dtype) for t in m.hf]
-    for spec, tensor in zip(m.mcore, m.rule.transform.forward(hf, len(m.mcore))):
-        yield Chunk(spec.name, tensor.contiguous())
+        yield from _row_steps(m, source, chunk_bytes, out_dtype, layout)
+    elif layout is not None:
+        yield Step(0, lambda: _moved_chunks(m, source, out_dtype, layout))
+    else:
+        yield Step(m.mcore_bytes, lambda: _computed_chunks(m, source, out_dtype))
+
+
+def _moved_chunks(m: Mapping, source: Any, dtype: torch.dtype, layout: list[list[Piece]]) -> list[Chunk]:
+    from glmconv.io.torch_dist.writer import Chunk
+
+    extents = [source.entry(t.name)[1] for t in m.hf]
+    return [Chunk(spec.name, _file_tensor(spec.shape, dtype, pieces, extents)) for spec, pieces in zip(m.mcore, layout)]
+
+
+def _computed_chunks(m: Mapping, source: Any, dtype: torch.dtype) -> list[Chunk]:
+    from glmconv.io.torch_dist.writer import Chunk
+
+    hf = [source.weight(t.name, dtype) for t in m.hf]
+    return [Chunk(spec.name, tensor.contiguous())
+            for spec, tensor in zip(m.mcore, m.rule.transform.forward(hf, len(m.mcore)))]
 
 
 def byte_layout(m: Mapping, source: Any) -> list[list[Piece]] | None:
@@ -153,21 +174,34 @@ def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece]
         Extent(extents[p.source].path, extents[p.source].offset + p.offset, p.length) for p in pieces))
 
 
-def _row_chunks(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
-                layout: list[list[Piece]] | None) -> Iterator[Chunk]:
+def _row_steps(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
+               layout: list[list[Piece]] | None) -> Iterator[Step]:
+    spec = m.mcore[0]
+    row_bytes = spec.nbytes // spec.shape[0]
+    for rows, picks in m.row_steps(chunk_bytes) or []:
+        if layout is not None:
+            yield Step(0, lambda rows=rows: [_moved_rows(m, source, dtype, layout[0], rows, row_bytes)])
+        else:
+            yield Step(len(rows) * row_bytes, lambda rows=rows, picks=picks: [_computed_rows(m, source, dtype, rows,
+                                                                                             picks)])
+
+
+def _moved_rows(m: Mapping, source: Any, dtype: torch.dtype, layout: list[Piece], rows: range,
+                row_bytes: int) -> Chunk:
     from glmconv.io.torch_dist.writer import Chunk
 
     spec = m.mcore[0]
-    row_bytes = spec.nbytes // spec.shape[0]
-    extents = [source.entry(t.name)[1] for t in m.hf] if layout is not None else []
-    for rows, picks in m.row_steps(chunk_bytes) or []:
-        if layout is not None:
-            shape = (len(rows), *spec.shape[1:])
-            pieces = take(layout[0], rows.start * row_bytes, rows.stop * row_bytes)
-            yield Chunk(spec.name, _file_tensor(shape, dtype, pieces, extents), row=rows.start, shape=spec.shape)
-            continue
-        (chunk,) = m.rule.transform.forward([source.weight(m.hf[i].name, dtype) for i in picks], 1)
-        yield Chunk(spec.name, chunk.contiguous(), row=rows.start, shape=spec.shape)
+    extents = [source.entry(t.name)[1] for t in m.hf]
+    pieces = take(layout, rows.start * row_bytes, rows.stop * row_bytes)
+    shape = (len(rows), *spec.shape[1:])
+    return Chunk(spec.name, _file_tensor(shape, dtype, pieces, extents), row=rows.start, shape=spec.shape)
+
+
+def _computed_rows(m: Mapping, source: Any, dtype: torch.dtype, rows: range, picks: list[int]) -> Chunk:
+    from glmconv.io.torch_dist.writer import Chunk
+
+    (chunk,) = m.rule.transform.forward([source.weight(m.hf[i].name, dtype) for i in picks], 1)
+    return Chunk(m.mcore[0].name, chunk.contiguous(), row=rows.start, shape=m.mcore[0].shape)
 
 
 @dataclass
@@ -178,23 +212,27 @@ class ShareResult:
 
 
 def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any, *, group_bytes: int,
-              chunk_bytes: int, check_finite: bool = False) -> ShareResult:
-    """Convert one worker's mappings into its own data files."""
+              chunk_bytes: int, check_finite: bool = False, threads: int = DEFAULT_THREADS,
+              ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> ShareResult:
+    """Convert one worker's mappings into its own data files, reading and dequantising on `threads` threads
+    ahead of the writer (at most `ahead_bytes` made ahead); the files are those of the serial path, byte for byte.
+    """
     from glmconv.io.safetensors.reader import HfTensorSource
 
     consumed: list[str] = []
     state = {"written": 0, "bytes": 0}
 
-    def chunks() -> Iterator[Chunk]:
-        with HfTensorSource(job.files, check_finite=check_finite) as source:
-            for m in share:
-                yield from mapping_chunks(m, source, chunk_bytes)
-                consumed.extend(t.name for t in m.hf)
-                consumed.extend(s.name for s in m.scales if s)
-                state["written"] += len(m.mcore)
-                state["bytes"] += m.hf_bytes  # the writer counts bytes on `progress` as it writes them
+    def steps(source: HfTensorSource) -> Iterator[Step]:
+        for m in share:
+            yield from mapping_steps(m, source, chunk_bytes)
+            consumed.extend(t.name for t in m.hf)  # a step that fails later raises: nothing is then checked
+            consumed.extend(s.name for s in m.scales if s)
+            state["written"] += len(m.mcore)
+            state["bytes"] += m.hf_bytes  # the writer counts bytes on `progress` as it writes them
 
-    writer.write_stream(chunks(), group_bytes)
+    with HfTensorSource(job.files, check_finite=check_finite) as source, \
+            closing(run_ahead(steps(source), threads, ahead_bytes)) as chunks:  # its threads end before the files
+        writer.write_stream(chunks, group_bytes)
     return ShareResult(consumed=consumed, written=state["written"], bytes_in=state["bytes"])
 
 
@@ -248,6 +286,8 @@ class RunOptions:
     progress: bool = True
     check_finite: bool = False  # refuse a NaN/Inf in any source tensor (after FP8 dequantisation)
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
+    threads: int = DEFAULT_THREADS  # reader/dequantiser threads per worker, ahead of its writer (0: none)
+    ahead_bytes: int = DEFAULT_AHEAD_BYTES  # chunks made ahead of the writer hold at most this, per worker
 
 
 def space_plan(job: ConvertJob, check: bool) -> dict[str, Any]:
@@ -272,7 +312,8 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
             "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out, **dtype_summary(job),
             "sidecars": sorted(job.sidecars),
             "workers": [{"rank": r, "mappings": len(p), "bytes_in": sum(m.hf_bytes for m in p),
-                         "peak_bytes_estimate": peak_bytes(p, opts.group_bytes, opts.chunk_bytes)}
+                         "peak_bytes_estimate": peak_bytes(p, opts.group_bytes, opts.chunk_bytes, opts.threads,
+                                                           opts.ahead_bytes)}
                         for r, p in enumerate(parts)]}
 
 
@@ -308,8 +349,9 @@ class ConvertRun(PlanRun):
         from glmconv.io.torch_dist.writer import DcpWriter
 
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
-        return run_share(self.job, share, self._writer, prog, group_bytes=self.opts.group_bytes,
-                         chunk_bytes=self.opts.chunk_bytes, check_finite=self.opts.check_finite)
+        o = self.opts
+        return run_share(self.job, share, self._writer, prog, group_bytes=o.group_bytes, chunk_bytes=o.chunk_bytes,
+                         check_finite=o.check_finite, threads=o.threads, ahead_bytes=o.ahead_bytes)
 
     def check(self, results: list[ShareResult]) -> None:
         check_once((n for r in results for n in r.consumed), self.job.plan.hf_index, "consumed")

@@ -7,7 +7,9 @@ group's metadata is kept (a few hundred bytes per tensor) and the tensors are re
 ranks' metadata are gathered on the coordinator, merged with DCP's own classes, checked (every tensor tiled
 exactly once, as planned) and written as `.metadata` by DCP's `FileSystemWriter.finish` (through a FileSystem
 that creates files O_EXCL|O_NOFOLLOW, like every file glmconv writes); then `metadata.json`, and the tracker
-file last. Peak memory is one group.
+file last. Peak memory is one group. Each data file is fsynced on a background thread as soon as it is
+complete (glmconv/io/background_sync.py), so the disk flushes while the next group is written; `finish`
+waits for all of them before it writes any metadata.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from glmconv.errors import CheckpointError
+from glmconv.io.background_sync import BackgroundSync
 from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.dtypes import TORCH_DTYPES
 from glmconv.io.file_names import COMMON_STATE_KEY, MCORE_METADATA_NAME, RELEASE, TRACKER_NAME
 from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 from glmconv.output import new_file
-from glmconv.progress import FLUSH
 
 if TYPE_CHECKING:
     from glmconv.plan import TensorSpec
@@ -109,7 +111,7 @@ def _tensor_entry(c: Chunk) -> TensorStorageMetadata:
 
 
 def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapping[str, io.BytesIO],
-                      sync: bool, progress: Any = None) -> tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo]]:
+                      progress: Any = None) -> tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo]]:
     """One DCP data file as `dcp.save` lays it out (objects, then one torch.save archive per chunk).
 
     `progress` (glmconv.progress) counts each chunk's bytes once written, a tensor once its last rows are.
@@ -132,13 +134,6 @@ def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapp
             error = _merge(md, {}, {c.name: _tensor_entry(c)}, {})
             if error:
                 raise CheckpointError(error)
-        if sync:
-            before = progress.phase_name if progress is not None else ""
-            if progress is not None:
-                progress.phase(FLUSH, quiet=True)
-            os.fsync(f.fileno())
-            if progress is not None:
-                progress.phase(before, quiet=True)
     return md, storage
 
 
@@ -156,6 +151,7 @@ class DcpWriter:
         self._groups = 0
         self._failed: str | None = None  # a rank that failed still calls finish(), which then publishes nothing
         self._done = False
+        self._syncer = BackgroundSync()
         self._raise(self._broadcast(self._prepare_dirs() if self.is_coordinator else None))
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
 
@@ -215,12 +211,23 @@ class DcpWriter:
                 self.write_objects({COMMON_STATE_KEY: dict(common_state)})
             except CheckpointError:
                 pass  # recorded in self._failed
+        self._wait_for_disk()
         error, self._done = self._failed, True
         parts = self._gather((self._md, self._storage, error))
         if self.is_coordinator:
             error = self._publish(parts)
         self._raise(self._broadcast(error))
         return self.ckpt_dir
+
+    def _wait_for_disk(self) -> None:
+        """Every data file of this rank fsynced (when syncing) before any metadata names it."""
+        try:
+            if self._failed is None:
+                self._syncer.wait()
+        except CheckpointError as exc:
+            self._failed = str(exc)
+        finally:
+            self._syncer.close()
 
     def _prepare_dirs(self) -> str | None:
         if (self.root / TRACKER_NAME).exists():
@@ -256,8 +263,10 @@ class DcpWriter:
         final = f"__{self.rank}_{self._groups}.distcp"
         tmp = self.ckpt_dir / f".part{final}"
         try:
-            md, infos = _write_group_file(tmp, final, chunks, objects, self._sync, self._progress)
+            md, infos = _write_group_file(tmp, final, chunks, objects, self._progress)
             os.replace(tmp, self.ckpt_dir / final)
+            if self._sync:
+                self._syncer.submit(self.ckpt_dir / final)
         except CheckpointError:
             tmp.unlink(missing_ok=True)
             raise

@@ -1,0 +1,56 @@
+"""Reading and dequantising ahead of the writer: steps run on a few threads, their chunks come back in order.
+
+The writer consumes chunks one at a time on the calling thread; a small pool makes the next ones meanwhile
+(pread and torch's kernels release the GIL). Chunks come out in exactly the order of the steps, so the data
+files are byte for byte those of the serial path. Memory: the steps submitted and not yet handed to the
+writer hold at most `ahead_bytes` (counted by each step's stated `nbytes`; a single larger step runs alone).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_THREADS = 2  # reader/dequantiser threads per process
+DEFAULT_AHEAD_BYTES = 1 << 30  # bytes of chunks made ahead of the writer, at most
+MAX_STEPS_AHEAD = 64  # steps that hold no memory (file-to-file copies) still queue no further than this
+
+
+@dataclass(frozen=True)
+class Step:
+    """Work that makes some chunks, in order; `nbytes`: the memory they hold until written (0: none)."""
+
+    nbytes: int
+    make: Callable[[], list[Any]]
+
+
+def run_ahead(steps: Iterable[Step], threads: int = DEFAULT_THREADS,
+              ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> Iterator[Any]:
+    """The chunks of `steps`, in order, made on `threads` threads (0: here, one step at a time)."""
+    if threads < 1:
+        for step in steps:
+            yield from step.make()
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="glmconv-read")
+    pending: deque[tuple[int, Future[list[Any]]]] = deque()
+    held = 0
+    upcoming = iter(steps)
+    nxt = next(upcoming, None)
+    try:
+        while nxt is not None or pending:
+            while nxt is not None and len(pending) < MAX_STEPS_AHEAD and (
+                    not pending or held + nxt.nbytes <= ahead_bytes):
+                pending.append((nxt.nbytes, pool.submit(nxt.make)))
+                held += nxt.nbytes
+                nxt = next(upcoming, None)
+            nbytes, made = pending.popleft()
+            chunks = made.result()
+            held -= nbytes
+            yield from chunks
+    finally:
+        for _, made in pending:
+            made.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
