@@ -289,29 +289,46 @@ def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> lis
     return out
 
 
-def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[str, list[Extent]] | None:
-    """Each HF tensor of `m` as extents of the `.distcp` files, when `m` only moves bytes; None otherwise.
+Span = tuple[str, int, int]  # bytes [begin, end) of a Megatron tensor (global, C order)
+
+
+def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[str, list[Span]] | None:
+    """Each HF tensor of `m` as byte spans of its Megatron tensors, when `m` only moves bytes; None otherwise.
 
     Only where no value changes: every Megatron tensor has the dtype every HF tensor is written as (no cast,
-    no FP8), the transform describes its bytes (`backward_layout`) and the reader can locate every byte range.
+    no FP8), the transform describes its bytes (`backward_layout`) and the reader can locate every byte of the
+    Megatron tensors read (their chunks may split any dims). Spans, not extents: a tensor split along dim 1
+    has one extent per row piece, so extents are made one HF tensor at a time (`route_extents`).
     """
     layout = m.byte_layout([dtypes.get(t.name, t.dtype) for t in m.hf], backward=True)
     if layout is None or len(layout) != len(m.hf):
         return None
-    route: dict[str, list[Extent]] = {}
+    route: dict[str, list[Span]] = {}
     for spec, pieces in zip(m.hf, layout):
-        extents: list[Extent] = []
+        spans: list[Span] = []
         for p in pieces:
             if not 0 <= p.source < len(m.mcore):
                 return None
-            found = reader.byte_extents(m.mcore[p.source].name, p.offset, p.offset + p.length)
-            if found is None:
+            name = m.mcore[p.source].name
+            g = reader.grid(name) if reader.locatable(name) else None
+            if g is None or p.offset + p.length > g.nbytes:
                 return None
-            extents.extend(found)
-        if sum(e.length for e in extents) != spec.nbytes:
+            spans.append((name, p.offset, p.offset + p.length))
+        if sum(end - begin for _, begin, end in spans) != spec.nbytes:
             return None
-        route[spec.name] = extents
+        route[spec.name] = spans
     return route
+
+
+def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:
+    """The file extents of one HF tensor's spans, in order (every chunk was located by `byte_route`)."""
+    extents: list[Extent] = []
+    for name, begin, end in spans:
+        found = reader.byte_extents(name, begin, end)
+        if found is None:
+            raise CheckpointError(f"{name}: bytes {begin}..{end} could not be located after all")
+        extents.extend(found)
+    return extents
 
 
 # ---- one rank's share --------------------------------------------------------------------------------
@@ -360,7 +377,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
                 route = byte_route(m, reader, job.dtypes) if zero_copy and not check_finite else None
                 if route is not None:
                     for t in planned:
-                        copied = writer.copy(t.name, route[t.name], copier)
+                        copied = writer.copy(t.name, route_extents(reader, route[t.name]), copier)
                         reader.bytes_read += copied
                         prog.advance(copied)  # once written: bytes and tensors as they reach the shard
                 else:

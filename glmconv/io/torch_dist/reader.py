@@ -8,7 +8,8 @@ request plus one chunk. `.metadata` is read through the allow-listed unpickler; 
 
 `byte_extents` is the zero-copy way in: it finds where a chunk's raw bytes lie in its `.distcp` file (the
 stored, uncompressed zip record `<archive>/data/<key>` of the item's torch.save archive), so that a caller can
-have the kernel copy them. It only answers when the archive is exactly what it expects -- one stored record of
+have the kernel copy them; chunks split along dim 1 (or any dims) are copied row piece by row piece
+(`chunk_grid`). It only answers when the archive is exactly what it expects -- one stored record of
 exactly the chunk's bytes, little-endian, the pickle a plain contiguous tensor over the whole storage -- and
 answers None otherwise: the caller then reads through `read` (torch.load), which reports any real damage.
 """
@@ -31,6 +32,7 @@ from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import require_file
 from glmconv.io.file_names import DCP_METADATA_NAME
 from glmconv.io.finite import require_finite
+from glmconv.io.torch_dist.chunk_grid import Grid, boxes_of, grid
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.safe_unpickle import safe_load
 
@@ -52,6 +54,7 @@ class DcpReader:
         self._storage: dict[Any, Any] = dict(metadata.storage_data or {})
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
         self._raw: dict[tuple[str, tuple[int, ...]], Extent | None] = {}
+        self._grids: dict[str, Grid | None] = {}
         self.bytes_read = 0
 
     @property
@@ -93,36 +96,39 @@ class DcpReader:
     def byte_extents(self, name: str, begin: int, end: int) -> list[Extent] | None:
         """Where bytes [begin, end) of the global tensor `name` (C order) lie in the data files, in order.
 
-        None when that cannot be said for certain: chunks split along a dim other than 0, chunks that do not
-        tile the rows, or an item whose raw bytes `raw_extent` cannot locate. Rows past `end` (e.g. vocabulary
+        Chunks may split any dims (a trainer's TP/EP shards): a dim-0 chunk is one extent, a chunk split along
+        dim 1 one extent per row (`chunk_grid`). None when that cannot be said for certain: chunks that do not
+        form a grid, or an item whose raw bytes `raw_extent` cannot locate. Rows past `end` (e.g. vocabulary
         padding) are never touched. Nothing is counted in `bytes_read`: the caller counts what it copies.
         """
-        entry = self._entry(name)
-        size = self.shape(name)
-        itemsize = entry.properties.dtype.itemsize
-        rows, row_bytes = (size[0], math.prod(size[1:]) * itemsize) if size else (1, itemsize)
-        if not 0 <= begin <= end <= rows * row_bytes:
-            raise CheckpointError(f"{name}: bytes {begin}..{end} outside its {rows * row_bytes}")
-        chunks = sorted(entry.chunks, key=lambda c: tuple(int(o) for o in c.offsets))
+        g = self.grid(name)
+        if not 0 <= begin <= end <= (g.nbytes if g is not None else self._nbytes(name)):
+            raise CheckpointError(f"{name}: bytes {begin}..{end} outside its {self._nbytes(name)}")
+        if g is None:
+            return None
+        chunks = self._entry(name).chunks
         out: list[Extent] = []
-        row = 0
-        for chunk in chunks:
-            off, sz = [int(o) for o in chunk.offsets], [int(z) for z in chunk.sizes]
-            if size and (off[1:] != [0] * (len(size) - 1) or tuple(sz[1:]) != size[1:] or off[0] != row):
-                return None  # not whole rows, or a gap/overlap: the torch.load path decides
-            n = sz[0] if size else 1
-            lo, hi = row * row_bytes, (row + n) * row_bytes
-            row += n
-            a, b = max(begin, lo), min(end, hi)
-            if a >= b:
-                continue
-            raw = self.raw_extent(name, chunk)
+        for run in g.runs(begin, end):
+            raw = self.raw_extent(name, chunks[run.chunk])
             if raw is None:
                 return None
-            out.append(Extent(raw.path, raw.offset + a - lo, b - a))
-        if row != rows:
-            return None
+            out.append(Extent(raw.path, raw.offset + run.local, run.length))
         return out
+
+    def grid(self, name: str) -> Grid | None:
+        """How the stored chunks of `name` tile it (`chunk_grid.grid`), or None when they do not form a grid."""
+        if name not in self._grids:
+            entry = self._entry(name)
+            self._grids[name] = grid(self.shape(name), boxes_of(entry.chunks), entry.properties.dtype.itemsize)
+        return self._grids[name]
+
+    def locatable(self, name: str) -> bool:
+        """Whether every byte of `name` can be copied from the data files (`byte_extents` answers for any range)."""
+        return self.grid(name) is not None and all(self.raw_extent(name, c) is not None
+                                                   for c in self._entry(name).chunks)
+
+    def _nbytes(self, name: str) -> int:
+        return math.prod(self.shape(name)) * self._entry(name).properties.dtype.itemsize
 
     def raw_extent(self, name: str, chunk: Any) -> Extent | None:
         """The file bytes holding exactly `chunk`'s data (C order), or None when the item is not as expected."""
