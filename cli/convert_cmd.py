@@ -11,6 +11,7 @@ from glmconv.progress import PLAN, say
 from glmconv.rules.table import DTYPE_CHOICES, KEEP
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SIZE
+from glmconv_cli.workers import WORKERS
 
 
 @click.command("convert")
@@ -21,8 +22,14 @@ from glmconv_cli.sizes import SIZE
 @click.option("--no-space-check", "no_space_check", is_flag=True,
               help="Do not refuse an output larger than the free space at OUT_DIR (checked before writing).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
-@click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True,
-              help="Worker processes on this machine (under torchrun, one per rank instead).")
+@click.option("--workers", type=WORKERS, default="1", show_default=True,
+              help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 cores "
+              "(FP8 source) or 2 cores, at most 8 (under torchrun, one per rank instead).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where FP8 weights are dequantised and cast to BF16 (the same bits everywhere); auto: the GPU "
+              "when one is visible and a worker has at least 1 GiB of FP8 codes.")
+@click.option("--read-threads", type=click.IntRange(0, 64), default=2, show_default=True,
+              help="Threads per worker reading and dequantising ahead of its writer (0: one step at a time).")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Carry the MTP layer (mtp.layers.0.*).")
@@ -34,15 +41,16 @@ from glmconv_cli.sizes import SIZE
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=KEEP, show_default=True,
               help="What Megatron gets: keep = what the source stores (bit-exact round trip); bf16 rounds F32 "
               "weights (counted in the summary); fp32 widens. F32 state (A_log, hc, biases) stays F32.")
-def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int,
-            force: bool, mtp: bool, vision: bool, group_size: int, check_finite: bool, dtype: str) -> None:
+def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int | str,
+            device: str, read_threads: int, force: bool, mtp: bool, vision: bool, group_size: int,
+            check_finite: bool, dtype: str) -> None:
     """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
     say("convert", PLAN, f"reading and auditing {hf_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 
     summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,
                           group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json,
-                          space_check=not no_space_check, dtype=dtype)
+                          space_check=not no_space_check, dtype=dtype, device=device, read_threads=read_threads)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
     if as_json:

@@ -31,10 +31,10 @@ def lead_process() -> bool:
     return env is None or env[0] == 0
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 1, force: bool = False, mtp: bool = True,
-            vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
+def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, force: bool = False,
+            mtp: bool = True, vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
             dry_run: bool = False, progress: bool = False, space_check: bool = True,
-            dtype: str = "keep") -> dict[str, Any]:
+            dtype: str = "keep", device: str = "auto", read_threads: int = 2) -> dict[str, Any]:
     """HF checkpoint (BF16 or the FP8 release) -> Megatron torch_dist in `out_dir`, verified, published atomically.
 
     `dtype` `keep` gives Megatron what the source stores (bit-exact round trip), `bf16` rounds F32 weights to
@@ -43,13 +43,19 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int = 1, force:
     `dry_run` returns the plan (tensors, bytes, peak memory per worker, estimated time, free space at `out_dir`)
     and writes nothing. With `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s
     filesystem is refused before anything is written (glmconv/space.py).
+
+    `workers`: processes on this machine, or `auto` (glmconv/runners/workers.py); `device`: where FP8 weights
+    are dequantised, `cpu`, `cuda` or `auto` (glmconv/io/dequant.py; the same bits everywhere); `read_threads`:
+    threads reading and dequantising ahead of each worker's writer (0: one step at a time).
     """
-    from glmconv.runners.convert import RunOptions, dry_run_summary, prepare
+    from glmconv.runners.convert import RunOptions, dry_run_summary, fp8_bytes, prepare
     from glmconv.runners.convert import convert as run
+    from glmconv.runners.workers import worker_count
 
     job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype)
-    opts = RunOptions(workers=workers, group_bytes=group_bytes, progress=progress, check_finite=check_finite,
-                      space_check=space_check)
+    opts = RunOptions(workers=worker_count(workers, job.bytes_in, fp8_bytes(job.plan.mappings)),
+                      group_bytes=group_bytes, progress=progress, check_finite=check_finite, space_check=space_check,
+                      device=device, threads=read_threads)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 

@@ -9,6 +9,7 @@ import pickle
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ def digests(root: Path) -> dict[str, object]:
     return out
 
 
-def converted(src: Path, out: Path, **opts: int) -> dict[str, object]:
+def converted(src: Path, out: Path, **opts: Any) -> dict[str, object]:
     convert(prepare(src, out), RunOptions(progress=False, **opts))
     return digests(out)
 
@@ -40,10 +41,14 @@ def converted(src: Path, out: Path, **opts: int) -> dict[str, object]:
 
 @pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_fp8_ckpt", "cut8_ckpt"])
 def test_threads_ahead_of_the_writer_give_the_serial_paths_files_byte_for_byte(
-        fixture: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+        fixture: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serial: one step at a time, the reference dequantisation; ahead: 3 readers, FP8 in 128-row slabs on 3 threads."""
+    import glmconv.io.dequant as dequant
+
     src = request.getfixturevalue(fixture)
-    serial = converted(src, tmp_path / "serial", threads=0, **SMALL)
-    ahead = converted(src, tmp_path / "ahead", threads=3, ahead_bytes=32 << 10, **SMALL)
+    serial = converted(src, tmp_path / "serial", threads=0, fp8_threads=1, device="cpu", **SMALL)
+    monkeypatch.setattr(dequant, "SLAB_ROWS", 128)  # the tiny FP8 weights of more than 128 rows are cut too
+    ahead = converted(src, tmp_path / "ahead", threads=3, ahead_bytes=32 << 10, fp8_threads=3, **SMALL)
     assert sum(name.endswith(".distcp") for name in serial) > 3  # several groups: order across files matters
     assert ahead == serial
 
@@ -122,3 +127,53 @@ def test_every_data_file_is_fsynced_before_any_metadata_is_written(
     data = sorted(name.split("/")[-1] for name in files if name.endswith(".distcp"))
     assert len(data) > 3
     assert at_publish == [data]  # each one once, all of them before `.metadata` (the common state's file too)
+
+
+# ---- worker counts ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("bytes_in", "fp8", "cores", "want"), [
+    (11_260_000_000, 11_000_000_000, 16, 4),  # real-cut4 FP8 on the H200 machine: one worker per 4 cores
+    (19_080_000_000, 0, 16, 8),  # its BF16 twin: one per 2 cores, and the cap
+    (1_900_000_000, 1_800_000_000, 16, 1),  # under 2 GB: one worker
+    (11_260_000_000, 11_000_000_000, 2, 1),  # this 2-core host
+    (100_000_000_000, 0, 128, 8),  # one disk: never more than 8
+])
+def test_auto_worker_count_follows_bytes_cores_and_the_fp8_share(bytes_in: int, fp8: int, cores: int,
+                                                                 want: int) -> None:
+    from glmconv.runners.workers import auto_workers
+
+    assert auto_workers(bytes_in, fp8, cores) == want
+
+
+def test_one_two_and_auto_workers_write_the_same_tensors(tiny_fp8_ckpt: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import mcore_helpers as mh
+
+    import glmconv.io.dequant as dequant
+    import glmconv.runners.workers as workers
+    from glmconv import api
+
+    monkeypatch.setattr(dequant, "cpu_count", lambda: 6)  # FP8 codes are under half of tiny's bytes: 6 // 2
+    monkeypatch.setattr(workers, "BYTES_PER_WORKER", 1)
+    counts = {}
+    for n in (1, 2, "auto"):
+        counts[n] = len(api.convert(tiny_fp8_ckpt, tmp_path / str(n), workers=n)["workers"])
+    assert counts == {1: 1, 2: 2, "auto": 3}
+    one = mh.read_dcp(tmp_path / "1")
+    for n in ("2", "auto"):
+        other = mh.read_dcp(tmp_path / n)
+        assert sorted(other) == sorted(one)
+        for name, t in one.items():
+            mh.assert_same(name, other[name], t)
+
+
+@pytest.mark.parametrize("value", ["x", "0", "257", "-1"])
+def test_workers_neither_a_count_nor_auto_is_a_usage_error(value: str, tiny_ckpt: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from glmconv_cli.main import cli
+
+    res = CliRunner().invoke(cli, ["convert", str(tiny_ckpt), str(tmp_path / "out"), "--workers", value])
+    assert (res.exit_code, res.stderr) == (2, f"error: Invalid value for '--workers': {value}: expected a count "
+                                              f"from 1 to 256, or auto\n")
+    assert list(tmp_path.iterdir()) == []

@@ -108,6 +108,18 @@ def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int, thre
     return min(held, sum(m.mcore_bytes for m in computed)) + (max(threads, 1) + 1) * step
 
 
+def fp8_bytes(mappings: list[Mapping]) -> int:
+    """Bytes of FP8 codes among the HF tensors of `mappings`: what dequantisation has to go through."""
+    return sum(t.nbytes for m in mappings for t, d in zip(m.hf, m.stored) if d == "F8_E4M3")
+
+
+def fp8_thread_count(workers: int) -> int:
+    """CPU dequantisation threads of one worker: its share of this machine's cores."""
+    from glmconv.io.dequant import cpu_count
+
+    return max(1, cpu_count() // max(1, workers))
+
+
 def moves_bytes(m: Mapping) -> bool:
     """The plan says this mapping is a pure byte move: its HF tensors are stored in the Megatron dtype."""
     return m.byte_layout(list(m.stored)) is not None
@@ -209,13 +221,15 @@ class ShareResult:
     consumed: list[str]
     written: int
     bytes_in: int
+    device: str = "cpu"  # where this share's FP8 weights were dequantised
 
 
 def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any, *, group_bytes: int,
               chunk_bytes: int, check_finite: bool = False, threads: int = DEFAULT_THREADS,
-              ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> ShareResult:
+              ahead_bytes: int = DEFAULT_AHEAD_BYTES, dequantize: Any = None) -> ShareResult:
     """Convert one worker's mappings into its own data files, reading and dequantising on `threads` threads
-    ahead of the writer (at most `ahead_bytes` made ahead); the files are those of the serial path, byte for byte.
+    ahead of the writer (at most `ahead_bytes` made ahead), FP8 by `dequantize` (glmconv/io/dequant.py; None:
+    the reference call); the files are those of the serial path, byte for byte.
     """
     from glmconv.io.safetensors.reader import HfTensorSource
 
@@ -230,7 +244,7 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any,
             state["written"] += len(m.mcore)
             state["bytes"] += m.hf_bytes  # the writer counts bytes on `progress` as it writes them
 
-    with HfTensorSource(job.files, check_finite=check_finite) as source, \
+    with HfTensorSource(job.files, check_finite=check_finite, dequantize=dequantize) as source, \
             closing(run_ahead(steps(source), threads, ahead_bytes)) as chunks:  # its threads end before the files
         writer.write_stream(chunks, group_bytes)
     return ShareResult(consumed=consumed, written=state["written"], bytes_in=state["bytes"])
@@ -287,6 +301,8 @@ class RunOptions:
     check_finite: bool = False  # refuse a NaN/Inf in any source tensor (after FP8 dequantisation)
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/dequantiser threads per worker, ahead of its writer (0: none)
+    device: str = "auto"  # where FP8 is dequantised: cpu, cuda, auto (glmconv.io.dequant.resolve_device)
+    fp8_threads: int = 0  # CPU dequantisation threads per worker (0: this worker's share of the cores)
     ahead_bytes: int = DEFAULT_AHEAD_BYTES  # chunks made ahead of the writer hold at most this, per worker
 
 
@@ -310,7 +326,7 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
             "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
             "hf_tensors": len(job.plan.hf_index), "mcore_tensors": len(job.plan.mcore_index),
             "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out, **dtype_summary(job),
-            "sidecars": sorted(job.sidecars),
+            "sidecars": sorted(job.sidecars), "device": opts.device, "read_threads": opts.threads,
             "workers": [{"rank": r, "mappings": len(p), "bytes_in": sum(m.hf_bytes for m in p),
                          "peak_bytes_estimate": peak_bytes(p, opts.group_bytes, opts.chunk_bytes, opts.threads,
                                                            opts.ahead_bytes)}
@@ -319,8 +335,11 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
+    from glmconv.io.dequant import resolve_device
     from glmconv.progress import PUBLISH, say
 
+    if opts.device == "cuda":
+        resolve_device(opts.device, fp8_bytes(job.plan.mappings))  # no GPU: refused before anything is written
     return run_on_output(job.out, {"input": job.src}, force, run_plan, (ConvertRun(job, opts),), opts.workers,
                          "convert", space_check=(lambda: space_plan(job, True)) if opts.space_check else None,
                          on_publish=lambda: say("convert", PUBLISH, str(job.out), enabled=opts.progress))
@@ -335,8 +354,10 @@ class ConvertRun(PlanRun):
     def __init__(self, job: ConvertJob, opts: RunOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
         self._writer: Any = None  # this rank's DcpWriter, made in its own process
+        self.world = 1
 
     def share_of(self, rank: int, world: int) -> list[Mapping]:
+        self.world = world
         return shares(self.job.plan.mappings, world)[rank]
 
     def share_bytes(self, share: list[Mapping]) -> int:
@@ -346,12 +367,22 @@ class ConvertRun(PlanRun):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
+        from glmconv.io.dequant import make_dequantizer, resolve_device, torch_threads
         from glmconv.io.torch_dist.writer import DcpWriter
 
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
         o = self.opts
-        return run_share(self.job, share, self._writer, prog, group_bytes=o.group_bytes, chunk_bytes=o.chunk_bytes,
-                         check_finite=o.check_finite, threads=o.threads, ahead_bytes=o.ahead_bytes)
+        device = resolve_device(o.device, fp8_bytes(share))
+        fp8_threads = o.fp8_threads or fp8_thread_count(self.world)
+        dequantize = make_dequantizer(device, fp8_threads)
+        try:
+            with torch_threads(1 if device == "cpu" and fp8_threads > 1 else None):  # the slabs are the threads
+                result = run_share(self.job, share, self._writer, prog, group_bytes=o.group_bytes,
+                                   chunk_bytes=o.chunk_bytes, check_finite=o.check_finite, threads=o.threads,
+                                   ahead_bytes=o.ahead_bytes, dequantize=dequantize)
+            return dataclasses.replace(result, device=device)
+        finally:
+            dequantize.close()
 
     def check(self, results: list[ShareResult]) -> None:
         check_once((n for r in results for n in r.consumed), self.job.plan.hf_index, "consumed")
@@ -368,4 +399,6 @@ class ConvertRun(PlanRun):
     def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
         write_sidecars(self.job, stage)
         verify_staged(self.job, stage)
-        return {**plan_summary(self.job, RunOptions(workers=world)), "published": str(self.job.out)}
+        devices = ",".join(sorted({r.device for r in results}))
+        return {**plan_summary(self.job, dataclasses.replace(self.opts, workers=world)), "device": devices,
+                "published": str(self.job.out)}

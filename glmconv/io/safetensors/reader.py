@@ -12,7 +12,11 @@ from glmconv.io.safetensors.header import HeaderEntry, SafetensorsHeader, read_h
 from glmconv.rules import names
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
+
+    Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
 class HfTensorSource:
@@ -20,11 +24,16 @@ class HfTensorSource:
 
     Shard headers are read (and validated) once per shard, and each shard is opened once; `entry` tells
     where a tensor's bytes sit so that a writer can copy them file to file without reading them at all.
+    `dequantize` (glmconv/io/dequant.py: CPU slabs on threads, or the GPU) replaces the reference call with the
+    same bits; one with `pinned` set gets FP8 codes read straight into pinned memory. Readable from several
+    threads at once.
     """
 
-    def __init__(self, files: dict[str, Path], *, check_finite: bool = False) -> None:
+    def __init__(self, files: dict[str, Path], *, check_finite: bool = False,
+                 dequantize: Dequantize | None = None) -> None:
         self._files = files
         self._check_finite = check_finite
+        self._dequantize = dequantize
         self._headers: dict[Path, SafetensorsHeader] = {}
         self._shards = FileCopier()
 
@@ -58,8 +67,9 @@ class HfTensorSource:
     def stored_dtype(self, name: str) -> str:
         return self.entry(name)[0].dtype
 
-    def raw(self, name: str, rows: int | tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor exactly as stored, or only rows [start, stop) (`rows` alone: the first ones), read alone."""
+    def raw(self, name: str, rows: int | tuple[int, int] | None = None, pin: bool = False) -> torch.Tensor:
+        """The tensor exactly as stored, or only rows [start, stop) (`rows` alone: the first ones), read alone
+        (`pin`: into pinned memory, for a copy to the GPU that overlaps)."""
         import torch
 
         from glmconv.io.dtypes import TORCH_DTYPES
@@ -72,7 +82,7 @@ class HfTensorSource:
             row_bytes = extent.length // max(shape[0], 1)
             extent = Extent(extent.path, extent.offset + start * row_bytes, row_bytes * (stop - start))
             shape[0] = stop - start
-        out = torch.empty(extent.length, dtype=torch.uint8)
+        out = torch.empty(extent.length, dtype=torch.uint8, pin_memory=pin)
         self._shards.read_into([extent], memoryview(out.numpy()))
         return out.view(TORCH_DTYPES[e.dtype]).reshape(shape)
 
@@ -86,7 +96,8 @@ class HfTensorSource:
 
         from glmconv.io.fp8 import check_scales, dequantize_fp8_blocks
 
-        t = self.raw(name)
+        pin = getattr(self._dequantize, "pinned", False) and device is None and self.stored_dtype(name) == "F8_E4M3"
+        t = self.raw(name, pin=pin)
         if t.dtype == torch.float8_e4m3fn:
             scale = names.scale_name(name)
             if scale not in self._files:
@@ -95,7 +106,10 @@ class HfTensorSource:
             check_scales(scale_inv, f"{scale} ({self._files[scale].name})")
             if device is not None:
                 t, scale_inv = t.to(device), scale_inv.to(device)
-            t = dequantize_fp8_blocks(t, scale_inv, out_dtype=out_dtype)
+            if self._dequantize is not None and device is None:
+                t = self._dequantize(t, scale_inv, out_dtype)
+            else:
+                t = dequantize_fp8_blocks(t, scale_inv, out_dtype=out_dtype)
         elif t.dtype != out_dtype:
             t = t.to(out_dtype)
         if self._check_finite:

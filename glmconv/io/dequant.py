@@ -1,0 +1,156 @@
+"""Where and how FP8 weights are dequantised during convert: CPU slabs on threads, or the GPU.
+
+Both give the bits of `dequantize_fp8_blocks` (glmconv/io/fp8.py): every value is fp8 -> fp32 (exact), one fp32
+multiply by its block's scale (IEEE, correctly rounded on any device) and a round-to-nearest-even cast to BF16.
+On the CPU a weight is cut into slabs of whole 128-row blocks, each dequantised alone on a pool thread (torch's
+own intra-op threads scale poorly on this elementwise chain: measured in benchmarks/RESULTS.md). On the GPU the
+codes are read into pinned memory, copied on the calling thread's own stream (a reader thread each: two in
+flight with the default two readers), dequantised and cast there, and copied back into pinned memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from glmconv.errors import GlmconvError
+from glmconv.io.fp8 import FP8_BLOCK, dequantize_fp8_blocks
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+SLAB_ROWS = 2 * FP8_BLOCK  # rows per CPU slab: fp32 temporaries of a few MB stay in cache
+AUTO_CUDA_BYTES = 1 << 30  # auto picks the GPU for a worker with at least this many bytes of FP8 codes
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_device(requested: str, fp8_bytes: int) -> str:
+    """`cpu` or `cuda`: `auto` is cuda when a GPU is visible and there are AUTO_CUDA_BYTES of FP8 codes to
+    dequantise (less costs less on the CPU than starting CUDA); `cuda` without a GPU is refused."""
+    if requested not in DEVICES:
+        raise GlmconvError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}")
+    if requested == "cpu" or (requested == "auto" and fp8_bytes < AUTO_CUDA_BYTES):
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if requested == "cuda":
+        raise GlmconvError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); "
+                           "use --device cpu or auto")
+    return "cpu"
+
+
+class CpuDequantizer:
+    """`dequantize_fp8_blocks`, slab by slab on `threads` threads (1: the reference call itself)."""
+
+    pinned = False
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="glmconv-fp8") if self.threads > 1 else None
+
+    def __call__(self, fp8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        rows = fp8.shape[0] if fp8.dim() == 2 else 0
+        if self._pool is None or rows <= SLAB_ROWS:
+            return dequantize_fp8_blocks(fp8, scale_inv, out_dtype=out_dtype)
+        out = torch.empty(fp8.shape, dtype=out_dtype)
+
+        def slab(start: int) -> None:
+            stop = min(rows, start + SLAB_ROWS)
+            scales = scale_inv[start // FP8_BLOCK:-(-stop // FP8_BLOCK)]
+            out[start:stop] = dequantize_fp8_blocks(fp8[start:stop], scales, out_dtype=out_dtype)
+
+        _check_whole(fp8, scale_inv)  # each slab is checked against its own rows only
+        list(self._pool.map(slab, range(0, rows, SLAB_ROWS)))
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class CudaDequantizer:
+    """Codes and scales to the GPU on the calling thread's stream, dequantised and cast there, back to pinned memory."""
+
+    pinned = True
+
+    def __init__(self, device: str = "cuda") -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self._local = threading.local()
+
+    def _stream(self) -> Any:
+        import torch
+
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        return stream
+
+    def __call__(self, fp8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            codes = fp8.to(self.device, non_blocking=fp8.is_pinned())
+            scales = scale_inv.to(self.device, non_blocking=scale_inv.is_pinned())
+            w = dequantize_fp8_blocks(codes, scales, out_dtype=out_dtype)
+            out = torch.empty(w.shape, dtype=out_dtype, pin_memory=True)
+            out.copy_(w, non_blocking=True)
+        stream.synchronize()  # the codes, scales and `w` are released only once the copies are done
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `n` within the block (None: left alone), restored after."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_dequantizer(device: str, threads: int) -> CpuDequantizer | CudaDequantizer:
+    """The dequantiser of a resolved device (`resolve_device`)."""
+    return CudaDequantizer() if device == "cuda" else CpuDequantizer(threads)
+
+
+def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """The reference's checks on the whole weight: dtypes and the scale grid."""
+    import torch
+
+    from glmconv.io.fp8 import Fp8FormatError, scale_shape
+
+    if fp8.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
+        raise Fp8FormatError(f"expected a float8_e4m3fn weight and F32 block scales, got {fp8.dtype} and "
+                             f"{scale_inv.dtype}")
+    want = scale_shape(tuple(fp8.shape))
+    if tuple(scale_inv.shape) != want:
+        raise Fp8FormatError(f"block scales of a {list(fp8.shape)} FP8 weight must be {list(want)}, "
+                             f"got {list(scale_inv.shape)}")

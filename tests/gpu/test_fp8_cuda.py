@@ -1,0 +1,44 @@
+"""Issue 14 on a GPU: dequantisation there gives the CPU's bits, and `convert --device cuda` the CPU's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from glmconv.io.dequant import CudaDequantizer
+from glmconv.io.fp8 import dequantize_fp8_blocks, scale_shape
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+def every_code(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    scales = torch.exp2(torch.randint(-30, 11, scale_shape(shape), generator=g).float())
+    return codes, scales * (1 + torch.rand(scale_shape(shape), generator=g))
+
+
+@pytest.mark.parametrize("shape", [(2048, 4096), (1000, 700), (257, 5)])
+def test_the_gpu_gives_the_cpus_bits(shape: tuple[int, int]) -> None:
+    codes, scales = every_code(shape)
+    want = dequantize_fp8_blocks(codes, scales)
+    got = CudaDequantizer()(codes.pin_memory(), scales, torch.bfloat16)
+    assert got.device.type == "cpu" and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_convert_on_the_gpu_writes_the_cpus_tensors(tiny_fp8_ckpt: Path, tmp_path: Path) -> None:
+    import mcore_helpers as mh
+
+    from glmconv.runners.convert import RunOptions, convert, prepare
+
+    for device in ("cpu", "cuda"):
+        summary = convert(prepare(tiny_fp8_ckpt, tmp_path / device), RunOptions(progress=False, device=device))
+        assert summary["device"] == device
+    cpu, gpu = mh.read_dcp(tmp_path / "cpu"), mh.read_dcp(tmp_path / "cuda")
+    assert sorted(cpu) == sorted(gpu)
+    for name, t in cpu.items():
+        mh.assert_same(name, gpu[name], t)
