@@ -96,7 +96,7 @@ def test_one_megatron_value_changed_is_named_in_the_table(converted: dict[str, t
         return tensors
 
     _rewrite(mc, tmp_path / "mc", edit)
-    res = CliRunner().invoke(cli, ["verify", str(hf), str(tmp_path / "mc")])
+    res = CliRunner().invoke(cli, ["verify", str(hf), str(tmp_path / "mc")], env={"COLUMNS": "400"})  # no folding
     assert res.exit_code == 1, res.output
     text = " ".join(res.output.split())
     assert m.hf[1].name in text and m.mcore[0].name in text and m.hf[0].name not in text
