@@ -416,6 +416,7 @@ def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
     """
     check_target(out, real, force)
     try:
+        sync_tree(stage.path)  # on disk before the name says so: a crash never leaves a complete-looking OUT torn
         old = _set_aside(real, stage.run) if real.is_dir() and _not_empty(real) else None
         try:
             os.rename(stage.path, real)
@@ -423,6 +424,7 @@ def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
             if old is not None:
                 _put_back(old, real)
             raise
+        _fsync_fd_of(real.parent, os.O_DIRECTORY)  # the rename itself
     except OSError as exc:
         raise GlmconvError(f"{out}: cannot publish ({exc.strerror or exc}); the previous OUT is unchanged"
                            ) from None
@@ -431,6 +433,25 @@ def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
     (real / MARKER).unlink(missing_ok=True)
     if old is not None:
         discard(old)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every regular file and directory below `root` (symlinks are not followed); files already flushed
+    (convert's data files, fsynced as each is finished) cost nothing more."""
+    for entry in os.scandir(root):
+        if entry.is_dir(follow_symlinks=False):
+            sync_tree(Path(entry.path))
+        elif entry.is_file(follow_symlinks=False):
+            _fsync_fd_of(Path(entry.path), 0)
+    _fsync_fd_of(root, os.O_DIRECTORY)
+
+
+def _fsync_fd_of(path: Path, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def recover(real: Path) -> None:
