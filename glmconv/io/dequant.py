@@ -136,9 +136,13 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def make_dequantizer(device: str, threads: int) -> CpuDequantizer | CudaDequantizer:
-    """The dequantiser of a resolved device (`resolve_device`)."""
-    return CudaDequantizer() if device == "cuda" else CpuDequantizer(threads)
+def make_dequantizer(device: str, threads: int, rank: int = 0) -> CpuDequantizer | CudaDequantizer:
+    """The dequantiser of a resolved device (`resolve_device`); worker `rank` takes GPU rank % visible GPUs."""
+    if device != "cuda":
+        return CpuDequantizer(threads)
+    import torch
+
+    return CudaDequantizer(f"cuda:{rank % torch.cuda.device_count()}")
 
 
 def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:

@@ -374,7 +374,7 @@ class ConvertRun(PlanRun):
         o = self.opts
         device = resolve_device(o.device, fp8_bytes(share))
         fp8_threads = o.fp8_threads or fp8_thread_count(self.world)
-        dequantize = make_dequantizer(device, fp8_threads)
+        dequantize = make_dequantizer(device, fp8_threads, rank)
         try:
             with torch_threads(1 if device == "cpu" and fp8_threads > 1 else None):  # the slabs are the threads
                 result = run_share(self.job, share, self._writer, prog, group_bytes=o.group_bytes,
