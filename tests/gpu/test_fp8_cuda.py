@@ -1,7 +1,12 @@
-"""Issue 14 on a GPU: dequantisation there gives the CPU's bits, and `convert --device cuda` the CPU's files."""
+"""Issue 14 on a GPU: dequantisation there gives the CPU's bits, and `convert --device cuda` the CPU's tensors.
+
+On the GPU machine the FP8 fixture can be handed in pre-made (its transformers may lack Glm5Next):
+GLMCONV_GPU_FIXTURES=DIR with DIR/hf-tiny-fp8, made with `glmconv fixture make DIR/hf-tiny-fp8 --fp8`.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -30,13 +35,23 @@ def test_the_gpu_gives_the_cpus_bits(shape: tuple[int, int]) -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_convert_on_the_gpu_writes_the_cpus_tensors(tiny_fp8_ckpt: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def fp8_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("GLMCONV_GPU_FIXTURES")
+    if given:
+        return Path(given) / "hf-tiny-fp8"
+    from glmconv.fixtures import make_fixture
+
+    return make_fixture(tmp_path_factory.mktemp("gpu") / "hf-tiny-fp8", "tiny", fp8=True, seed=0)
+
+
+def test_convert_on_the_gpu_writes_the_cpus_tensors(fp8_source: Path, tmp_path: Path) -> None:
     import mcore_helpers as mh
 
     from glmconv.runners.convert import RunOptions, convert, prepare
 
     for device in ("cpu", "cuda"):
-        summary = convert(prepare(tiny_fp8_ckpt, tmp_path / device), RunOptions(progress=False, device=device))
+        summary = convert(prepare(fp8_source, tmp_path / device), RunOptions(progress=False, device=device))
         assert summary["device"] == device
     cpu, gpu = mh.read_dcp(tmp_path / "cpu"), mh.read_dcp(tmp_path / "cuda")
     assert sorted(cpu) == sorted(gpu)
