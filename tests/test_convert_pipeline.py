@@ -8,6 +8,7 @@ import hashlib
 import pickle
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,18 @@ def test_a_failing_step_raises_where_the_serial_path_would() -> None:
         for chunk in run_ahead(steps, threads=2, ahead_bytes=10):
             got.append(chunk)
     assert got == [0, 1]
+
+
+def test_steps_that_cannot_be_listed_fail_after_the_chunks_before_them() -> None:
+    def steps() -> Iterator[Step]:
+        yield Step(1, lambda: (time.sleep(0.05), [0])[1])
+        raise CheckpointError("w: not in the checkpoint")
+
+    got: list[int] = []
+    with pytest.raises(CheckpointError, match="^w: not in the checkpoint$"):
+        for chunk in run_ahead(steps(), threads=2):
+            got.append(chunk)
+    assert got == [0]
 
 
 def test_zero_threads_makes_each_step_when_it_is_reached() -> None:

@@ -38,14 +38,14 @@ def run_ahead(steps: Iterable[Step], threads: int = DEFAULT_THREADS,
     pending: deque[tuple[int, Future[list[Any]]]] = deque()
     held = 0
     upcoming = iter(steps)
-    nxt = next(upcoming, None)
+    nxt = _next(upcoming)
     try:
         while nxt is not None or pending:
             while nxt is not None and len(pending) < MAX_STEPS_AHEAD and (
                     not pending or held + nxt.nbytes <= ahead_bytes):
                 pending.append((nxt.nbytes, pool.submit(nxt.make)))
                 held += nxt.nbytes
-                nxt = next(upcoming, None)
+                nxt = _next(upcoming)
             nbytes, made = pending.popleft()
             chunks = made.result()
             held -= nbytes
@@ -54,3 +54,16 @@ def run_ahead(steps: Iterable[Step], threads: int = DEFAULT_THREADS,
         for _, made in pending:
             made.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _next(upcoming: Iterator[Step]) -> Step | None:
+    """The next step; one that could not even be described fails in its place, after the steps before it (as
+    the serial path would fail there), and ends the steps."""
+    try:
+        return next(upcoming, None)
+    except Exception as exc:
+        return Step(0, lambda failed=exc: _raise(failed))  # `exc` itself is unbound once the block ends
+
+
+def _raise(exc: Exception) -> list[Any]:
+    raise exc
