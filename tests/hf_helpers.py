@@ -34,3 +34,16 @@ def save_with_transformers(src: Path, out: Path, dtype: str, max_shard_size: str
     model = Glm5NextForConditionalGeneration.from_pretrained(src, dtype=getattr(torch, dtype))
     model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return out
+
+
+def raw_tensors(ckpt: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Every tensor's dtype, shape and raw data bytes, straight from the shard files."""
+    from glmconv.io.safetensors.header import read_header
+
+    out = {}
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        header = read_header(shard)
+        data = shard.read_bytes()
+        for e in header.entries.values():
+            out[e.name] = (e.dtype, e.shape, data[header.data_start + e.begin:header.data_start + e.end])
+    return out

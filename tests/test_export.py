@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_helpers import raw_tensors
 
 from glmconv.config import load_config
 from glmconv.errors import CheckpointError, GlmconvError
@@ -25,7 +26,6 @@ from glmconv.io.file_names import (
     TRACKER_NAME,
 )
 from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from glmconv.io.safetensors.header import read_header
 from glmconv.io.safetensors.writer import ShardWriter
 from glmconv.io.torch_dist.common_state import read_common_state
 from glmconv.io.torch_dist.reader import DcpReader, read_bytes_entry
@@ -52,17 +52,6 @@ def _export(mc: Path, out: Path, *, workers: int = 1, force: bool = False, **kw:
     kw.setdefault("max_shard_bytes", SMALL_SHARDS)
     job = export_mod.prepare(mc, out, **kw)
     return export_mod.export(job, export_mod.ExportOptions(workers=workers, progress=False), force=force)
-
-
-def _raw(ckpt: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """Every tensor's dtype, shape and raw data bytes, straight from the shard files."""
-    out = {}
-    for shard in sorted(ckpt.glob("*.safetensors")):
-        header = read_header(shard)
-        data = shard.read_bytes()
-        for e in header.entries.values():
-            out[e.name] = (e.dtype, e.shape, data[header.data_start + e.begin:header.data_start + e.end])
-    return out
 
 
 def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -114,7 +103,7 @@ def tiny_export(tiny_mc: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
 
 def test_tiny_round_trip_is_byte_identical(tiny_ckpt: Path, tiny_export: tuple[Path, dict[str, Any]]) -> None:
     out, summary = tiny_export
-    src, got = _raw(tiny_ckpt), _raw(out)
+    src, got = raw_tensors(tiny_ckpt), raw_tensors(out)
     assert got.keys() == src.keys() and len(got) == 246
     assert [n for n in src if got[n] != src[n]] == []
     assert _index(out)["weight_map"].keys() == _index(tiny_ckpt)["weight_map"].keys()
@@ -130,7 +119,7 @@ def test_tiny_round_trip_is_byte_identical(tiny_ckpt: Path, tiny_export: tuple[P
 def test_cut8_round_trip_is_byte_identical(cut8_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     summary = _export(_convert(cut8_ckpt, tmp_path / "mc"), out)
-    src, got = _raw(cut8_ckpt), _raw(out)
+    src, got = raw_tensors(cut8_ckpt), raw_tensors(out)
     assert got.keys() == src.keys()
     assert [n for n in src if got[n] != src[n]] == []
     assert _index(out)["metadata"]["total_size"] == _index(cut8_ckpt)["metadata"]["total_size"] == summary["bytes_out"]
@@ -166,7 +155,7 @@ def test_zero_copy_and_torch_load_paths_write_identical_files(fixture: str, requ
     assert _files(tmp_path / "fast") == _files(tmp_path / "slow")
     assert fast["bytes_out"] == slow["bytes_out"] and fast["shards"] == slow["shards"] >= 4
     if fixture == "tiny_ckpt":
-        assert _raw(tmp_path / "fast") == _raw(src) and fast["bytes_in"] == slow["bytes_in"] == 1_189_840
+        assert raw_tensors(tmp_path / "fast") == raw_tensors(src) and fast["bytes_in"] == slow["bytes_in"] == 1_189_840
 
 
 def test_zero_copy_is_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,7 +177,7 @@ def test_an_item_the_reader_cannot_locate_is_read_through_torch_load(tiny_ckpt: 
     monkeypatch.setattr(DcpReader, "read", lambda self, name, rows=None: loaded.append(name) or read(self, name, rows))
     _export_with(tiny_mc, tmp_path / "hf")
     assert loaded == [first]
-    assert _raw(tmp_path / "hf") == _raw(tiny_ckpt)
+    assert raw_tensors(tmp_path / "hf") == raw_tensors(tiny_ckpt)
 
 
 def test_check_finite_reads_every_tensor_through_torch_load(tiny_ckpt: Path, tiny_mc: Path, tmp_path: Path,
@@ -198,7 +187,7 @@ def test_check_finite_reads_every_tensor_through_torch_load(tiny_ckpt: Path, tin
 
     monkeypatch.setattr(export_mod, "byte_route", never)
     _export_with(tiny_mc, tmp_path / "hf", check_finite=True)
-    assert _raw(tmp_path / "hf") == _raw(tiny_ckpt)
+    assert raw_tensors(tmp_path / "hf") == raw_tensors(tiny_ckpt)
 
 
 def test_plain_requantisation_keeps_codes_but_not_scales(tiny_fp8_ckpt: Path) -> None:
@@ -297,7 +286,7 @@ def test_like_restores_prefix_dtypes_and_sidecars(tiny_ckpt: Path, flat_source: 
     assert (tmp_path / "plain" / "tokenizer.json").read_bytes() == (flat_source / "tokenizer.json").read_bytes()
     like = _export(mc, tmp_path / "like", like=flat_source)
     assert like["text_prefix"] == names.HF_FLAT_PREFIX
-    assert _raw(tmp_path / "like") == _raw(flat_source)  # names, BF16 hc fn and bytes
+    assert raw_tensors(tmp_path / "like") == raw_tensors(flat_source)  # names, BF16 hc fn and bytes
     for f in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
         assert (tmp_path / "like" / f).read_bytes() == (flat_source / f).read_bytes()
     config = [json.loads((d / CONFIG_NAME).read_text()) for d in (tmp_path / "like", flat_source)]
@@ -308,7 +297,7 @@ def test_two_workers_write_distinct_shards_and_one_index(tiny_ckpt: Path, tiny_m
     out = tmp_path / "hf"
     summary = _export(tiny_mc, out, workers=2)
     assert summary["workers"] == 2
-    assert _raw(out) == _raw(tiny_ckpt)
+    assert raw_tensors(out) == raw_tensors(tiny_ckpt)
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     assert set(_index(out)["weight_map"].values()) == set(shards)
@@ -332,7 +321,7 @@ def test_vocab_padding_is_stripped_and_too_few_rows_refused(tiny_ckpt: Path, tin
 
     summary = _export(_rewrite(tiny_mc, tmp_path / "padded", pad(640)), tmp_path / "hf")
     assert summary["vocab_padding_stripped"] == {n: {"stored_rows": 640, "vocab_size": 512} for n in vocab}
-    assert _raw(tmp_path / "hf") == _raw(tiny_ckpt)
+    assert raw_tensors(tmp_path / "hf") == raw_tensors(tiny_ckpt)
     with pytest.raises(CheckpointError, match="511 vocabulary rows .* fewer than vocab_size 512") as err:
         export_mod.prepare(_rewrite(tiny_mc, tmp_path / "short", pad(511)), tmp_path / "hf2")
     assert vocab[0] in _one_line(err)
@@ -349,7 +338,7 @@ def test_iteration_directory_and_legacy_common_pt(tiny_ckpt: Path, tiny_mc: Path
         export_mod.prepare(root, tmp_path / "hf")
     summary = _export(root, tmp_path / "hf", config=config)
     assert summary["iteration"] == "123"
-    assert _raw(tmp_path / "hf") == _raw(tiny_ckpt)
+    assert raw_tensors(tmp_path / "hf") == raw_tensors(tiny_ckpt)
 
 
 def test_reader_assembles_row_ranges_across_chunks(tmp_path: Path) -> None:
@@ -485,7 +474,7 @@ def test_existing_output_needs_force(tiny_ckpt: Path, tiny_mc: Path, tmp_path: P
         _export(tiny_mc, out)
     assert str(out) in _one_line(err) and (out / "keep.txt").exists()
     _export(tiny_mc, out, force=True)
-    assert not (out / "keep.txt").exists() and _raw(out) == _raw(tiny_ckpt)
+    assert not (out / "keep.txt").exists() and raw_tensors(out) == raw_tensors(tiny_ckpt)
 
 
 # ---- command line ------------------------------------------------------------------------------------

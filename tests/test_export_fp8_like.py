@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from hf_helpers import raw_tensors
 
 from glmconv.io.file_names import MANIFEST_NAME
 from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from glmconv.io.fp8_reuse import encode
-from glmconv.io.safetensors.header import read_header
 from glmconv.io.torch_dist.metadata import inspect_torch_dist
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.rules import names
@@ -24,17 +24,6 @@ from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 FP8_WEIGHTS, FP8_BLOCKS = 95, 101  # the tiny fixture's FP8 set
-
-
-def _raw(ckpt: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """Every tensor's dtype, shape and raw data bytes, straight from the shard files."""
-    out = {}
-    for shard in sorted(ckpt.glob("*.safetensors")):
-        header = read_header(shard)
-        data = shard.read_bytes()
-        for e in header.entries.values():
-            out[e.name] = (e.dtype, e.shape, data[header.data_start + e.begin:header.data_start + e.end])
-    return out
 
 
 def _export(mc: Path, out: Path, like: Path) -> dict[str, Any]:
@@ -95,7 +84,7 @@ def test_without_like_every_block_is_requantised() -> None:
 def test_untouched_fp8_checkpoint_round_trips_byte_identical(tiny_fp8_ckpt: Path, fp8_mc: Path,
                                                              tmp_path: Path) -> None:
     summary = _export(fp8_mc, tmp_path / "hf2", tiny_fp8_ckpt)
-    src, got = _raw(tiny_fp8_ckpt), _raw(tmp_path / "hf2")
+    src, got = raw_tensors(tiny_fp8_ckpt), raw_tensors(tmp_path / "hf2")
     assert sorted(got) == sorted(src)
     assert [n for n in src if got[n] != src[n]] == []  # dtype, shape and bytes: codes, scales and the rest
     fp8 = summary["fp8_requantized"]
@@ -123,7 +112,7 @@ def test_one_changed_expert_value_requantises_one_block(tiny_fp8_ckpt: Path, fp8
     shutil.copytree(fp8_mc, mc)
     _bump_one_expert_value(mc)
     summary = _export(mc, tmp_path / "hf2", tiny_fp8_ckpt)
-    src, got = _raw(tiny_fp8_ckpt), _raw(tmp_path / "hf2")
+    src, got = raw_tensors(tiny_fp8_ckpt), raw_tensors(tmp_path / "hf2")
     differ = {n for n in src if got[n] != src[n]}
     touched = [n for n in src if src[n][0] == "F8_E4M3" and {n, names.scale_name(n)} & differ]
     assert len(touched) == 1 and differ <= {touched[0], names.scale_name(touched[0])}  # one weight
