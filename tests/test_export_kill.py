@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hf_helpers import raw_tensors
 from test_bad_input import sha256_tree
-from test_export import _raw as raw_tensors
 
 from glmconv.lock import lock_path
 from glmconv.runners import convert as convert_mod

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 from fuzzing import fuzz
+from hf_helpers import raw_tensors
 from hypothesis import given
 from hypothesis import strategies as st
-from test_export import _raw as raw_tensors
 
 from glmconv.config import DSA, parse_config
 from glmconv.io.dtypes import TORCH_DTYPES
