@@ -147,8 +147,10 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
         raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
     if threshold is not None and not threshold > 0:
         raise GlmconvError(f"--threshold {threshold}: must be positive")
+    replay_file = options.get("replay_file")
     inputs = {"HF checkpoint": Path(hf_dir), "torch_dist checkpoint": Path(mcore_dir),
-              "prompt file": Path(prompt_file) if prompt_file else None}
+              "prompt file": Path(prompt_file) if prompt_file else None,
+              "replay file": Path(replay_file) if replay_file else None}  # the report never lands on an input
     if report_dir is not None:
         claim_report_dir(Path(report_dir), inputs)  # before the run: a directory that cannot take it fails now
     options.setdefault("progress", False)

@@ -248,3 +248,18 @@ def test_parity_report_dir_overlapping_an_input_is_refused(where: str, tiny_ckpt
     assert_refused(["parity", str(hf), str(mc), "--tokens", "16", "--report-dir", str(report_dir)], [hf, mc],
                    tmp_path / "none", rf"{report_dir}: the report directory (is the same path as|is inside|contains) "
                    r"the (HF|torch_dist) checkpoint .*; choose one outside every input$")
+
+
+def test_parity_report_dir_holding_the_replay_file_is_refused(tiny_ckpt: Path, mc_ckpt: Path, tmp_path: Path) -> None:
+    """The replay payload is an input too: in a report directory glmconv wrote, the report would replace it."""
+    from glmconv.output import claim_report_dir
+
+    report_dir = tmp_path / "rep"
+    claim_report_dir(report_dir, {})  # a report directory glmconv wrote, which a report may be written into
+    payload = report_dir / "report.json"
+    payload.write_text("{}")
+    got = invoke(["parity", str(tiny_ckpt), str(mc_ckpt), "--tokens", "16", "--replay", "routing",
+                  "--replay-file", str(payload), "--report-dir", str(report_dir)])
+    assert got.exit_code == 2
+    assert got.stderr.strip().endswith(f"contains the replay file {payload}; choose one outside every input")
+    assert payload.read_text() == "{}"
