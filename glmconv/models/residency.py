@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -19,8 +18,7 @@ from glmconv.models.weights import ExpertBank, Swiglu
 
 Key = tuple[str, int]  # (sub-block kind, layer); layer -1 for model-wide pieces
 LOAD_THREADS = min(8, os.cpu_count() or 1)
-T = TypeVar("T")
-R = TypeVar("R")
+LOAD_AHEAD_BYTES = 2 << 30  # expert bytes read ahead of the device copy, at most (a group larger runs alone)
 
 
 class WeightCache:
@@ -57,9 +55,13 @@ class LoadedBank(ExpertBank):
     """
 
     def __init__(self, bank: ExpertBank, device: torch.device) -> None:
-        self.num = bank.num
+        from glmconv.runners.ahead import Step, run_ahead
+
+        self.num, self.nbytes = bank.num, bank.nbytes
         self._w: dict[str, torch.Tensor] = {}
-        for experts, swiglus in ordered_map(bank.read, bank.groups(), LOAD_THREADS):
+        per_expert = bank.nbytes // max(1, bank.num)
+        steps = (Step(len(g) * per_expert, lambda g=g: [(g, bank.read(g))]) for g in bank.groups())
+        for experts, swiglus in run_ahead(steps, LOAD_THREADS, LOAD_AHEAD_BYTES):
             for e, s in zip(experts, swiglus):
                 for name in ("gate", "up", "down"):
                     self._put(name, e, getattr(s, name), device)
@@ -72,18 +74,3 @@ class LoadedBank(ExpertBank):
     def get(self, expert: int) -> Swiglu:
         return Swiglu(self._w["gate"][expert], self._w["up"][expert], self._w["down"][expert])
 
-
-def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[tuple[T, R]]:
-    """(item, fn(item)) in order, with at most `threads` calls in flight: memory stays at `threads` results."""
-    if threads <= 1:
-        yield from ((item, fn(item)) for item in items)
-        return
-    with ThreadPoolExecutor(threads) as pool:
-        pending: list[tuple[T, Future[R]]] = []
-        for item in items:
-            pending.append((item, pool.submit(fn, item)))
-            if len(pending) >= threads:
-                first, fut = pending.pop(0)
-                yield first, fut.result()
-        for item, fut in pending:
-            yield item, fut.result()

@@ -50,6 +50,7 @@ class ExpertBank(ABC):
     """Routed experts, read one at a time (a full-size layer's experts need not fit at once)."""
 
     num: int
+    nbytes: int  # all experts as `get` returns them: what a loader holds, to bound what it reads ahead
 
     @abstractmethod
     def get(self, expert: int) -> Swiglu:
@@ -300,6 +301,7 @@ class _HfExperts(ExpertBank):
     def __init__(self, src: HfWeights, fc1: Mapping, fc2: Mapping) -> None:
         self._src, self._fc1, self._fc2 = src, fc1, fc2
         self.num = len(fc2.hf)
+        self.nbytes = sum(t.nbytes * (2 if t.dtype == FP8 else 1) for t in (*fc1.hf, *fc2.hf))  # FP8 read as BF16
 
     def get(self, expert: int) -> Swiglu:
         (gate, up), (down,) = (self._read(m, expert) for m in (self._fc1, self._fc2))
@@ -369,7 +371,7 @@ class _StackedExperts(ExpertBank):
     """Experts sliced from [E, 2F, H] / [E, H, F], read in windows of rows (experts come in ascending order)."""
 
     def __init__(self, src: MegatronWeights, fc1: str, fc2: str, num: int, nbytes: int) -> None:
-        self._src, self._fc1, self._fc2, self.num = src, fc1, fc2, num
+        self._src, self._fc1, self._fc2, self.num, self.nbytes = src, fc1, fc2, num, nbytes
         self._step = max(1, min(num, EXPERT_WINDOW_BYTES * num // max(nbytes, 1)))
         self._window: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
