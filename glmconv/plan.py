@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 from glmconv.config import DSA, MOE, GlmConfig
 from glmconv.io.dtypes import DTYPE_SIZES
 from glmconv.io.fp8 import scale_shape
-from glmconv.rules import names
-from glmconv.rules.table import BF16, F32, FP8, GLOBAL, KEEP, LAYER, MTP, RULES, VISION, Rule
+from glmconv.rules import layouts, names
+from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
+from glmconv.rules.table import BF16, F32, FP8, GLOBAL, KEEP, LAYER, MTP, VISION, Rule, rules_in
 
 if TYPE_CHECKING:
     from glmconv.rules.ops import Layout
 
-__all__ = ["BF16", "F32", "FP8", "Mapping", "Plan", "TensorSpec", "build_plan", "dims", "retyped"]
+__all__ = ["BF16", "F32", "FP8", "Mapping", "Plan", "TensorSpec", "build_plan", "detect_layout", "dims", "retyped"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Mapping:
     layer: int | None  # HF layer index (MTP layers count after the decoder), None for global/vision
     part: str  # "global", "layer", "mtp" or "vision"
     stored: tuple[str | None, ...] = ()  # per HF tensor, the dtype the source stores (None: unknown)
+    key: tuple[str, ...] = ()  # the miles layout's Megatron names: the mapping's identity in every layout
+    homeless: bool = False  # the layout's trainer has no parameter for it: kept under names.KEPT_PREFIX
 
     def optional_part(self, num_layers: int) -> str:
         """The part a mapping can be left out with: the MTP layer's decoder-layer rules have scope "layer"."""
@@ -110,6 +113,7 @@ class Plan:
     text_prefix: str
     mappings: list[Mapping] = field(default_factory=list)
     dtype: str = KEEP  # convert --dtype: what the Megatron tensors become (the rules' dtype policies)
+    layout: str = DEFAULT_LAYOUT  # the Megatron layout (glmconv.rules.layouts): whose names the Megatron side has
 
     def hf_tensors(self) -> Iterator[TensorSpec]:
         for m in self.mappings:
@@ -126,7 +130,7 @@ class Plan:
         """`_extra_state` ShardedObject keys a Megatron model of this plan asks for at load."""
         keys: list[str] = []
         for m in self.mappings:
-            if m.rule.extra_state:
+            if m.rule.extra_state and not m.homeless:
                 experts = m.mcore[0].shape[0] if m.rule.per_expert else None
                 keys.extend(names.extra_state_keys(m.mcore[0].name, experts))
         return keys
@@ -146,6 +150,15 @@ class Plan:
     @cached_property
     def mapping_of_mcore(self) -> dict[str, Mapping]:
         return {t.name: m for m in self.mappings for t in m.mcore}
+
+    @cached_property
+    def mapping_of_key(self) -> dict[tuple[str, ...], Mapping]:
+        """Mappings by their layout-independent identity (`Mapping.key`)."""
+        return {m.key: m for m in self.mappings}
+
+    def homeless(self) -> list[Mapping]:
+        """The mappings this layout's trainer has no parameter for (kept under names.KEPT_PREFIX)."""
+        return [m for m in self.mappings if m.homeless]
 
 
 def _unique_index(specs: Iterator[TensorSpec], side: str) -> dict[str, TensorSpec]:
@@ -185,20 +198,46 @@ def dims(config: GlmConfig) -> dict[str, int]:
 
 def build_plan(config: GlmConfig, *, fp8: bool = False, mtp: bool = True, vision: bool = True,
                text_prefix: str = names.HF_TEXT_PREFIX, dtype: str = KEEP,
-               stored: dict[str, str] | None = None) -> Plan:
+               stored: dict[str, str] | None = None, layout: str = DEFAULT_LAYOUT) -> Plan:
     """Expand every rule against `config`; MTP and vision are included when the config has them.
 
-    `dtype` (convert --dtype) and `stored` (HF tensor -> the dtype the source stores) fix each Megatron dtype.
+    `dtype` (convert --dtype) and `stored` (HF tensor -> the dtype the source stores) fix each Megatron dtype;
+    `layout` names the Megatron side (glmconv.rules.layouts).
     """
     plan = Plan(config=config, fp8=fp8, mtp=mtp and config.num_mtp_layers > 0,
-                vision=vision and config.vision is not None, text_prefix=text_prefix, dtype=dtype)
+                vision=vision and config.vision is not None, text_prefix=text_prefix, dtype=dtype,
+                layout=layout)
     d = dims(config)
+    homeless_parts = layouts.layout(plan.layout).homeless_parts
     for scope, ctx in _scopes(plan):
-        for rule in RULES:
+        for reference, rule in zip(rules_in(), rules_in(plan.layout)):
             if _applies(rule, scope, ctx, config):
-                plan.mappings.append(_expand(rule, ctx, d, plan, stored or {}))
+                m = _expand(rule, ctx, d, plan, stored or {})
+                plan.mappings.append(_placed(m, reference, ctx, homeless_parts, config.num_layers))
     plan.hf_index, plan.mcore_index  # noqa: B018 - validates the bijection now, not at first use
     return plan
+
+
+def _placed(m: Mapping, reference: Rule, ctx: _Ctx, homeless_parts: frozenset[str], num_layers: int) -> Mapping:
+    """`m` with its layout-independent key, and kept under names.KEPT_PREFIX where the layout has no home for it."""
+    key = tuple(names.expand(t, **_side(ctx, 1)) for t in reference.mcore)
+    homeless = m.rule.homeless or m.optional_part(num_layers) in homeless_parts
+    if not homeless:
+        return dataclasses.replace(m, key=key)
+    mcore = tuple(dataclasses.replace(t, name=names.kept(t.name)) for t in m.mcore)
+    return dataclasses.replace(m, key=key, mcore=mcore, homeless=True)
+
+
+def detect_layout(config: GlmConfig, keys: set[str] | dict[str, object]) -> str | None:
+    """The Megatron layout whose names a checkpoint's keys are spelled in; None when no key says.
+
+    Decided by the names only one layout has: the plans of both, with every part, are compared to the keys.
+    """
+    hits = {name: set(build_plan(config, layout=name).mcore_index) for name in LAYOUT_CHOICES}
+    shared = set.intersection(*hits.values())
+    score = {name: len((own - shared) & set(keys)) for name, own in hits.items()}
+    best = max(score, key=lambda n: score[n])
+    return best if score[best] else None
 
 
 def retyped(plan: Plan, mcore_dtypes: dict[str, str]) -> Plan:
@@ -208,6 +247,7 @@ def retyped(plan: Plan, mcore_dtypes: dict[str, str]) -> Plan:
 
     maps = [dataclasses.replace(m, mcore=tuple(spec(t) for t in m.mcore)) for m in plan.mappings]
     return dataclasses.replace(plan, mappings=maps)
+
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ def test_clean_bf16_checkpoint_is_ok_with_mtp_and_vision_detected(tmp_path):
     r = audit(write_hf(tmp_path / "ck"))
     assert r.ok and r.findings == [] and r.tensors == len(plan_tensors(tiny_config()))
     assert r.plans["src"] == {"kind": "hf", "fp8": False, "mtp": True, "vision": True,
-                              "text_prefix": HF_TEXT_PREFIX, "layers": 2, "ignored_beyond_layers": 0}
+                              "text_prefix": HF_TEXT_PREFIX, "layers": 2, "ignored_beyond_layers": 0,
+                              "layout": "miles", "homeless": 0}
 
 
 def test_clean_fp8_checkpoint_is_detected_as_fp8(tmp_path):

@@ -63,8 +63,22 @@ def hf_layer_index(name: str, text_prefix: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+KEPT_PREFIX = "glmconv_kept."  # a tensor the layout's trainer has no parameter for, kept for export
+
+
+def kept(name: str) -> str:
+    """`name` stored under KEPT_PREFIX: in the checkpoint for export, loaded by no trainer."""
+    return name if name.startswith(KEPT_PREFIX) else KEPT_PREFIX + name
+
+
+def unkept(name: str) -> str:
+    """The Megatron name under KEPT_PREFIX (the name itself when it is not kept)."""
+    return name[len(KEPT_PREFIX):] if name.startswith(KEPT_PREFIX) else name
+
+
 def mcore_layer_index(name: str) -> int | None:
-    """Decoder layer number of a Megatron tensor name, or None (MTP, global and vision tensors)."""
+    """Decoder layer number of a Megatron tensor name (kept or not), or None (MTP, global and vision tensors)."""
+    name = unkept(name)
     head = mcore_layer(0)[: -len("0.")]
     if not name.startswith(head):
         return None
@@ -107,7 +121,8 @@ def swap_text_prefix(name: str, new_prefix: str) -> str | None:
 
 
 def mcore_part(name: str) -> str:
-    """Which optional part a Megatron tensor belongs to: "mtp", "vision" or "text"."""
+    """Which optional part a Megatron tensor (kept or not) belongs to: "mtp", "vision" or "text"."""
+    name = unkept(name)
     if name.startswith(MCORE_MTP_PREFIX):
         return "mtp"
     return "vision" if name.startswith(MCORE_VISION_PREFIX) else "text"

@@ -8,13 +8,16 @@ names resolved by `glmconv.plan` from the config (see `dims()` there).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from glmconv.config import DENSE, DSA, KDA, MOE
 from glmconv.rules import names
 from glmconv.rules import roles as R
+from glmconv.rules.layouts import DEFAULT_LAYOUT, MCORE, layout
 from glmconv.rules.ops import Concat, Rename, SplitVector, StackExperts, Transform
 
 GLOBAL, LAYER, MTP, VISION = "global", "layer", "mtp", "vision"
@@ -69,8 +72,18 @@ POLICIES = (WEIGHT, F32_STATE, F32_STATE_BF16_RELEASE)
 
 
 @dataclass(frozen=True)
+class Home:
+    """Where a layout other than miles keeps a rule's Megatron tensors: its names and transform, or none at all
+    (`homeless`: its trainer has no parameter for them; they are kept under `names.KEPT_PREFIX`)."""
+
+    mcore: tuple[str, ...]
+    transform: Transform = Rename()
+    homeless: bool = False
+
+
+@dataclass(frozen=True)
 class Rule:
-    """One declarative mapping between HF tensor(s) and Megatron tensor(s)."""
+    """One declarative mapping between HF tensor(s) and Megatron tensor(s) (`mcore`: the miles layout's)."""
 
     hf: tuple[str, ...]
     mcore: tuple[str, ...]
@@ -88,10 +101,20 @@ class Rule:
     per_block: bool = False  # vision templates expand over `{b}` in 0..depth-1
     extra_state: bool = False  # the Megatron module is a parallel/TE linear: it saves an `_extra_state` object
     role: str = ""  # what the tensor is to a model (`glmconv.rules.roles`): models and fixtures look it up
+    homes: tuple[tuple[str, Home], ...] = ()  # layout -> Home, where it differs from miles
+    homeless: bool = False  # set by `in_layout`: no parameter of this layout's trainer holds the tensors
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
             raise ValueError(f"rule {self.hf}: one shape per HF template")
+
+    def in_layout(self, name: str) -> Rule:
+        """This rule as `name` lays it out: the same HF side, that layout's Megatron names and transform."""
+        home = dict(self.homes).get(layout(name).name)
+        if home is None:
+            return self
+        return dataclasses.replace(self, mcore=home.mcore, transform=home.transform, homeless=home.homeless,
+                                   extra_state=self.extra_state and not home.homeless)
 
     @property
     def keep_f32(self) -> bool:
@@ -100,9 +123,14 @@ class Rule:
 
 
 def _r(hf: str | tuple[str, ...], mcore: str | tuple[str, ...], *shapes: tuple[str | int, ...],
-       **kw: object) -> Rule:
+       native: str | tuple[str, ...] | Home | None = None, **kw: object) -> Rule:
+    """A rule; `native`: its Megatron name(s) in the mcore layout (a `Home` where the transform differs too)."""
     hf_t = (hf,) if isinstance(hf, str) else hf
     mc_t = (mcore,) if isinstance(mcore, str) else mcore
+    if isinstance(native, str | tuple):
+        kw["homes"] = ((MCORE, Home((native,) if isinstance(native, str) else native)),)
+    elif isinstance(native, Home):
+        kw["homes"] = ((MCORE, native),)
     return Rule(hf=hf_t, mcore=mc_t, shapes=shapes, **kw)  # type: ignore[arg-type]
 
 
@@ -121,56 +149,63 @@ def _hc(site_hf: str, site_mc: str) -> list[Rule]:
 
 def _kda() -> list[Rule]:
     rules = [_r(f"{{layer}}self_attn.{p}_proj.weight", f"{{layer}}self_attention.kda.{p}_proj.weight", shape,
-                attn=KDA, extra_state=True, role=R.KDA_PROJ[p])
+                native=f"{{layer}}self_attention.{p}_proj.weight", attn=KDA, extra_state=True, role=R.KDA_PROJ[p])
              for p, shape in (("q", ("kda_dim", "hidden")), ("k", ("kda_dim", "hidden")),
                               ("v", ("kda_dim", "hidden")), ("b", ("kda_heads", "hidden")),
                               ("f_a", ("kda_head", "hidden")), ("f_b", ("kda_dim", "kda_head")),
                               ("g_a", ("kda_head", "hidden")), ("g_b", ("kda_dim", "kda_head")),
                               ("o", ("hidden", "kda_dim")))]
     rules += [
+        # miles packs the three short convs into one; megatron-core's KDA keeps one per projection
         _r(tuple(f"{{layer}}self_attn.{p}_conv1d.weight" for p in "qkv"), "{layer}self_attention.kda.conv1d.weight",
-           *[("kda_dim", 1, "conv_k")] * 3, transform=Concat(0), attn=KDA, role=R.KDA_CONV),
+           *[("kda_dim", 1, "conv_k")] * 3, transform=Concat(0), attn=KDA, role=R.KDA_CONV,
+           native=tuple(f"{{layer}}self_attention.{p}_conv1d.weight" for p in "qkv")),
         _r("{layer}self_attn.A_log", "{layer}self_attention.kda.A_log", ("kda_heads",), attn=KDA, dtypes=F32_STATE,
-           role=R.KDA_A_LOG),
+           native="{layer}self_attention.A_log", role=R.KDA_A_LOG),
         _r("{layer}self_attn.dt_bias", "{layer}self_attention.kda.dt_bias", ("kda_dim",), attn=KDA, dtypes=F32_STATE,
-           role=R.KDA_DT_BIAS),
+           native="{layer}self_attention.dt_bias", role=R.KDA_DT_BIAS),
         _r("{layer}self_attn.o_norm.weight", "{layer}self_attention.kda.o_norm.weight", ("kda_head",), attn=KDA,
-           role=R.KDA_O_NORM),
+           native="{layer}self_attention.o_norm.weight", role=R.KDA_O_NORM),
     ]
     return rules
 
 
 def _dsa() -> list[Rule]:
-    a, m = "{layer}self_attn.", "{layer}self_attention."
+    """NoPE MLA with the kpool indexer. miles fuses the q/kv norms into the up projections and keeps the indexer
+    on the attention module; megatron-core's DSA has separate norms and an `indexer` under `core_attention`,
+    and no parameter for the kpool compression (kept, homeless)."""
+    a, m, ix = "{layer}self_attn.", "{layer}self_attention.", "{layer}self_attention.core_attention.indexer."
     return [
         _r(a + "q_a_proj.weight", m + "linear_q_down_proj.weight", ("q_lora", "hidden"), attn=DSA, fp8=True,
            extra_state=True, role=R.DSA_Q_A),
         _r(a + "q_a_layernorm.weight", m + "linear_q_up_proj.layer_norm_weight", ("q_lora",), attn=DSA,
-           role=R.DSA_Q_A_NORM),
+           native=m + "q_layernorm.weight", role=R.DSA_Q_A_NORM),
         _r(a + "q_b_proj.weight", m + "linear_q_up_proj.weight", ("mla_q", "q_lora"), attn=DSA, fp8=True,
            extra_state=True, role=R.DSA_Q_B),
         _r(a + "kv_a_proj_with_mqa.weight", m + "linear_kv_down_proj.weight", ("mla_kv_a", "hidden"), attn=DSA,
            fp8=True, extra_state=True, role=R.DSA_KV_A),
         _r(a + "kv_a_layernorm.weight", m + "linear_kv_up_proj.layer_norm_weight", ("kv_lora",), attn=DSA,
-           role=R.DSA_KV_A_NORM),
+           native=m + "kv_layernorm.weight", role=R.DSA_KV_A_NORM),
         _r(a + "kv_b_proj.weight", m + "linear_kv_up_proj.weight", ("mla_kv_b", "kv_lora"), attn=DSA,
            extra_state=True, role=R.DSA_KV_B),
         _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True, extra_state=True,
            role=R.DSA_O_PROJ),
         _r(a + "indexer.wq_b.weight", m + "wq_b.weight", ("idx_q", "q_lora"), attn=DSA, indexer=True,
-           extra_state=True, role=R.INDEXER_WQ_B),
+           native=ix + "linear_wq_b.weight", extra_state=True, role=R.INDEXER_WQ_B),
         _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA, indexer=True,
-           extra_state=True, role=R.INDEXER_WK),
+           native=ix + "linear_wk.weight", extra_state=True, role=R.INDEXER_WK),
         _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA, indexer=True,
-           role=R.INDEXER_K_NORM_WEIGHT),
+           native=ix + "k_norm.weight", role=R.INDEXER_K_NORM_WEIGHT),
         _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA, indexer=True,
-           role=R.INDEXER_K_NORM_BIAS),
+           native=ix + "k_norm.bias", role=R.INDEXER_K_NORM_BIAS),
         _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA,
-           indexer=True, extra_state=True, role=R.INDEXER_WEIGHTS_PROJ),
+           indexer=True, native=ix + "linear_weights_proj.weight", extra_state=True, role=R.INDEXER_WEIGHTS_PROJ),
         _r(a + "indexer.index_kpool_compress_gate", m + "index_kpool_compress_gate", ("idx_dim", "hidden"),
-           attn=DSA, indexer=True, role=R.INDEXER_COMPRESS_GATE),
+           attn=DSA, indexer=True, native=Home((ix + "index_kpool_compress_gate",), homeless=True),
+           role=R.INDEXER_COMPRESS_GATE),
         _r(a + "indexer.index_kpool_compress_ape", m + "index_kpool_compress_ape", ("kpool", "idx_dim"),
-           attn=DSA, indexer=True, dtypes=F32_STATE_BF16_RELEASE, role=R.INDEXER_COMPRESS_APE),
+           attn=DSA, indexer=True, dtypes=F32_STATE_BF16_RELEASE,
+           native=Home((ix + "index_kpool_compress_ape",), homeless=True), role=R.INDEXER_COMPRESS_APE),
     ]
 
 
@@ -268,4 +303,10 @@ def _vision_role(name: str) -> str:
     return R.VISION_NORM if re.search(r"norm\d?\.weight$", name) else R.VISION_MATRIX
 
 
-RULES: tuple[Rule, ...] = (*_global(), *_layer(), *_mtp(), *_vision())
+RULES: tuple[Rule, ...] = (*_global(), *_layer(), *_mtp(), *_vision())  # the miles layout's
+
+
+@cache
+def rules_in(name: str = DEFAULT_LAYOUT) -> tuple[Rule, ...]:
+    """The table as layout `name` lays it out (the same rules, in the same order)."""
+    return tuple(r.in_layout(name) for r in RULES)

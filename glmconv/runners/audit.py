@@ -18,12 +18,13 @@ from glmconv.errors import CheckpointError
 from glmconv.io.file_names import CONFIG_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, is_hf_checkpoint
 from glmconv.io.torch_dist.metadata import config_path
-from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
+from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, detect_layout
 from glmconv.rules import names
+from glmconv.rules.layouts import DEFAULT_LAYOUT
 from glmconv.text import count
 
 KINDS = ("missing", "unexpected", "duplicate", "shape", "dtype", "fp8-scale-missing", "scale-shape", "orphan-scale",
-         "prefix", "index", "config")
+         "prefix", "index", "config", "layout")
 CONFIG, HF, MCORE = "config", "hf", "mcore"
 Found = tuple[tuple[int, ...], str, str]  # shape, dtype, file
 
@@ -54,6 +55,7 @@ class Options:
     layers: int | None = None
     accept_flat_prefix: bool = False
     config: str | Path | None = None  # config for torch_dist sides
+    layout: str | None = None  # the Megatron layout of torch_dist sides (None: recorded, else from the names)
 
 
 @dataclass
@@ -80,7 +82,8 @@ class Side:
         assert self.plan is not None
         return {"kind": self.kind, "fp8": self.plan.fp8, "mtp": self.plan.mtp, "vision": self.plan.vision,
                 "text_prefix": self.plan.text_prefix, "layers": self.config.num_layers,
-                "ignored_beyond_layers": self.ignored}
+                "ignored_beyond_layers": self.ignored, "layout": self.plan.layout,
+                "homeless": len(self.plan.homeless())}
 
 
 @dataclass
@@ -189,17 +192,38 @@ def _cut(config: GlmConfig, opts: Options) -> GlmConfig:
 
 # ---- planning a side ---------------------------------------------------------------------------------
 
-def plan_side(s: Side, opts: Options) -> Plan:
+def plan_side(s: Side, opts: Options, side: str = "src") -> Plan:
     """The plan this side should match: explicit flags win, otherwise what the checkpoint holds."""
     tensors = s.tensors or {}
+    layout = _layout(s, opts, side)
     present_parts = (names.mcore_parts_present(tensors) if s.kind == MCORE
                      else names.hf_parts_present(tensors, s.config.num_layers))
     fp8 = opts.fp8 if opts.fp8 is not None else s.kind == HF and _looks_fp8(s)
     mtp = opts.mtp if opts.mtp is not None else s.kind == CONFIG or "mtp" in present_parts
     vision = opts.vision if opts.vision is not None else s.kind == CONFIG or "vision" in present_parts
     prefix = s.text_prefix or names.HF_TEXT_PREFIX
-    s.plan = build_plan(s.config, fp8=fp8 and s.kind != MCORE, mtp=mtp, vision=vision, text_prefix=prefix)
+    s.plan = build_plan(s.config, fp8=fp8 and s.kind != MCORE, mtp=mtp, vision=vision, text_prefix=prefix,
+                        layout=layout)
     return s.plan
+
+
+def _layout(s: Side, opts: Options, side: str) -> str:
+    """--layout, else (torch_dist) the one its names are spelled in, else the one glmconv.json records.
+
+    A record the names contradict is a finding: the plan then follows the names, so the rest of the audit is
+    about the tensors, not about the record.
+    """
+    if s.kind != MCORE:
+        return opts.layout or DEFAULT_LAYOUT
+    from glmconv.checkpoint_layout import recorded_layout
+    from glmconv.io.file_names import MANIFEST_NAME
+
+    found = detect_layout(s.config, s.tensors or {})
+    recorded = recorded_layout(s.path)
+    if recorded is not None and found is not None and recorded != found:
+        s.findings.append(Finding("layout", MANIFEST_NAME, MANIFEST_NAME, f"tensors named in the {recorded} layout",
+                                  f"tensors named in the {found} layout", side))
+    return opts.layout or found or recorded or DEFAULT_LAYOUT
 
 
 def _looks_fp8(s: Side) -> bool:
@@ -343,8 +367,8 @@ def _quantization_finding(s: Side, side: str) -> list[Finding]:
 # ---- comparing two sides through the mapping ---------------------------------------------------------
 
 def _key(m: Mapping) -> tuple[str, ...]:
-    """Megatron names identify a mapping on both sides (they depend on neither FP8 nor the HF prefix)."""
-    return tuple(t.name for t in m.mcore)
+    """A mapping's identity on both sides: it depends on neither FP8, the HF prefix nor the Megatron layout."""
+    return m.key
 
 
 def _side_specs(s: Side, m: Mapping) -> list[TensorSpec]:
@@ -371,7 +395,7 @@ def cross_check(a: Side, b: Side, side_b: str, *, shapes: bool = True,
     b_full = _full_plan(b)
     out: list[Finding] = []
     for key in sorted(_present_keys(a)):
-        m_a = a.plan.mapping_of_mcore[key[0]]
+        m_a = a.plan.mapping_of_key[key]
         if m_a.optional_part(a.config.num_layers) in left_out:
             continue
         m_b = b_maps.get(key)
@@ -384,15 +408,20 @@ def cross_check(a: Side, b: Side, side_b: str, *, shapes: bool = True,
 
 def _full_plan(s: Side) -> dict[tuple[str, ...], Mapping]:
     assert s.plan is not None
-    full = build_plan(s.config, fp8=s.plan.fp8, mtp=True, vision=True, text_prefix=s.plan.text_prefix)
+    full = build_plan(s.config, fp8=s.plan.fp8, mtp=True, vision=True, text_prefix=s.plan.text_prefix,
+                      layout=s.plan.layout)
     return {_key(m): m for m in full.mappings}
 
 
 def _counterparts(a: Side, b: Side, m_a: Mapping) -> list[TensorSpec]:
-    """`m_a`'s tensors spelled for side `b` (its kind and text prefix): weights only, no FP8 scales."""
-    if b.kind == MCORE:
-        return list(m_a.mcore)
+    """`m_a`'s tensors spelled for side `b` (its kind, text prefix and layout): weights only, no FP8 scales."""
     assert b.plan is not None
+    if b.kind == MCORE:  # b's layout names them; the shapes follow from a's HF shapes through b's transform
+        m_b = b.plan.mapping_of_key.get(m_a.key)
+        if m_b is None:
+            return list(m_a.mcore)
+        shapes = m_b.rule.transform.mcore_shapes([t.shape for t in m_a.hf], len(m_b.mcore))
+        return [TensorSpec(t.name, shape, t.dtype) for t, shape in zip(m_b.mcore, shapes)]
     return [TensorSpec(names.swap_text_prefix(t.name, b.plan.text_prefix) or t.name, t.shape, t.dtype)
             for t in m_a.hf]
 
@@ -449,7 +478,7 @@ def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | Non
     if against is not None:
         left_out = frozenset(part for part, keep in (("mtp", mtp), ("vision", vision)) if keep is False)
         b = load_side(against, opts, "against")
-        plan_side(b, opts)
+        plan_side(b, opts, "against")
         plans["against"] = b.plan_options()
         findings += [*b.findings, *compare_side(b, opts, "against"), *config_findings(a, b, "against")]
         findings += [*cross_check(a, b, "against", left_out=left_out),

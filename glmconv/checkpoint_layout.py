@@ -1,0 +1,42 @@
+"""Which Megatron layout a torch_dist checkpoint has: what convert recorded, checked against its key names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from glmconv.config import GlmConfig
+from glmconv.errors import CheckpointError
+from glmconv.io.checkpoint_files import optional_file
+from glmconv.io.file_names import MANIFEST_NAME
+from glmconv.io.jsonfile import load_json_file
+from glmconv.plan import detect_layout
+from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
+
+LAYOUT_KEY = "layout"  # in glmconv.json and in the common state's `glmconv` entry
+
+
+def recorded_layout(root: Path) -> str | None:
+    """The layout glmconv.json records; None without a manifest or a record (an older glmconv's checkpoint)."""
+    path = optional_file(root, MANIFEST_NAME)
+    data = load_json_file(path, source=str(root / MANIFEST_NAME)) if path is not None else None
+    value = data.get(LAYOUT_KEY) if isinstance(data, dict) else None
+    if value is None:
+        return None
+    if value not in LAYOUT_CHOICES:
+        raise CheckpointError(f"{root / MANIFEST_NAME}: layout {value!r} is not one of {', '.join(LAYOUT_CHOICES)}")
+    return str(value)
+
+
+def checkpoint_layout(root: Path, config: GlmConfig, keys: Iterable[str], asked: str | None = None) -> str:
+    """The layout to read `root` in: `asked` (--layout), else the record, else what the names say.
+
+    Any two of them that disagree are refused, naming both: reading a checkpoint in the wrong layout finds
+    nothing, or worse, half of it.
+    """
+    found = detect_layout(config, set(keys))
+    recorded = recorded_layout(root)
+    for what, value in ((f"--layout {asked}", asked), (f"{MANIFEST_NAME} records the {recorded} layout", recorded)):
+        if value is not None and found is not None and value != found:
+            raise CheckpointError(f"{root}: {what}, but its tensors are named in the {found} layout")
+    return asked or recorded or found or DEFAULT_LAYOUT

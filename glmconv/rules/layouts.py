@@ -1,0 +1,41 @@
+"""The Megatron layouts glmconv reads and writes: which trainer loads each, and what it has no module for.
+
+A layout is data: the rules table says, per rule, where each layout keeps the tensors (`table.Home`); this
+module says which whole parts a layout's trainer has no module for. Tensors without a home are still written,
+under `names.KEPT_PREFIX`, so that export restores them; no trainer loads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MILES, MCORE = "miles", "mcore"
+DEFAULT_LAYOUT = MILES
+MTP_PART, VISION_PART = "mtp", "vision"
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """One trainer's naming of the model: who loads it and which optional parts it has no module for."""
+
+    name: str
+    trainer: str
+    homeless_parts: frozenset[str]  # "mtp" / "vision": their tensors are kept, not loaded
+
+
+LAYOUTS: dict[str, MegatronLayout] = {
+    MILES: MegatronLayout(MILES, "the miles glm5_next plugin on megatron-core (its own KDA, DSA and mHC modules)",
+                          frozenset()),
+    MCORE: MegatronLayout(MCORE, "megatron-core's native modules, as NVIDIA Megatron-Bridge builds them "
+                                 "(Megatron-Bridge, NeMo)", frozenset({MTP_PART, VISION_PART})),
+}
+LAYOUT_CHOICES = tuple(LAYOUTS)
+
+
+def layout(name: str) -> MegatronLayout:
+    """The layout called `name`; one line naming the choices otherwise."""
+    from glmconv.errors import GlmconvError
+
+    if name not in LAYOUTS:
+        raise GlmconvError(f"unknown Megatron layout {name!r}: choose {' or '.join(LAYOUT_CHOICES)}")
+    return LAYOUTS[name]
