@@ -9,6 +9,7 @@ from itertools import groupby
 import click
 
 from glmconv import api
+from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
 from glmconv.text import console as text_console
 from glmconv.text import printable
@@ -32,21 +33,24 @@ ROWS_PER_KIND = 20
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Cut the config to N layers; a deeper checkpoint is audited on its first N (no MTP).")
 @click.option("--accept-flat-prefix", is_flag=True, help="Accept text tensors under the flat `model.` prefix.")
+@click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
+              help="Megatron layout of torch_dist sides and of --emit mcore (default: what their names say; "
+              "emit: miles).")
 @click.option("--emit", type=click.Choice(["hf", "mcore"]), default=None,
               help="Print the full expected tensor list (name, shape, dtype) for SRC's config and exit.")
 def audit_names(src: str, against: str | None, as_json: bool, config: str | None, fp8: bool | None,
                 mtp: bool | None, vision: bool | None, layers: int | None, accept_flat_prefix: bool,
-                emit: str | None) -> None:
+                layout: str | None, emit: str | None) -> None:
     """Audit SRC (config.json, HF dir or torch_dist dir) against the plan, and against DST with --against.
 
     Exit 0 when every tensor matches, 1 when there are findings, 2 on unreadable input.
     """
     if emit is not None:
         _emit(src, emit, as_json, fp8=bool(fp8), mtp=mtp is not False, vision=vision is not False, layers=layers,
-              config=config)
+              config=config, layout=layout)
         return
     report = api.audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
-                       accept_flat_prefix=accept_flat_prefix, config=config)
+                       accept_flat_prefix=accept_flat_prefix, config=config, layout=layout)
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=1))
     else:

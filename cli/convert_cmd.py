@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from glmconv.progress import PLAN, say
+from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.rules.table import DTYPE_CHOICES, KEEP
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SIZE
@@ -41,22 +42,34 @@ from glmconv_cli.workers import WORKERS
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=KEEP, show_default=True,
               help="What Megatron gets: keep = what the source stores (bit-exact round trip); bf16 rounds F32 "
               "weights (counted in the summary); fp32 widens. F32 state (A_log, hc, biases) stays F32.")
+@click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=DEFAULT_LAYOUT, show_default=True,
+              help="Whose Megatron names to write: miles (the miles glm5_next plugin) or mcore (megatron-core's native "
+              "modules, as Megatron-Bridge builds them). What mcore has no parameter for (kpool compression, MTP, "
+              "vision) is kept under glmconv_kept. and said so.")
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int | str,
             device: str, read_threads: int, force: bool, mtp: bool, vision: bool, group_size: int,
-            check_finite: bool, dtype: str) -> None:
+            check_finite: bool, dtype: str, layout: str) -> None:
     """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
     say("convert", PLAN, f"reading and auditing {hf_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 
     summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,
                           group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json,
-                          space_check=not no_space_check, dtype=dtype, device=device, read_threads=read_threads)
+                          space_check=not no_space_check, dtype=dtype, device=device, read_threads=read_threads,
+                          layout=layout)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
+    warn_homeless(summary)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
     _print(summary, dry_run)
+
+
+def warn_homeless(s: dict) -> None:
+    """On stderr, even with --json: what the layout's trainer will not load (convert and relayout)."""
+    if s.get("homeless_warning"):
+        click.echo(s["homeless_warning"], err=True)
 
 
 def _print(s: dict, dry_run: bool) -> None:

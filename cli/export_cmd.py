@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from glmconv.progress import PLAN, say
+from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.text import count, printable, show
 from glmconv_cli.convert_cmd import plan_lines
 from glmconv_cli.sizes import SIZE
@@ -32,16 +33,19 @@ from glmconv_cli.sizes import SIZE
               "write nothing.")
 @click.option("--no-space-check", "no_space_check", is_flag=True,
               help="Do not refuse an output larger than the free space at OUT_DIR (checked before writing).")
+@click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
+              help="Megatron layout of MCORE_DIR (default: the one glmconv.json records, else the one its names are "
+              "spelled in; a contradiction is refused).")
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int, fp8: bool,
            workers: int, as_json: bool, force: bool, check_finite: bool, dry_run: bool,
-           no_space_check: bool) -> None:
+           no_space_check: bool, layout: str | None) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
     say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
                          workers=workers, force=force, check_finite=check_finite, dry_run=dry_run,
-                         progress=not as_json, space_check=not no_space_check)
+                         progress=not as_json, space_check=not no_space_check, layout=layout)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
     if as_json:

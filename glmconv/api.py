@@ -34,8 +34,11 @@ def lead_process() -> bool:
 def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, force: bool = False,
             mtp: bool = True, vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
             dry_run: bool = False, progress: bool = False, space_check: bool = True,
-            dtype: str = "keep", device: str = "auto", read_threads: int = 2) -> dict[str, Any]:
+            dtype: str = "keep", device: str = "auto", read_threads: int = 2, layout: str = "miles") -> dict[str, Any]:
     """HF checkpoint (BF16 or the FP8 release) -> Megatron torch_dist in `out_dir`, verified, published atomically.
+
+    `layout`: `miles` (the miles plugin's names) or `mcore` (megatron-core's native modules, as Megatron-Bridge
+    names them); what the layout has no parameter for is kept under `glmconv_kept.`, counted in `homeless`.
 
     `dtype` `keep` gives Megatron what the source stores (bit-exact round trip), `bf16` rounds F32 weights to
     BF16 (counted in the summary's `narrowed_f32_to_bf16`), `fp32` widens; F32 state (A_log, hc, biases) stays F32.
@@ -52,7 +55,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
     from glmconv.runners.convert import convert as run
     from glmconv.runners.workers import worker_count
 
-    job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype)
+    job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
     opts = RunOptions(workers=worker_count(workers, job.bytes_in, fp8_bytes(job.plan.mappings)),
                       group_bytes=group_bytes, progress=progress, check_finite=check_finite, space_check=space_check,
                       device=device, threads=read_threads)
@@ -62,8 +65,11 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
 def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | None = None,
            config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
            workers: int = 1, force: bool = False, check_finite: bool = False, dry_run: bool = False,
-           progress: bool = False, space_check: bool = True) -> dict[str, Any]:
+           progress: bool = False, space_check: bool = True, layout: str | None = None) -> dict[str, Any]:
     """Megatron torch_dist -> HF safetensors in the release's naming (`like`: an HF checkpoint to imitate).
+
+    `layout`: the Megatron layout of `mcore_dir` (`miles` or `mcore`); None reads the one glmconv.json records,
+    else the one its names are spelled in. Tensors kept under `glmconv_kept.` are exported like the others.
 
     `dry_run` returns the plan (tensors, bytes, estimated time, free space at `out_dir`) and writes nothing. With
     `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s filesystem is refused before
@@ -72,7 +78,8 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     from glmconv.runners.export import ExportOptions, dry_run_summary, prepare
     from glmconv.runners.export import export as run
 
-    job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes)
+    job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
+                  layout=layout)
     opts = ExportOptions(workers=workers, progress=progress, check_finite=check_finite, space_check=space_check)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
@@ -109,15 +116,18 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
 
 def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None, mtp: bool | None = None,
           vision: bool | None = None, layers: int | None = None, accept_flat_prefix: bool = False,
-          config: str | Path | None = None) -> AuditReport:
+          config: str | Path | None = None, layout: str | None = None) -> AuditReport:
     """Every tensor of `src` (config, HF or torch_dist) against the plan, and against `against` both ways.
+
+    `layout`: the Megatron layout torch_dist sides are audited in (None: the one their names are spelled in;
+    a glmconv.json record they contradict is a finding); two sides in different layouts meet through the mapping.
 
     The report's `ok` is False when there are findings (the CLI's exit 1); unreadable input raises.
     """
     from glmconv.runners.audit import audit as run
 
     return run(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers, accept_flat_prefix=accept_flat_prefix,
-               config=config)
+               config=config, layout=layout)
 
 
 def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = None, sequences: int | None = None,

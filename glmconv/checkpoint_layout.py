@@ -10,8 +10,11 @@ from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import MANIFEST_NAME
 from glmconv.io.jsonfile import load_json_file
-from glmconv.plan import detect_layout
-from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
+from glmconv.plan import Plan, detect_layout
+from glmconv.rules import layouts, names
+from glmconv.rules import roles as R
+from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES, MTP_PART, VISION_PART
+from glmconv.text import count
 
 LAYOUT_KEY = "layout"  # in glmconv.json and in the common state's `glmconv` entry
 
@@ -40,3 +43,27 @@ def checkpoint_layout(root: Path, config: GlmConfig, keys: Iterable[str], asked:
         if value is not None and found is not None and value != found:
             raise CheckpointError(f"{root}: {what}, but its tensors are named in the {found} layout")
     return asked or recorded or found or DEFAULT_LAYOUT
+
+
+def homeless_counts(plan: Plan) -> dict[str, int]:
+    """HF tensors (FP8 scales aside) the plan's layout has no home for, per part ("mtp", "vision") or per role."""
+    out: dict[str, int] = {}
+    for m in plan.homeless():
+        part = m.optional_part(plan.config.num_layers)
+        kind = part if part in (MTP_PART, VISION_PART) else m.rule.role
+        out[kind] = out.get(kind, 0) + len(m.hf)
+    return out
+
+
+def homeless_line(plan: Plan) -> str | None:
+    """One line saying what the layout's trainer will not load and where it is kept; None when all has a home."""
+    counts = homeless_counts(plan)
+    if not counts:
+        return None
+    what = ", ".join(f"{KIND_WORDS.get(kind, kind)} ({count(n, 'tensor')})" for kind, n in counts.items())
+    return (f"warning: the {plan.layout} layout has no parameter for {what}: kept under {names.KEPT_PREFIX} so "
+            f"that export restores them; {layouts.layout(plan.layout).trainer} does not load them")
+
+
+KIND_WORDS = {MTP_PART: "the MTP layer", VISION_PART: "the vision tower",
+              R.INDEXER_COMPRESS_GATE: "the kpool compress_gate", R.INDEXER_COMPRESS_APE: "the kpool compress_ape"}

@@ -210,17 +210,17 @@ def build_plan(config: GlmConfig, *, fp8: bool = False, mtp: bool = True, vision
     d = dims(config)
     homeless_parts = layouts.layout(plan.layout).homeless_parts
     for scope, ctx in _scopes(plan):
-        for reference, rule in zip(rules_in(), rules_in(plan.layout)):
+        for rule in rules_in(plan.layout):
             if _applies(rule, scope, ctx, config):
                 m = _expand(rule, ctx, d, plan, stored or {})
-                plan.mappings.append(_placed(m, reference, ctx, homeless_parts, config.num_layers))
+                plan.mappings.append(_placed(m, ctx, homeless_parts, config.num_layers))
     plan.hf_index, plan.mcore_index  # noqa: B018 - validates the bijection now, not at first use
     return plan
 
 
-def _placed(m: Mapping, reference: Rule, ctx: _Ctx, homeless_parts: frozenset[str], num_layers: int) -> Mapping:
+def _placed(m: Mapping, ctx: _Ctx, homeless_parts: frozenset[str], num_layers: int) -> Mapping:
     """`m` with its layout-independent key, and kept under names.KEPT_PREFIX where the layout has no home for it."""
-    key = tuple(names.expand(t, **_side(ctx, 1)) for t in reference.mcore)
+    key = tuple(names.expand(t, **_side(ctx, 1)) for t in m.rule.miles or m.rule.mcore)
     homeless = m.rule.homeless or m.optional_part(num_layers) in homeless_parts
     if not homeless:
         return dataclasses.replace(m, key=key)

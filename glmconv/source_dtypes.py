@@ -64,8 +64,8 @@ def restore(plan: Plan, rec: Any, source_prefix: str, ckpt: Path) -> dict[str, s
 
 
 def rule_key(rule: Rule) -> str:
-    """A rule's name in the record: its first Megatron template (unique in the table)."""
-    return rule.mcore[0]
+    """A rule's name in the record, whatever the layout: its first miles Megatron template (unique in the table)."""
+    return rule.key
 
 
 def _parts(rec: Any, where: Path) -> tuple[dict[str, Any], dict[str, Any]]:

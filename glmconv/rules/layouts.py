@@ -24,10 +24,10 @@ class MegatronLayout:
 
 
 LAYOUTS: dict[str, MegatronLayout] = {
-    MILES: MegatronLayout(MILES, "the miles glm5_next plugin on megatron-core (its own KDA, DSA and mHC modules)",
+    MILES: MegatronLayout(MILES, "miles (its glm5_next plugin: its own KDA, DSA and mHC modules on megatron-core)",
                           frozenset()),
-    MCORE: MegatronLayout(MCORE, "megatron-core's native modules, as NVIDIA Megatron-Bridge builds them "
-                                 "(Megatron-Bridge, NeMo)", frozenset({MTP_PART, VISION_PART})),
+    MCORE: MegatronLayout(MCORE, "a trainer built by Megatron-Bridge or NeMo on megatron-core's native modules",
+                          frozenset({MTP_PART, VISION_PART})),
 }
 LAYOUT_CHOICES = tuple(LAYOUTS)
 

@@ -103,6 +103,7 @@ class Rule:
     role: str = ""  # what the tensor is to a model (`glmconv.rules.roles`): models and fixtures look it up
     homes: tuple[tuple[str, Home], ...] = ()  # layout -> Home, where it differs from miles
     homeless: bool = False  # set by `in_layout`: no parameter of this layout's trainer holds the tensors
+    miles: tuple[str, ...] = ()  # set by `in_layout`: the miles templates, the rule's identity in every layout
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
@@ -114,7 +115,12 @@ class Rule:
         if home is None:
             return self
         return dataclasses.replace(self, mcore=home.mcore, transform=home.transform, homeless=home.homeless,
-                                   extra_state=self.extra_state and not home.homeless)
+                                   extra_state=self.extra_state and not home.homeless, miles=self.mcore, homes=())
+
+    @property
+    def key(self) -> str:
+        """The rule's name in every layout: its first miles Megatron template (unique in the table)."""
+        return (self.miles or self.mcore)[0]
 
     @property
     def keep_f32(self) -> bool:

@@ -463,10 +463,10 @@ def config_findings(a: Side, b: Side, side_b: str) -> list[Finding]:
 
 def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None, mtp: bool | None = None,
           vision: bool | None = None, layers: int | None = None, accept_flat_prefix: bool = False,
-          config: str | Path | None = None) -> AuditReport:
+          config: str | Path | None = None, layout: str | None = None) -> AuditReport:
     """Audit SRC against the plan its config implies; with `against`, also both sides through the mapping."""
     opts = Options(fp8=fp8, mtp=mtp, vision=vision, layers=layers, accept_flat_prefix=accept_flat_prefix,
-                   config=config)
+                   config=config, layout=layout)
     # with --against, --no-mtp / --no-vision describe the output: SRC is audited as it is, and the parts
     # left out are not compared (what `convert --no-mtp` does to a checkpoint that has the MTP layer)
     src_opts = opts if against is None else dataclasses.replace(opts, mtp=None, vision=None)
@@ -501,10 +501,11 @@ def _dedupe(findings: Iterable[Finding]) -> list[Finding]:
 
 
 def expected_tensors(src: str | Path, side: str = HF, *, fp8: bool = False, mtp: bool = True, vision: bool = True,
-                     layers: int | None = None, config: str | Path | None = None) -> list[TensorSpec]:
+                     layers: int | None = None, config: str | Path | None = None,
+                     layout: str | None = None) -> list[TensorSpec]:
     """The full list of tensors the plan expects on one side, for `--emit`."""
     cfg = _cut(_config_of(Path(src), config), Options(layers=layers))
-    plan = build_plan(cfg, fp8=fp8, mtp=mtp, vision=vision)
+    plan = build_plan(cfg, fp8=fp8, mtp=mtp, vision=vision, layout=layout or DEFAULT_LAYOUT)
     return list(plan.hf_tensors() if side == HF else plan.mcore_tensors())
 
 

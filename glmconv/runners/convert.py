@@ -16,8 +16,11 @@ from glmconv.io import sidecars
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.checkpoint_layout import LAYOUT_KEY, homeless_counts, homeless_line
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
+from glmconv.rules import layouts
+from glmconv.rules.layouts import DEFAULT_LAYOUT
 from glmconv.rules.table import BF16, DTYPE_CHOICES, F32, KEEP
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
@@ -57,18 +60,21 @@ class ConvertJob:
 
 
 def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool = True,
-            dtype: str = KEEP) -> ConvertJob:
+            dtype: str = KEEP, layout: str = DEFAULT_LAYOUT) -> ConvertJob:
     """Audit the source against its own plan (refuse on any finding) and fix the conversion plan.
 
-    `dtype` (`keep`, `bf16`, `fp32`): what the Megatron tensors become (the rules' dtype policies).
+    `dtype` (`keep`, `bf16`, `fp32`): what the Megatron tensors become (the rules' dtype policies); `layout`:
+    whose names the Megatron side has (glmconv.rules.layouts).
     """
     if dtype not in DTYPE_CHOICES:
         raise GlmconvError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    layouts.layout(layout)  # an unknown layout: one line, before anything is read
     check_overlap(Path(out), {"input": Path(src)})  # before reading anything: OUT may never be, hold or sit in SRC
-    return dataclasses.replace(source_job(src, mtp=mtp, vision=vision, dtype=dtype), out=Path(out))
+    return dataclasses.replace(source_job(src, mtp=mtp, vision=vision, dtype=dtype, layout=layout), out=Path(out))
 
 
-def source_job(src: str | Path, *, mtp: bool = True, vision: bool = True, dtype: str = KEEP) -> ConvertJob:
+def source_job(src: str | Path, *, mtp: bool = True, vision: bool = True, dtype: str = KEEP,
+               layout: str = DEFAULT_LAYOUT) -> ConvertJob:
     """The HF checkpoint audited against its own plan (refused on any finding) and its plan, with no output:
     `prepare` and `glmconv verify` both start here."""
     src_p = Path(src)
@@ -85,7 +91,7 @@ def source_job(src: str | Path, *, mtp: bool = True, vision: bool = True, dtype:
         raise CheckpointError(f"{f.tensor}{where}: {f.kind}: expected {f.expected}, found {f.found}{more}")
     stored = {n: t[1] for n, t in (side.tensors or {}).items()}
     plan = build_plan(full.config, fp8=full.fp8, mtp=full.mtp and mtp, vision=full.vision and vision,
-                      text_prefix=full.text_prefix, dtype=dtype, stored=stored)
+                      text_prefix=full.text_prefix, dtype=dtype, stored=stored, layout=layout)
     left_out = {part: sum(len(m.hf) + sum(1 for s in m.scales if s) for m in full.mappings
                           if m.optional_part(full.config.num_layers) == part)
                 for part, keep in (("mtp", plan.mtp), ("vision", plan.vision)) if getattr(full, part) and not keep}
@@ -258,11 +264,16 @@ def write_sidecars(job: ConvertJob, stage: Path) -> None:
     write_new(stage / CONFIG_NAME, json.dumps(job.plan.config.to_json(), indent=2) + "\n")
     hashes = sidecars.store(job.sidecars, stage)
     manifest = {**manifest_fields(), "source": str(job.src.resolve()), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
-                "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
+                "vision": job.plan.vision, "text_prefix": job.plan.text_prefix, **layout_summary(job.plan),
                 "hf_tensors": len(job.plan.hf_index), "mcore_tensors": len(job.plan.mcore_index),
                 "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out,
                 **dtype_summary(job), source_dtypes.KEY: source_dtypes.record(job.plan), sidecars.KEY: hashes}
     write_new(stage / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+
+
+def layout_summary(plan: Plan) -> dict[str, Any]:
+    """The layout, and what in it no module of its trainer loads: HF tensors per kind, kept for export."""
+    return {LAYOUT_KEY: plan.layout, "homeless": homeless_counts(plan), "homeless_warning": homeless_line(plan)}
 
 
 def dtype_summary(job: ConvertJob) -> dict[str, Any]:
@@ -277,7 +288,8 @@ def verify_staged(job: ConvertJob, stage: Path) -> None:
     The source itself was audited in full by `prepare`; here it is only cross-checked through the plan of the
     parts kept, so that --no-mtp / --no-vision do not report the parts left out as unexpected source tensors.
     """
-    opts = audit_mod.Options(mtp=job.plan.mtp, vision=job.plan.vision, accept_flat_prefix=True)
+    opts = audit_mod.Options(mtp=job.plan.mtp, vision=job.plan.vision, accept_flat_prefix=True,
+                             layout=job.plan.layout)
     src, out = audit_mod.load_side(job.src, opts), audit_mod.load_side(stage, opts, "against")
     audit_mod.plan_side(src, opts)
     audit_mod.plan_side(out, opts)
@@ -323,7 +335,7 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
     """Tensors, bytes in and out, per-worker share and peak memory."""
     parts = shares(job.plan.mappings, opts.workers)
     return {"src": str(job.src), "out": str(job.out), "fp8_source": job.plan.fp8, "mtp": job.plan.mtp,
-            "vision": job.plan.vision, "text_prefix": job.plan.text_prefix,
+            "vision": job.plan.vision, "text_prefix": job.plan.text_prefix, **layout_summary(job.plan),
             "hf_tensors": len(job.plan.hf_index), "mcore_tensors": len(job.plan.mcore_index),
             "bytes_in": job.bytes_in, "bytes_out": job.bytes_out, "left_out": job.left_out, **dtype_summary(job),
             "sidecars": sorted(job.sidecars), "device": opts.device, "read_threads": opts.threads,
@@ -394,7 +406,8 @@ class ConvertRun(PlanRun):
 
         if rank == 0:
             self._writer.write_objects({key: empty_extra_state() for key in self.job.plan.mcore_objects()})
-        self._writer.finish(build_common_state(self.job.plan.config) if rank == 0 else None)
+        self._writer.finish(build_common_state(self.job.plan.config, layout=self.job.plan.layout) if rank == 0
+                            else None)
 
     def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
         write_sidecars(self.job, stage)

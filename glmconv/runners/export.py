@@ -108,19 +108,23 @@ class ExportOptions:
 # ---- deciding the plan -------------------------------------------------------------------------------
 
 def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
-            fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportJob:
+            fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES, layout: str | None = None) -> ExportJob:
     """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch)."""
     if max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     check_overlap(Path(out), _inputs(Path(src), like, config))  # before reading anything
-    job = source_job(src, like=like, config=config, fp8=fp8)
+    job = source_job(src, like=like, config=config, fp8=fp8, layout=layout)
     return dataclasses.replace(job, out=Path(out), max_shard_bytes=max_shard_bytes)
 
 
 def source_job(src: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
-               fp8: bool = False) -> ExportJob:
+               fp8: bool = False, layout: str | None = None) -> ExportJob:
     """What export would write from `src`, decided and checked (plan, stored args, shapes, dtypes), with no output:
-    `prepare` and the weight-sync API (`glmconv.weight_sync`) both start here."""
+    `prepare` and the weight-sync API (`glmconv.weight_sync`) both start here.
+
+    `layout`: the Megatron layout to read `src` in; None: the one glmconv.json records, else the one its names
+    are spelled in (glmconv.checkpoint_layout). Tensors kept under glmconv_kept. are exported like any other."""
+    from glmconv.checkpoint_layout import checkpoint_layout
     from glmconv.io.torch_dist.common_state import read_common_state
     from glmconv.megatron_args import check_stored_args
 
@@ -138,7 +142,8 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         _check_like_config(cfg, like_ck)
     prefix = (like_ck.text_prefix if like_ck is not None else None) or names.HF_TEXT_PREFIX
     parts = names.mcore_parts_present(ck.tensors)
-    plan = build_plan(cfg, fp8=fp8, mtp="mtp" in parts, vision="vision" in parts, text_prefix=prefix)
+    plan = build_plan(cfg, fp8=fp8, mtp="mtp" in parts, vision="vision" in parts, text_prefix=prefix,
+                      layout=checkpoint_layout(src_p, cfg, ck.tensors, layout))
     stored_rows = check_source(plan, ck)
     plan = retyped(plan, {n: ck.tensors[n].dtype for n in plan.mcore_index})
     manifest = _manifest(src_p)
@@ -417,7 +422,7 @@ def write_sidecars(job: ExportJob, stage: Path, fp8: Fp8Stats | None = None) -> 
     for name, path in job.sidecars.items():
         copy_new(path, stage / name)
     manifest = {**manifest_fields(), "source": str(job.src.resolve()), "format": "hf-safetensors",
-                "fp8": job.plan.fp8, "mtp": job.plan.mtp, "vision": job.plan.vision,
+                "fp8": job.plan.fp8, "mtp": job.plan.mtp, "vision": job.plan.vision, "layout": job.plan.layout,
                 "text_prefix": job.plan.text_prefix, "like": str(job.like.resolve()) if job.like else None,
                 **origins(job), "fp8_requantized": vars(fp8) if job.plan.fp8 and fp8 is not None else None}
     write_new(stage / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")  # last: the mark of a glmconv export
@@ -472,7 +477,8 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
     as a real run would be, when it cannot fit unless `opts.space_check` is off)."""
     plan = job.plan
     return {"src": str(job.src), "out": str(job.out), "iteration": job.iteration, "fp8": plan.fp8, "mtp": plan.mtp,
-            "vision": plan.vision, "text_prefix": plan.text_prefix, "like": str(job.like) if job.like else None,
+            "vision": plan.vision, "layout": plan.layout, "text_prefix": plan.text_prefix,
+            "like": str(job.like) if job.like else None,
             "hf_tensors": len(plan.hf_index), "mcore_tensors": len(plan.mcore_index), "bytes_in": bytes_in(job),
             "bytes_out": bytes_out(job), "workers": opts.workers, **origins(job), **space_plan(job, opts.space_check)}
 
@@ -532,7 +538,8 @@ def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int,
     fp8 = fp8_stats(results)
     plan = job.plan
     return {"src": str(job.src), "out": str(job.out), "iteration": job.iteration, "fp8": plan.fp8, "mtp": plan.mtp,
-            "vision": plan.vision, "text_prefix": plan.text_prefix, "source_text_prefix": job.source_text_prefix,
+            "vision": plan.vision, "layout": plan.layout, "text_prefix": plan.text_prefix,
+            "source_text_prefix": job.source_text_prefix,
             "source_fp8": job.source_fp8, "like": str(job.like) if job.like else None, "hf_tensors": len(plan.hf_index),
             "mcore_tensors": len(plan.mcore_index), "bytes_in": sum(r.bytes_read for r in results),
             "bytes_out": total, "shards": shards, "workers": world,

@@ -57,8 +57,8 @@ class Mismatch:
 
 def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     """Check both checkpoints (the Megatron one, stored args included, against the HF config) and pair mappings."""
-    hf = convert.source_job(hf_dir)
     mc = export.source_job(mcore_dir, config=hf_dir)
+    hf = convert.source_job(hf_dir, layout=mc.plan.layout)  # the pairs meet under the Megatron side's names
     of_hf = hf.plan.mapping_of_mcore
     unpaired = [n for n in mc.plan.mcore_index if n not in of_hf]
     if unpaired:

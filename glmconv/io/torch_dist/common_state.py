@@ -67,6 +67,9 @@ def _opaque_allow_list() -> list[tuple[type, str]]:
 _OPAQUE = _opaque_allow_list()
 
 
+GLMCONV_ENTRY = "glmconv"  # the common state's record of what glmconv wrote (its Megatron layout)
+
+
 def build_args(config: GlmConfig, *, padded_vocab_size: int | None = None, **overrides: Any) -> argparse.Namespace:
     """The model args a Megatron trainer reads back from `state_dict['args']` (checks, --use-checkpoint-args)."""
     t = config.text
@@ -96,16 +99,25 @@ def build_args(config: GlmConfig, *, padded_vocab_size: int | None = None, **ove
 
 
 def build_common_state(config: GlmConfig, *, iteration: int = 0, padded_vocab_size: int | None = None,
-                       content_metadata: dict[str, Any] | None = None, **arg_overrides: Any) -> dict[str, Any]:
-    """`args`, `checkpoint_version` 3.0 and `iteration`; `content_metadata` only when the caller has one.
+                       content_metadata: dict[str, Any] | None = None, layout: str | None = None,
+                       **arg_overrides: Any) -> dict[str, Any]:
+    """`args`, `checkpoint_version` 3.0 and `iteration`; `content_metadata` only when the caller has one; with
+    `layout`, a `glmconv` entry recording it (a trainer ignores keys it does not know).
 
-    Without `content_metadata` a trainer uses its own sharding metadata (e.g. singleton_local_shards).
+    Without `content_metadata` a trainer uses its own sharding metadata (e.g. singleton_local_shards). In a
+    layout whose trainer has no MTP module the args say so (`mtp_num_layers` None): the MTP tensors are kept only.
     """
+    from glmconv.rules.layouts import MTP_PART, layout as find_layout
+
+    if layout is not None and MTP_PART in find_layout(layout).homeless_parts:
+        arg_overrides.setdefault("mtp_num_layers", None)
     state: dict[str, Any] = {
         "args": build_args(config, padded_vocab_size=padded_vocab_size, **arg_overrides),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
     }
+    if layout is not None:
+        state[GLMCONV_ENTRY] = {"layout": layout}
     if content_metadata is not None:
         state["content_metadata"] = dict(content_metadata)
     return state
