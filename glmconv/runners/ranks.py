@@ -179,15 +179,15 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
     hold = (stage.path, stage.run) if stage is not None else None
     with tempfile.TemporaryDirectory(prefix="glmconv-pg-") as tmp:
         ctx = mp.get_context("spawn")
-        results = ctx.Queue()
+        results, done = ctx.Queue(), ctx.Event()
         procs = [ctx.Process(target=_worker, args=(fn, args, r, workers, Path(tmp) / "store", results, os.getpid(),
-                                                   hold))
+                                                   hold, done))
                  for r in range(workers)]
         try:
             with _sigint_ignored_by_children():
                 for p in procs:
                     p.start()
-            outcomes = _collect(results, procs)
+            outcomes = _collect(results, procs, done)
         except BaseException:
             _kill(procs)
             raise
@@ -243,25 +243,37 @@ def _how(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def _collect(results: Any, procs: list[Any]) -> list[Any]:
-    """One outcome per worker; a worker that died without one is noticed instead of waited on."""
+def _collect(results: Any, procs: list[Any], done: Any) -> list[Any]:
+    """One outcome per worker; a worker that died without one is noticed instead of waited on.
+
+    `done` releases the workers once every outcome is in: no rank leaves while a peer may still be in a collective.
+    """
     import queue
 
     outcomes: list[Any] = []
-    while len(outcomes) < len(procs):
-        try:
-            outcomes.append(results.get(timeout=1.0))
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                break
+    try:
+        while len(outcomes) < len(procs):
+            try:
+                outcomes.append(results.get(timeout=1.0))
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+    finally:
+        done.set()
     for p in procs:
         p.join()
     return outcomes
 
 
 def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Path, results: Any, parent: int,
-            hold: tuple[Path, str] | None) -> None:
-    """One rank of --workers: bound to its parent's life, holding the run's staging directory, never publishing."""
+            hold: tuple[Path, str] | None, done: Any) -> None:
+    """One rank of --workers: bound to its parent's life, holding the run's staging directory, never publishing.
+
+    It ends with `os._exit`, never tearing gloo down: a gloo group destroyed, or its threads met by the
+    interpreter's exit, while a peer is still talking aborts the process now and then ("terminate called without
+    an active exception"). A rank that succeeded waits for `done` (every outcome is in, so no collective is in
+    flight); a failed one leaves at once, so that its peers' collectives fail instead of waiting for it.
+    """
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides, and kills
@@ -277,18 +289,30 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    ok = False
     try:
         results.put(_then_barrier(fn(*args, rank, world, dist.group.WORLD)))
+        ok = True
     except GlmconvError as exc:
         results.put(str(exc))
     except Exception as exc:
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         results.put(f"rank {rank}: {type(exc).__name__}: {line}")
     finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        _leave(results, done if ok else None)
+
+
+def _leave(results: Any, done: Any | None) -> None:
+    """Flush this worker's outcome to the parent, wait for `done` when given, and end without any teardown."""
+    import sys
+
+    results.close()
+    results.join_thread()
+    if done is not None:
+        done.wait()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _bind_to_parent(parent: int) -> None:
