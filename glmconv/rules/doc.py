@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from glmconv.rules.layouts import LAYOUTS, MCORE
+from glmconv.rules.names import KEPT_PREFIX
 from glmconv.rules.table import DTYPE_CHOICES, FP8, GLOBAL, MTP, POLICIES, RULES, VISION, DtypePolicy, Rule
 
 HEADER = """# The mapping table
@@ -12,9 +14,14 @@ side (`model.language_model.layers.N.` / `decoder.layers.N.`), `{mtp}` the Megat
 (`mtp.layers.0.transformer_layer.`), `{visual}` the HF vision prefix, `{e}` an expert, `{b}` a vision block.
 Shapes are named dimensions resolved from the config. dtype: the rule's dtype policy, below.
 
-| HF | Megatron | transform | shape (HF) | applies to | dtype |
-|---|---|---|---|---|---|
-"""
+Megatron names are the `miles` layout's (the default); the `mcore` column gives megatron-core's native names
+(`convert --layout mcore`, as Megatron-Bridge names them) where they differ. What the mcore layout has no
+parameter for is kept under `KEPT` (never loaded by its trainer; export restores it): the rules marked so, and
+in that layout also every PARTS tensor.
+
+| HF | Megatron | mcore layout | transform | shape (HF) | applies to | dtype |
+|---|---|---|---|---|---|---|
+""".replace("KEPT", KEPT_PREFIX).replace("PARTS", " and every ".join(sorted(LAYOUTS[MCORE].homeless_parts)))
 
 POLICY_HEADER = """
 ## Dtype policies
@@ -47,8 +54,19 @@ def _dtype(rule: Rule) -> str:
     return f"`{rule.dtypes.name}`" + (f", {FP8} in the FP8 release" if rule.fp8 else "")
 
 
+def _mcore(rule: Rule) -> str:
+    """The rule in the mcore layout: its names (and transform) where they differ from miles', or that it is kept."""
+    native = rule.in_layout(MCORE)
+    if native is rule:
+        return "same"
+    names = "<br>".join(f"`{t}`" for t in native.mcore)
+    if native.homeless:
+        return f"no parameter: kept as `{KEPT_PREFIX}`+{names}"
+    return names + ("" if native.transform == rule.transform else f" ({native.transform!r})")
+
+
 def _row(rule: Rule) -> str:
-    cells = ["<br>".join(f"`{t}`" for t in rule.hf), "<br>".join(f"`{t}`" for t in rule.mcore),
+    cells = ["<br>".join(f"`{t}`" for t in rule.hf), "<br>".join(f"`{t}`" for t in rule.mcore), _mcore(rule),
              repr(rule.transform), "<br>".join(f"[{', '.join(map(str, s))}]" for s in rule.shapes),
              _where(rule), _dtype(rule)]
     return "| " + " | ".join(cells) + " |"
