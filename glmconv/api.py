@@ -99,7 +99,8 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False)
 
 
 def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: GlmConfig | str | Path | None = None,
-               *, fp8: bool = False, dtypes: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+               *, fp8: bool = False, dtypes: dict[str, str] | None = None,
+               layout: str = "miles") -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of Megatron parameters, in bounded memory: an RL trainer's weight sync to a rollout engine.
 
     `params`: (Megatron name, tensor) pairs in any order (a split parameter, the hc alphas, is held only until
@@ -107,11 +108,12 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
     (needed for in-memory parameters). `dtypes`: HF name -> safetensors dtype to produce (default: the plan's;
     a directory's recorded source dtypes, as export). `fp8`: the release's FP8 set, as `export --fp8`. The
     tensors are export's, bit for bit; they may share memory with `params`. Unknown names, duplicates, wrong
-    shapes and groups left incomplete raise `GlmconvError`.
+    shapes and groups left incomplete raise `GlmconvError`. `layout`: whose torch_dist names in-memory `params`
+    carry (`miles` or `mcore`; a directory says its own).
     """
     from glmconv.weight_sync import hf_weights as run
 
-    return run(params, config, fp8=fp8, dtypes=dtypes)
+    return run(params, config, fp8=fp8, dtypes=dtypes, layout=layout)
 
 
 def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None, mtp: bool | None = None,

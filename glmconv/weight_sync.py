@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
+from glmconv.rules.layouts import DEFAULT_LAYOUT
 from glmconv.rules import names
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES
 
@@ -165,8 +166,10 @@ def _kind(x: object) -> str:
 
 def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: GlmConfig | str | Path | None = None,
                *, fp8: bool = False, dtypes: Dict[str, str] | None = None,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Named]:
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, layout: str = DEFAULT_LAYOUT) -> Iterator[Named]:
     """HF-named tensors of Megatron `params` ((name, tensor) pairs in any order, or a torch_dist directory).
+
+    `layout`: whose torch_dist names in-memory `params` carry (`miles` or `mcore`; a directory says its own).
 
     `config`: the model's config (a GlmConfig, config.json or a directory holding one; a torch_dist directory
     defaults to the config beside it). `dtypes`: HF name -> safetensors dtype to produce (default: the plan's,
@@ -178,7 +181,7 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
     if config is None:
         raise GlmconvError("hf_weights: pass the model's config (a config.json or GlmConfig) with in-memory parameters")
     cfg = config if isinstance(config, GlmConfig) else load_config(config)
-    return _pushed(params, WeightSync(build_plan(cfg, fp8=fp8), dtypes, chunk_bytes=chunk_bytes))
+    return _pushed(params, WeightSync(build_plan(cfg, fp8=fp8, layout=layout), dtypes, chunk_bytes=chunk_bytes))
 
 
 def _pushed(params: Iterable[tuple[str, torch.Tensor]], sync: WeightSync) -> Iterator[Named]:
