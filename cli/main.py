@@ -104,6 +104,7 @@ def _register() -> None:
     from glmconv_cli.fixture_cmd import fixture
     from glmconv_cli.megatron_args_cmd import megatron_args
     from glmconv_cli.parity_cmd import parity
+    from glmconv_cli.relayout_cmd import relayout
     from glmconv_cli.verify_cmd import verify
 
     cli.add_command(audit_names)
@@ -113,6 +114,7 @@ def _register() -> None:
     cli.add_command(fixture)
     cli.add_command(megatron_args)
     cli.add_command(parity)
+    cli.add_command(relayout)
     cli.add_command(verify)
 
 

@@ -14,7 +14,7 @@ Errors a user can cause raise `GlmconvError` (subclasses `ConfigError`, `Checkpo
 message. `load_config` and `build_plan` give the tensor plan (every tensor on both sides) without reading any.
 """
 
-from glmconv.api import audit, convert, export, hf_weights, parity, verify
+from glmconv.api import audit, convert, export, hf_weights, parity, relayout, verify
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.plan import Plan, build_plan
@@ -22,4 +22,4 @@ from glmconv.plan import Plan, build_plan
 __version__ = "0.1.0"
 
 __all__ = ["CheckpointError", "ConfigError", "GlmConfig", "GlmconvError", "Plan", "__version__", "audit",
-           "build_plan", "convert", "export", "hf_weights", "load_config", "parity", "verify"]
+           "build_plan", "convert", "export", "hf_weights", "load_config", "parity", "relayout", "verify"]

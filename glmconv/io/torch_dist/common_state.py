@@ -8,6 +8,7 @@ docs/torch_dist.md for the evidence. Reading never unpickles anything outside an
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import pathlib
 import pickle
@@ -107,10 +108,8 @@ def build_common_state(config: GlmConfig, *, iteration: int = 0, padded_vocab_si
     Without `content_metadata` a trainer uses its own sharding metadata (e.g. singleton_local_shards). In a
     layout whose trainer has no MTP module the args say so (`mtp_num_layers` None): the MTP tensors are kept only.
     """
-    from glmconv.rules.layouts import MTP_PART, layout as find_layout
-
-    if layout is not None and MTP_PART in find_layout(layout).homeless_parts:
-        arg_overrides.setdefault("mtp_num_layers", None)
+    if layout is not None:
+        arg_overrides.setdefault("mtp_num_layers", mtp_num_layers(config, layout))
     state: dict[str, Any] = {
         "args": build_args(config, padded_vocab_size=padded_vocab_size, **arg_overrides),
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -121,6 +120,48 @@ def build_common_state(config: GlmConfig, *, iteration: int = 0, padded_vocab_si
     if content_metadata is not None:
         state["content_metadata"] = dict(content_metadata)
     return state
+
+
+def mtp_num_layers(config: GlmConfig, layout: str) -> int | None:
+    """`args.mtp_num_layers` in a layout: None where its trainer has no MTP module (the MTP tensors are kept only)."""
+    from glmconv.rules.layouts import MTP_PART
+    from glmconv.rules.layouts import layout as find_layout
+
+    return None if MTP_PART in find_layout(layout).homeless_parts else config.num_mtp_layers or None
+
+
+def relaid_common_state(common: dict[str, Any], config: GlmConfig, layout: str) -> dict[str, Any]:
+    """A checkpoint's common state for `layout` (relayout): its own `args`, iteration and the rest kept, with the
+    layout's `mtp_num_layers` rule and `glmconv` entry, as `build_common_state` writes them.
+
+    Values the reader keeps only as inert stand-ins (megatron objects, `OpaqueValue`) cannot be written back
+    without megatron: refused, naming the key."""
+    state = dict(common)
+    args = state.get("args")
+    if isinstance(args, argparse.Namespace | types.SimpleNamespace):
+        args = copy.copy(args)
+        args.mtp_num_layers = mtp_num_layers(config, layout)
+        state["args"] = args
+    opaque = next(((k, v) for k, v in _walk(state) if isinstance(v, OpaqueValue)), None)
+    if opaque is not None:
+        raise CheckpointError(f"the common state's {opaque[0]} holds a megatron object ({opaque[1]!r}) that glmconv "
+                              "reads only as an inert stand-in and cannot write back")
+    entry = state.get(GLMCONV_ENTRY)
+    state[GLMCONV_ENTRY] = {**(entry if isinstance(entry, dict) else {}), "layout": layout}
+    return state
+
+
+def _walk(obj: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(dotted path, value) of every value in a common state (dicts, lists, namespaces), depth first."""
+    if isinstance(obj, dict):
+        items = [(f"{path}.{k}" if path else str(k), v) for k, v in obj.items()]
+    elif isinstance(obj, list | tuple):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif isinstance(obj, argparse.Namespace | types.SimpleNamespace):
+        items = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    else:
+        return []
+    return [pair for key, value in items for pair in ((key, value), *_walk(value, key))]
 
 
 def load_common_state(data: bytes, *, source: str) -> dict[str, Any]:
