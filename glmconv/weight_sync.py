@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from glmconv.config import GlmConfig, load_config
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
-from glmconv.rules.layouts import DEFAULT_LAYOUT
 from glmconv.rules import names
+from glmconv.rules.layouts import DEFAULT_LAYOUT
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:

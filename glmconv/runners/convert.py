@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv import source_dtypes
+from glmconv.checkpoint_layout import LAYOUT_KEY, homeless_counts, homeless_line
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io import sidecars
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
-from glmconv.checkpoint_layout import LAYOUT_KEY, homeless_counts, homeless_line
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import layouts
