@@ -85,10 +85,11 @@ def _walk(a: GlmModel, b: GlmModel, ids: torch.Tensor, cu_seqlens: torch.Tensor)
 def test_conventions_defaults_and_overrides() -> None:
     serve, train = Conventions.serve(), Conventions.train_default()
     assert serve.as_dict() == {"proj_rms": "reference", "indexer_query": "normed", "swiglu_clamp": "10",
-                               "output_contraction": "mean", "hc_mix": "fp32"}
+                               "output_contraction": "mean", "hc_mix": "fp32", "indexer_kpool": "learned"}
     assert train.as_dict() == {"proj_rms": "megatron", "indexer_query": "raw", "swiglu_clamp": "off",
-                               "output_contraction": "mean", "hc_mix": "bf16"}
+                               "output_contraction": "mean", "hc_mix": "bf16", "indexer_kpool": "learned"}
     assert Conventions.train_default(has_hc_head=True).output_contraction == "learned"
+    assert Conventions.train_default(layout="mcore") == train.with_overrides(["indexer_kpool=off"])
     assert train.with_overrides(["serve"]) == serve
     assert train.with_overrides(["proj_rms=reference", "hc_mix=serve"]).diverging() == [
         "indexer_query", "swiglu_clamp"]

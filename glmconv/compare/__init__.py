@@ -1,7 +1,9 @@
 """`glmconv parity`: layerwise train-vs-serve parity of an HF checkpoint and its torch_dist conversion.
 
-The serve model reads HF_DIR with HF/sglang conventions, the train model reads MCORE_DIR with Megatron
-conventions (each switch settable); both run the same packed tokens and every sub-block is compared.
+The serve model reads HF_DIR with HF/sglang conventions, the train model reads MCORE_DIR (in its Megatron
+layout, miles or mcore: glmconv.checkpoint_layout) with Megatron conventions (each switch settable; the defaults
+follow the layout: the mcore layout's trainer runs the token-level DSA indexer, `indexer_kpool=off`); both run
+the same packed tokens and every sub-block is compared.
 
 Default thresholds on the per-sub-block stream rel err (`DEFAULT_THRESHOLDS`; measured on tiny, 128 tokens):
   fp32 1e-4. Aligned conventions on CPU are bit-identical (0 at every sub-block, tiny and cut8); a
@@ -89,7 +91,8 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     with StepProgress("parity", steps(serve), enabled=opts.progress) as progress:
         twin = getattr(train, "kernel_twin", lambda: None)()  # the train side on the references, if it runs kernels
         cap = capture(serve, train, batch.to(opts.device), opts.mode, progress, twin=twin, replay=replay)
-    report = build_report(cap, opts, batch, conventions)
+    layout = getattr(getattr(train, "weights", None), "layout", None)  # the train side's Megatron layout
+    report = build_report(cap, opts, batch, conventions, train_layout=layout)
     report["peak_memory"] = peak_memory(device)
     return report
 
@@ -120,7 +123,7 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
     if not opts.allow_different_weights:
         check_same_weights(serve_w, train_w, opts.hf_dir, opts.mcore_dir)
     has_hc_head = train_w.hc_head() is not None
-    serve_conv, train_conv = resolve_conventions(opts, has_hc_head)
+    serve_conv, train_conv = resolve_conventions(opts, has_hc_head, train_w.layout)
     if train_conv.output_contraction == "learned" and not has_hc_head:  # fail before the run, not at its head
         raise GlmconvError(f"--train-convention output_contraction=learned: {opts.mcore_dir} has no hc_head_* "
                            "tensors (GLM-5.3-Flash contracts its streams by mean)")
@@ -130,14 +133,17 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
     return serve, train, {"serve": serve_conv.as_dict(), "train": train_conv.as_dict()}
 
 
-def resolve_conventions(opts: ParityOptions, has_hc_head: bool = False) -> tuple[Any, Any]:
-    """Serve conventions, and the train side's: Megatron defaults (or serve's), then each KEY=VALUE override."""
+def resolve_conventions(opts: ParityOptions, has_hc_head: bool = False, layout: str | None = None) -> tuple[Any, Any]:
+    """Serve conventions, and the train side's: the Megatron defaults of the checkpoint's `layout` (or serve's),
+    then each KEY=VALUE override."""
     from glmconv.models.conventions import Conventions
+    from glmconv.rules.layouts import DEFAULT_LAYOUT
 
     if opts.train_conventions not in TRAIN_CONVENTIONS:
         raise GlmconvError(f"--train-conventions {opts.train_conventions!r}: choose from "
                            f"{', '.join(TRAIN_CONVENTIONS)}")
-    base = Conventions.serve() if opts.train_conventions == "serve" else Conventions.train_default(has_hc_head)
+    base = (Conventions.serve() if opts.train_conventions == "serve"
+            else Conventions.train_default(has_hc_head, layout or DEFAULT_LAYOUT))
     try:
         train = base.with_overrides(list(opts.overrides))
     except GlmconvError:

@@ -22,13 +22,22 @@ JSON_NAME, MD_NAME, PNG_NAME = "report.json", "report.md", "error_per_layer.png"
 _PLOT_FLOOR = 1e-12  # log-scale floor for exact zeros
 
 
-def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: dict[str, Any]) -> dict[str, Any]:
-    """Everything a run measured plus what it was asked: the one structure all renderings read."""
+def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: dict[str, Any],
+                 train_layout: str | None = None) -> dict[str, Any]:
+    """Everything a run measured plus what it was asked: the one structure all renderings read.
+
+    `train_layout`: the Megatron layout the train side was read in (None: not known, e.g. a test double).
+    `first_divergence_switches`: the train switches set differently from serve's that act at the first
+    divergence's sub-block (the indexer switches first where its top-k differs); `indexer_divergence`: the first
+    DSA layer whose top-k differs from serve's (overlap < 1), with the indexer switches that differ.
+    """
     threshold = opts.effective_threshold
     values = metrics.scalars(cap.layers, cap.logits)
     bounds = metrics.check_bounds(opts.bounds, values)
+    first = metrics.first_divergence(cap.layers, threshold)
     return {
         "glmconv_version": __version__, "hf_dir": str(opts.hf_dir), "mcore_dir": str(opts.mcore_dir),
+        "train_layout": train_layout,
         "mode": opts.mode, "dtype": opts.dtype, "device": opts.device, "tokens": batch.tokens,
         "stream_layers": opts.stream_layers,
         "replay": opts.replay, "replay_source": _replay_source(opts),
@@ -36,9 +45,43 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
         "sequences": batch.sequences, "seed": opts.seed, "inputs": batch.source,
         "train_conventions_base": opts.train_conventions, "train_convention_overrides": list(opts.overrides),
         "conventions": conventions, "threshold": threshold, "layers": cap.layers, "logits": cap.logits,
-        "summary": values, "first_divergence": metrics.first_divergence(cap.layers, threshold),
+        "summary": values, "first_divergence": first,
+        "first_divergence_switches": _switches_at(first, cap.layers, conventions),
+        "indexer_divergence": _indexer_divergence(cap.layers, conventions),
         "bounds": bounds, "passed": not any(b["broken"] for b in bounds), "elapsed_s": round(cap.elapsed_s, 3),
     }
+
+
+def _switches_at(first: dict[str, Any] | None, layers: list[dict[str, Any]],
+                 conventions: dict[str, Any]) -> list[str]:
+    """`KEY=VALUE` of the differing train switches that act at the first divergence (selection switches first
+    where the record's top-k differs from serve's)."""
+    from glmconv.models.conventions import SELECTION, acting_at
+
+    if first is None:
+        return []
+    rec = next(r for r in layers if (r["layer"], r["sub_block"]) == (first["layer"], first["sub_block"]))
+    serve, train = conventions.get("serve", {}), conventions.get("train", {})
+    sites = [rec["sub_block"]]
+    if "topk_overlap" in rec:  # a DSA attention: the indexer switches act there too, first when its top-k differs
+        sites = [SELECTION, *sites] if not rec["topk_overlap"] >= 1.0 else [*sites, SELECTION]
+    out: list[str] = []
+    for site in sites:
+        out += [s for s in acting_at(serve, train, site) if s not in out]
+    return out
+
+
+def _indexer_divergence(layers: list[dict[str, Any]], conventions: dict[str, Any]) -> dict[str, Any] | None:
+    """The first DSA attention record whose own top-k differs from serve's (overlap < 1), with the differing
+    indexer switches; None when every DSA layer selected what serve did."""
+    from glmconv.models.conventions import SELECTION, acting_at
+
+    for rec in layers:
+        if "topk_overlap" in rec and not rec["topk_overlap"] >= 1.0:
+            return {"layer": rec["layer"], "sub_block": rec["sub_block"], "metric": "topk_overlap",
+                    "value": rec["topk_overlap"],
+                    "switches": acting_at(conventions.get("serve", {}), conventions.get("train", {}), SELECTION)}
+    return None
 
 
 def _replay_source(opts: ParityOptions) -> str | None:
@@ -155,8 +198,25 @@ def divergence_line(report: dict[str, Any]) -> str:
     fd = report["first_divergence"]
     if fd is None:
         return f"no sub-block exceeds rel_err {report['threshold']:g}"
+    switches = report.get("first_divergence_switches") or []
+    there = f"; train switches acting there: {', '.join(switches)}" if switches else ""
     return (f"first divergence: layer {fd['layer']} {fd['sub_block']} (rel_err {_fmt(fd['value'])} > "
-            f"{report['threshold']:g})")
+            f"{report['threshold']:g}){there}")
+
+
+def indexer_line(report: dict[str, Any]) -> list[str]:
+    """Where the train side's indexer first selects differently from serve's, and the switches that do it."""
+    ix = report.get("indexer_divergence")
+    if not ix:
+        return []
+    why = f": {', '.join(ix['switches'])}" if ix.get("switches") else " (no indexer switch differs: upstream error)"
+    return [f"indexer selections first differ at layer {ix['layer']} (top-k overlap {ix['value']:.3f}){why}"]
+
+
+def layout_text(report: dict[str, Any]) -> str:
+    """` (mcore layout)` after the train checkpoint, or nothing when the layout is not known."""
+    layout = report.get("train_layout")
+    return f" ({layout} layout)" if layout else ""
 
 
 def logits_lines(report: dict[str, Any]) -> list[str]:
@@ -201,7 +261,8 @@ def print_table(report: dict[str, Any], console: Console) -> None:
                  _fmt(rec["max_abs"]), _overlap(rec)] + ([_kernel(rec)] if kernels else [])
         t.add_row(*cells, style="bold red" if first else "red" if over else None)
     console.print(t)
-    for line in replay_line(report) + logits_lines(report) + [divergence_line(report)] + kernel_line(report):
+    for line in (replay_line(report) + logits_lines(report) + [divergence_line(report)] + indexer_line(report)
+                 + kernel_line(report)):
         console.print(printable(line), markup=False, highlight=False, soft_wrap=True)
     for line, b in zip(bound_lines(report), report["bounds"]):
         console.print(printable(line), style="bold red" if b["broken"] else "green", markup=False, highlight=False,
@@ -213,7 +274,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     conv = report["conventions"]
     keys = sorted(set(conv.get("serve", {})) | set(conv.get("train", {})))
     lines = ["# glmconv parity report", "",
-             f"- serve: `{report['hf_dir']}`", f"- train: `{report['mcore_dir']}`",
+             f"- serve: `{report['hf_dir']}`", f"- train: `{report['mcore_dir']}`{layout_text(report)}",
              f"- mode {report['mode']}, dtype {report['dtype']}, device {report['device']}, "
              f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}, "
              f"inputs {report['inputs']}, seed {report['seed']}",
@@ -231,7 +292,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {rec['layer']} | {rec['sub_block']} | {kind} | {_fmt(rec['rel_err'])} | "
                      f"{_fmt(rec['max_abs'])} | {_overlap(rec)} |" + (f" {_kernel(rec)} |" if kernels else ""))
     lines += ["", "## Logits", ""] + [f"- {s}" for s in logits_lines(report) + kernel_line(report)]
-    lines += ["", "## Verdict", "", f"- {divergence_line(report)}"] + [f"- {s}" for s in bound_lines(report)]
+    lines += ["", "## Verdict", "", f"- {divergence_line(report)}"] + [f"- {s}" for s in indexer_line(report)]
+    lines += [f"- {s}" for s in bound_lines(report)]
     if report.get("report_skipped"):
         lines += ["", f"(plot {PLOT_HINT})", ""]
     else:

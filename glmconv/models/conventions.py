@@ -2,7 +2,8 @@
 
 Each switch reproduces one known train-vs-serve divergence (design/glm5_next.md), so a parity run can
 bisect them one at a time. `serve()` is HF/sglang; `train_default()` is what a faithful naive Megatron
-port computes.
+port computes, in the checkpoint's Megatron layout (glmconv.rules.layouts): a trainer on megatron-core's native
+modules (the mcore layout) also runs the token-level DSA indexer instead of the learned kpool one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from glmconv.errors import GlmconvError
+from glmconv.rules.layouts import MCORE, MILES
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "proj_rms": ("reference", "megatron"),
@@ -18,8 +20,21 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "swiglu_clamp": ("10", "off"),
     "output_contraction": ("mean", "learned"),
     "hc_mix": ("fp32", "bf16"),
+    "indexer_kpool": ("learned", "off"),
 }
 SERVE_ALIAS = "serve"
+
+# Where each switch acts: "attention" / "mlp" (every sub-block of that kind), "selection" (the DSA indexer's
+# top-k: a DSA attention sub-block), "head" (the logits). Parity names the switches acting where it diverges.
+SELECTION, HEAD = "selection", "head"
+ACTS_AT: dict[str, tuple[str, ...]] = {
+    "proj_rms": ("attention", "mlp", HEAD),
+    "indexer_query": (SELECTION,),
+    "swiglu_clamp": ("mlp",),
+    "output_contraction": (HEAD,),
+    "hc_mix": ("attention", "mlp"),
+    "indexer_kpool": (SELECTION,),
+}
 
 
 class ConventionError(GlmconvError):
@@ -35,6 +50,9 @@ class Conventions:
     swiglu_clamp: str = "10"  # silu(min(gate, 10)) * clamp(up, +-10) | off: plain SwiGLU
     output_contraction: str = "mean"  # final hc streams: plain mean | learned (needs hc_head_* tensors)
     hc_mix: str = "fp32"  # post/comb residual mix in fp32 (sglang) | bf16 (HF casts post/comb to bf16)
+    # DSA indexer: learned kpool pooling (compress gate/ape, pools of index_kpool, tail) | off: megatron-core's
+    # token-level indexer (pools of one token, no gate/ape, no tail, top index_topk tokens)
+    indexer_kpool: str = "learned"
 
     def __post_init__(self) -> None:
         for key, allowed in CHOICES.items():
@@ -44,21 +62,24 @@ class Conventions:
 
     @classmethod
     def serve(cls) -> Conventions:
-        """HF/sglang: reference RMS, normalised indexer query, clamp 10, mean contraction, fp32 mix."""
+        """HF/sglang: reference RMS, normalised indexer query, clamp 10, mean contraction, fp32 mix, kpool indexer."""
         return cls()
 
     @classmethod
-    def train_default(cls, has_hc_head: bool = False) -> Conventions:
-        """A faithful naive Megatron port, one line per divergence:
+    def train_default(cls, has_hc_head: bool = False, layout: str = MILES) -> Conventions:
+        """A faithful naive Megatron port in `layout` (the checkpoint's Megatron layout), one line per divergence:
 
         proj_rms=megatron: Megatron's hyper-connection computes r = 1/(rms(x) + 1e-6), eps outside the root.
         indexer_query=raw: Megatron fuses q_a_layernorm into linear_q_up_proj, so the indexer sees raw q.
         swiglu_clamp=off: Megatron's SwiGLU (chunk(2), silu(gate) * up) has no clamp.
         output_contraction=learned only where hc_head_* tensors exist (never in GLM-5.3-Flash), else mean.
         hc_mix=bf16: a bf16 trainer mixes the streams in the activation dtype, post/comb cast to bf16, as HF.
+        indexer_kpool=off in the mcore layout only: Megatron-Bridge's GLM-5.3-Flash DSA runs megatron-core's
+            token-level indexer (it has no parameter for the compress gate/ape); miles runs the kpool indexer.
         """
         return cls(proj_rms="megatron", indexer_query="raw", swiglu_clamp="off",
-                   output_contraction="learned" if has_hc_head else "mean", hc_mix="bf16")
+                   output_contraction="learned" if has_hc_head else "mean", hc_mix="bf16",
+                   indexer_kpool="off" if layout == MCORE else "learned")
 
     def with_overrides(self, items: list[str] | tuple[str, ...]) -> Conventions:
         """Apply `KEY=VALUE` items in order; `serve` resets every switch, `KEY=serve` resets one."""
@@ -87,3 +108,9 @@ class Conventions:
 
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
+
+
+def acting_at(serve: dict[str, str], train: dict[str, str], site: str) -> list[str]:
+    """`KEY=VALUE` of the train switches set differently from serve's that act at `site` (an ACTS_AT site)."""
+    return [f"{k}={train[k]}" for k in CHOICES
+            if k in train and train[k] != serve.get(k, train[k]) and site in ACTS_AT[k]]

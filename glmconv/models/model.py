@@ -25,7 +25,7 @@ from glmconv.models.weights import AttentionWeights, ExpertBank, HcSite, MlpWeig
 from glmconv.ops import rms_norm
 from glmconv.ops.dsa import DsaParams, dsa_layer
 from glmconv.ops.kda import KdaParams
-from glmconv.ops.kpool import KpoolParams
+from glmconv.ops.kpool import KpoolParams, kpool_topk, token_params
 from glmconv.ops.mhc import HcParams, hc_post, hc_pre, head_learned, head_mean
 from glmconv.ops.moe import RouterParams, replay_route, route, routed, swiglu_limit
 from glmconv.ops.moe import mlp as swiglu_mlp
@@ -41,6 +41,8 @@ class GlmModel:
 
     kernels="auto" runs KDA, DSA attention and the kpool indexer through glmconv.kernels on CUDA (the
     references elsewhere); "reference" runs the torch references everywhere. One forward code either way.
+    With conventions.indexer_kpool "off" (megatron-core's token-level indexer) the indexer is the torch
+    reference whatever `kernels` says (torch ops, on the model's device): the triton kernel is the kpool one.
     stream=True holds one layer's weights at a time (see `WeightCache`), with the same results.
     """
 
@@ -58,6 +60,9 @@ class GlmModel:
         self._params(config.text)
         self.kernels = kernels
         self.ops = op_set(kernels, self.device, self.kpool_p.width)
+        self._kpool = conventions.indexer_kpool == "learned"
+        self._index_p = self.kpool_p if self._kpool else token_params(self.kpool_p)
+        self._indexer = self.ops.indexer if self._kpool else kpool_topk  # the kernel has no token-level mode
         self.record_out = False  # aux["out"]: the attention output itself, for the kernel error rows
         self.cache = WeightCache(stream)
         self._last_topk: torch.Tensor | None = None  # the last DSA layer's own selection
@@ -197,8 +202,8 @@ class GlmModel:
             raise GlmconvError(f"layer {layer} reuses the indexer top-k of an earlier DSA layer; run that first")
         if shared and replay is None:
             replay = self._last_used
-        y, topk = dsa_layer(a, w.dsa, self.dsa_p, self.kpool_p, cu_seqlens, self.conventions.indexer_query,
-                            topk=self._last_topk if shared else None, indexer=self.ops.indexer,
+        y, topk = dsa_layer(a, w.dsa, self.dsa_p, self._index_p, cu_seqlens, self.conventions.indexer_query,
+                            topk=self._last_topk if shared else None, indexer=self._indexer,
                             attend=self.ops.sparse_mla, replay=replay)
         self._last_topk, self._last_used = topk, topk if replay is None else replay
         return y, topk
@@ -228,7 +233,8 @@ class GlmModel:
 
     def _attention_weights(self, layer: int) -> AttentionWeights:
         self._check_layer(layer)
-        return self.cache.get(("attention", layer), lambda: self._prepare(self.weights.attention(layer)))
+        kw = {} if self._kpool else {"kpool": False}  # indexer_kpool=off: the compress gate/ape are never read
+        return self.cache.get(("attention", layer), lambda: self._prepare(self.weights.attention(layer, **kw)))
 
     def _mlp_weights(self, layer: int) -> MlpWeights:
         self._check_layer(layer)

@@ -3,8 +3,10 @@
 Both hand out one sub-block's weights at a time (layer streaming: a full-size parity run fits one GPU) in
 one common structure. Tensors are found through the plan by rule role, never by spelling names. The
 Megatron side reads Megatron's own layout natively (fc1 = gate rows then up rows, experts sliced from the
-stacked [E, 2F, H] / [E, H, F] tensors, the fused q/k/v conv, alpha_pre/post/res, router expert_bias) and
-never calls the rules' `backward`, so a convert bug that a symmetric backward would undo is still caught.
+stacked [E, 2F, H] / [E, H, F] tensors, the q/k/v conv (one fused tensor in miles, three in mcore, concatenated
+in the mapping's order), alpha_pre/post/res, router expert_bias) and never calls the rules' `backward`, so a
+convert bug that a symmetric backward would undo is still caught. Its plan is built in the checkpoint's
+Megatron layout (glmconv.checkpoint_layout: what glmconv.json records, checked against the names).
 Tensors come back in their stored dtype (FP8 dequantised to BF16); the model casts them.
 """
 
@@ -23,6 +25,7 @@ from glmconv.ops.kda import KdaTensors
 from glmconv.ops.kpool import IndexerTensors
 from glmconv.plan import FP8, Mapping, build_plan
 from glmconv.rules import roles as R
+from glmconv.rules.layouts import DEFAULT_LAYOUT
 
 EXPERT_WINDOW_BYTES = 1 << 30  # stacked-expert rows read at once on the Megatron side
 ROW_WINDOW_BYTES = 1 << 28  # embedding / head rows read at once when they are streamed
@@ -109,10 +112,10 @@ def role_index(mappings: list[Mapping]) -> dict[tuple[int | None, str], Mapping]
 class WeightSource(ABC):
     """Role lookups over the plan; subclasses read tensors in their side's native layout."""
 
-    def __init__(self, config: GlmConfig, text_prefix: str | None = None) -> None:
-        self.config = config
+    def __init__(self, config: GlmConfig, text_prefix: str | None = None, layout: str = DEFAULT_LAYOUT) -> None:
+        self.config, self.layout = config, layout
         kw = {} if text_prefix is None else {"text_prefix": text_prefix}
-        self._roles = role_index(build_plan(config, mtp=False, vision=False, **kw).mappings)
+        self._roles = role_index(build_plan(config, mtp=False, vision=False, layout=layout, **kw).mappings)
 
     def mapping(self, layer: int | None, role: str) -> Mapping:
         m = self._roles.get((layer, role))
@@ -200,14 +203,15 @@ class WeightSource(ABC):
         """Learned output contraction tensors: GLM-5.3-Flash has none (its head is a plain mean)."""
         return None
 
-    def attention(self, layer: int) -> AttentionWeights:
+    def attention(self, layer: int, kpool: bool = True) -> AttentionWeights:
+        """`kpool` False: a DSA indexer without its compress gate/ape (the token-level indexer; never read)."""
         hc = self.hc_site(layer, "attn") if self.has(layer, R.HC["attn"][0]) else None
         norm = self.tensor(layer, R.ATTN_NORM)
         kind = self.config.attn_types[layer]
         if kind == KDA:
             return AttentionWeights(hc, norm, kda=self._kda(layer))
         if kind == DSA:
-            return AttentionWeights(hc, norm, dsa=self._dsa(layer))
+            return AttentionWeights(hc, norm, dsa=self._dsa(layer, kpool))
         raise CheckpointError(f"layer {layer}: unknown attention type {kind!r}")
 
     def mlp(self, layer: int) -> MlpWeights:
@@ -227,14 +231,15 @@ class WeightSource(ABC):
                           f_b=p["f_b"], g_a=p["g_a"], g_b=p["g_b"], b_proj=p["b"], a_log=t(R.KDA_A_LOG),
                           dt_bias=t(R.KDA_DT_BIAS), o_norm=t(R.KDA_O_NORM), o_proj=p["o"])
 
-    def _dsa(self, layer: int) -> DsaTensors:
+    def _dsa(self, layer: int, kpool: bool = True) -> DsaTensors:
         t = lambda role: self.tensor(layer, role)  # noqa: E731
         indexer = None
         if self.has(layer, R.INDEXER_WQ_B):
             indexer = IndexerTensors(
                 wq_b=t(R.INDEXER_WQ_B), wk=t(R.INDEXER_WK), k_norm_weight=t(R.INDEXER_K_NORM_WEIGHT),
                 k_norm_bias=t(R.INDEXER_K_NORM_BIAS), weights_proj=t(R.INDEXER_WEIGHTS_PROJ),
-                compress_gate=t(R.INDEXER_COMPRESS_GATE), compress_ape=t(R.INDEXER_COMPRESS_APE))
+                compress_gate=t(R.INDEXER_COMPRESS_GATE) if kpool else None,
+                compress_ape=t(R.INDEXER_COMPRESS_APE) if kpool else None)
         return DsaTensors(q_a=t(R.DSA_Q_A), q_a_norm=t(R.DSA_Q_A_NORM), q_b=t(R.DSA_Q_B), kv_a=t(R.DSA_KV_A),
                           kv_a_norm=t(R.DSA_KV_A_NORM), kv_b=t(R.DSA_KV_B), o_proj=t(R.DSA_O_PROJ), indexer=indexer)
 
@@ -315,17 +320,23 @@ class _HfExperts(ExpertBank):
 # ---- train side: the converted torch_dist checkpoint ----------------------------------------------------------
 
 class MegatronWeights(WeightSource):
-    """The torch_dist checkpoint read tensor by tensor (or by expert rows), in Megatron's own layout."""
+    """The torch_dist checkpoint read tensor by tensor (or by expert rows), in Megatron's own layout.
 
-    def __init__(self, mcore_dir: str | Path, config: GlmConfig | None = None) -> None:
+    `layout`: the Megatron layout to read it in; None: the one glmconv.json records, else the one its names are
+    spelled in (glmconv.checkpoint_layout), any disagreement refused. `self.layout` says which.
+    """
+
+    def __init__(self, mcore_dir: str | Path, config: GlmConfig | None = None, layout: str | None = None) -> None:
+        from glmconv.checkpoint_layout import checkpoint_layout
         from glmconv.io.torch_dist.metadata import config_path, resolve_iter_dir
         from glmconv.io.torch_dist.reader import DcpReader
 
         root = Path(mcore_dir)
         if config is None:
             config = load_config(config_path(root, resolve_iter_dir(root)[0]))
-        super().__init__(config)
-        self._reader = DcpReader(root)
+        reader = DcpReader(root)
+        super().__init__(config, layout=checkpoint_layout(root, config, reader.names(), layout))
+        self._reader = reader
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self._reader.read(name, rows)
@@ -356,7 +367,7 @@ class MegatronWeights(WeightSource):
         return HcSite(fn, base, torch.cat([alpha_pre, alpha_post, alpha_res]))
 
     def kda_conv(self, layer: int) -> torch.Tensor:
-        return self.tensor(layer, R.KDA_CONV)  # already the fused conv over q, k, v channels
+        return torch.cat(self._mc(layer, R.KDA_CONV), dim=0)  # miles: already fused; mcore: q, k, v convs
 
     def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
         gate, up = self.tensor(layer, fc1).chunk(2, dim=0)  # Megatron's gated fc1: gate rows, then up rows

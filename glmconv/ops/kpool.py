@@ -10,6 +10,11 @@ score (descending) expand to their token ids, -1 for a selected pool that is not
 always_select_tail the query's incomplete tail pool (up to kpool - 1 tokens) follows; -1 pads to the width
 index_topk (+ kpool - 1 with the tail). This is transformers' `Glm5NextTextIndexer` on an unpadded sequence,
 so a sequence no longer than index_topk selects every visible token. Packed sequences never cross.
+
+Without compress tensors (`compress_gate` / `compress_ape` None) and kpool 1, no tail, it is megatron-core's
+token-level DSA indexer (what the `indexer_kpool=off` convention runs): pool keys are the tokens' own ik, and
+each query takes its top index_topk visible tokens. That selects the same set as the kpool indexer while a
+sequence is at most index_topk tokens long (both then take every visible token), and differs past that.
 """
 
 from __future__ import annotations
@@ -49,8 +54,13 @@ class IndexerTensors:
     k_norm_weight: torch.Tensor
     k_norm_bias: torch.Tensor
     weights_proj: torch.Tensor
-    compress_gate: torch.Tensor
-    compress_ape: torch.Tensor
+    compress_gate: torch.Tensor | None = None  # None: the token-level indexer (kpool 1)
+    compress_ape: torch.Tensor | None = None
+
+
+def token_params(p: KpoolParams) -> KpoolParams:
+    """megatron-core's token-level indexer as kpool parameters: pools of one token, no tail, top index_topk."""
+    return KpoolParams(p.heads, p.head_dim, p.topk, kpool=1, select_tail=False)
 
 
 def kpool_topk(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors, p: KpoolParams,
@@ -58,17 +68,23 @@ def kpool_topk(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors, p: Kpo
     """x [T, hidden], q_resid [T, q_lora] -> LongTensor [T, width] of packed token ids, -1 = none."""
     iq = F.linear(q_resid, w.wq_b).view(x.shape[0], p.heads, p.head_dim)
     ik = F.layer_norm(F.linear(x, w.wk), (p.head_dim,), w.k_norm_weight, w.k_norm_bias, K_NORM_EPS)
-    gate = F.linear(x, w.compress_gate)
+    if w.compress_gate is None and p.kpool != 1:
+        raise ValueError(f"the indexer without compress tensors pools single tokens (kpool 1), not {p.kpool}")
+    gate = None if w.compress_gate is None else F.linear(x, w.compress_gate)
     head_w = F.linear(x, w.weights_proj).float() * p.heads ** -0.5
     out = torch.full((x.shape[0], p.width), -1, dtype=torch.long, device=x.device)
     for s, e in segments(cu_seqlens):
-        ids = _sequence_topk(iq[s:e], ik[s:e], gate[s:e], head_w[s:e], w.compress_ape, p)
+        ids = _sequence_topk(iq[s:e], ik[s:e], None if gate is None else gate[s:e], head_w[s:e], w.compress_ape, p)
         out[s:e] = torch.where(ids >= 0, ids + s, ids)
     return out
 
 
-def pool_keys(ik: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
-    """[P, d] fp32 keys of the complete pools: softmax over each pool's tokens of gate + ape, per channel."""
+def pool_keys(ik: torch.Tensor, gate: torch.Tensor | None, ape: torch.Tensor | None, kpool: int) -> torch.Tensor:
+    """[P, d] fp32 keys of the complete pools: softmax over each pool's tokens of gate + ape, per channel.
+
+    gate None (the token-level indexer, kpool 1): each token's own ik, which a one-token softmax also gives."""
+    if gate is None or ape is None:
+        return ik.float()
     n = ik.shape[0] // kpool
     keys = ik[: n * kpool].float().view(n, kpool, ik.shape[-1])
     logits = gate[: n * kpool].float().view(n, kpool, gate.shape[-1]) + ape.float()
@@ -81,8 +97,8 @@ def pool_scores(iq: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, head
     return torch.matmul(head_w.unsqueeze(-2), scores).squeeze(-2)
 
 
-def _sequence_topk(iq: torch.Tensor, ik: torch.Tensor, gate: torch.Tensor, head_w: torch.Tensor,
-                   ape: torch.Tensor, p: KpoolParams) -> torch.Tensor:
+def _sequence_topk(iq: torch.Tensor, ik: torch.Tensor, gate: torch.Tensor | None, head_w: torch.Tensor,
+                   ape: torch.Tensor | None, p: KpoolParams) -> torch.Tensor:
     """One sequence's [S, width] local token ids, scored in blocks of queries (bounded memory)."""
     keys = pool_keys(ik, gate, ape, p.kpool)
     pos = torch.arange(iq.shape[0], device=iq.device)
