@@ -100,3 +100,55 @@ def test_pool_keys_are_a_softmax_weighted_average() -> None:
     for p in range(2):
         w = torch.softmax(gate[4 * p:4 * p + 4] + ape, dim=0)
         assert rel(keys[p], (w * ik[4 * p:4 * p + 4]).sum(0)) <= 1e-6
+
+
+# ---- the token-level indexer (indexer_kpool=off: megatron-core's DSA indexer) ---------------------------------
+
+@torch.no_grad()
+def test_token_level_indexer_takes_the_best_visible_tokens() -> None:
+    """No compress tensors, kpool 1, no tail: each query's top index_topk visible tokens by the indexer score,
+    best first (a brute-force score per token, no pooling), -1 past the visible ones."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from glmconv.ops.kpool import K_NORM_EPS, token_params
+
+    cfg, ix = _indexer(7)
+    p, w = token_params(params(cfg)), dataclasses.replace(tensors(ix), compress_gate=None, compress_ape=None)
+    assert (p.kpool, p.select_tail, p.width) == (1, False, cfg.index_topk)
+    x, q_resid = _inputs(cfg, 8)
+    c = cu(*LENGTHS)
+    got = kpool_topk(x, q_resid, w, p, c)
+    iq = F.linear(q_resid, w.wq_b).view(-1, p.heads, p.head_dim)
+    ik = F.layer_norm(F.linear(x, w.wk), (p.head_dim,), w.k_norm_weight, w.k_norm_bias, K_NORM_EPS)
+    head_w = F.linear(x, w.weights_proj) * p.heads ** -0.5
+    for s, e in segments(c):
+        for t in range(e - s):
+            score = (head_w[s + t, :, None] * F.relu(iq[s + t] @ ik[s:s + t + 1].t() * p.head_dim ** -0.5)).sum(0)
+            ids = _local(got[s + t], s).tolist()
+            n = min(p.topk, t + 1)
+            assert ids[n:] == [-1] * (p.topk - n) and len(set(ids[:n])) == n and min(ids[:n]) >= 0, (s, t)
+            chosen = score[ids[:n]]
+            assert bool((chosen[:-1] >= chosen[1:]).all()), (s, t)  # best first (ties in either order)
+            rest = [j for j in range(t + 1) if j not in ids[:n]]
+            assert not rest or float(chosen.min()) >= float(score[rest].max()), (s, t)  # the best n
+
+
+@torch.no_grad()
+def test_token_level_and_kpool_select_the_same_tokens_only_up_to_index_topk() -> None:
+    import dataclasses
+
+    from glmconv.ops.kpool import token_params
+
+    cfg, ix = _indexer(9)
+    x, q_resid = _inputs(cfg, 10)
+    c = cu(*LENGTHS)
+    pooled = kpool_topk(x, q_resid, tensors(ix), params(cfg), c)
+    token = kpool_topk(x, q_resid, dataclasses.replace(tensors(ix), compress_gate=None, compress_ape=None),
+                       token_params(params(cfg)), c)
+    for s, e in segments(c):
+        same = all(set(pooled[t].tolist()) - {-1} == set(token[t].tolist()) - {-1} for t in range(s, e))
+        assert same == (e - s <= cfg.index_topk), (s, e)
+    with pytest.raises(ValueError, match="kpool 1"):
+        kpool_topk(x, q_resid, dataclasses.replace(tensors(ix), compress_gate=None), params(cfg), c)
