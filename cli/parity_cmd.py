@@ -30,7 +30,8 @@ from glmconv_cli.sizes import SEED
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="torch device for both models (cpu, cuda, cuda:1).")
 @click.option("--train-conventions", type=click.Choice(["default", "serve"]), default="default", show_default=True,
-              help="The train side's starting conventions: Megatron's defaults, or serve's (aligned).")
+              help="The train side's starting conventions: Megatron's defaults for MCORE_DIR's layout (mcore: "
+                   "indexer_kpool=off, megatron-core's token-level DSA indexer), or serve's (aligned).")
 @click.option("--train-convention", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override one train-side convention (repeatable): "
                    + "; ".join(f"{key}={'|'.join(values)}" for key, values in CHOICES.items())
