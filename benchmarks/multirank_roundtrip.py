@@ -1,13 +1,16 @@
 """Two ranks, megatron-core's own load and save, then glmconv export: a trainer's multi-rank round trip.
 
     torchrun --nproc-per-node 2 benchmarks/multirank_roundtrip.py --backend gloo|nccl --fixture HF_DIR \
-        [--work DIR] [--json-out FILE]
+        [--layout miles|mcore] [--work DIR] [--json-out FILE]
 
-1. Rank 0 converts the HF fixture (`glmconv fixture make DIR --preset cut8`); both ranks load it through
-   `megatron.core.dist_checkpointing.load` at TP2, EP2 and TP2xEP2 (ETP1), with the sharded state dict a trainer
-   requests (`glmconv.mcore_layout.shard_pieces`: column/row/SwiGLU/expert shards plus every `_extra_state`,
-   `strict="raise_all"`), and compare every local shard bit for bit with the same slice of the tensor glmconv's
+1. Rank 0 converts the HF fixture (`glmconv fixture make DIR --preset cut8`) in the Megatron layout `--layout`;
+   both ranks load it through `megatron.core.dist_checkpointing.load` at TP2, EP2 and TP2xEP2 (ETP1), with the
+   sharded state dict a trainer requests (`glmconv.mcore_layout.plan_pieces`: the shard kind of each tensor's
+   role and transform, column/row/SwiGLU/expert shards, plus every `_extra_state`; `strict="raise_all"`, or in a
+   layout with homeless tensors `"return_all"` with the stored-but-unrequested keys required to be exactly the
+   `glmconv_kept.` ones), and compare every local shard bit for bit with the same slice of the tensor glmconv's
    rules compute from the HF files (forward; `glmconv verify` below checks the rules against the HF files).
+   Kept tensors are then loaded whole on their own (no trainer module asks for them) so the save carries them.
 2. The TP2xEP2 shards are saved back with `dist_checkpointing.save` (both ranks write `.distcp` files; row-parallel
    weights split along dim 1, column-parallel and experts along dim 0, expert fc1 along dims 0 and 1) with the
    common state loaded; rank 0 then writes the tracker, as Megatron-LM's trainer does. No glmconv file is copied.
@@ -54,13 +57,13 @@ def alone() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def expected_mcore(fixture: Path) -> dict[str, torch.Tensor]:
+def expected_mcore(fixture: Path, layout: str) -> dict[str, torch.Tensor]:
     """Every Megatron tensor of the plan, computed from the HF files by glmconv's rules (forward)."""
     from glmconv.io.dtypes import TORCH_DTYPES
     from glmconv.io.safetensors.reader import HfTensorSource
     from glmconv.runners import convert
 
-    job = convert.source_job(fixture)
+    job = convert.source_job(fixture, layout=layout)
     out: dict[str, torch.Tensor] = {}
     with HfTensorSource(job.files) as source:
         for m in job.plan.mappings:
@@ -87,16 +90,31 @@ def requests(plan: Any, r: Any, device: str) -> tuple[dict[str, Any], dict[str, 
     """The sharded state dict a trainer at layout `r` loads (tensors and `_extra_state` objects), and per key
     the Piece and spec each tensor request came from."""
     from glmconv.io.dtypes import TORCH_DTYPES
-    from glmconv.mcore_layout import object_request, shard_pieces
+    from glmconv.mcore_layout import object_request, plan_pieces
 
     sd: dict[str, Any] = {}
     origin: dict[str, tuple[Any, Any]] = {}
-    for spec in plan.mcore_index.values():
-        for i, piece in enumerate(shard_pieces(spec.name, spec.shape, r)):
+    for spec, pieces in plan_pieces(plan, r):
+        for i, piece in enumerate(pieces):
             key = f"{spec.name}#{i}"
             sd[key] = piece.request(spec.shape, TORCH_DTYPES[spec.dtype], device=device)
             origin[key] = (piece, spec)
     sd.update({k: o for k in plan.mcore_objects() if (o := object_request(k, r)) is not None})
+    return sd, origin
+
+
+def kept_requests(plan: Any, r: Any, device: str) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """The homeless (`glmconv_kept.`) tensors, whole and replicated: no trainer asks for them; the save carries
+    them so that export has the whole model back."""
+    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.mcore_layout import Piece
+
+    sd: dict[str, Any] = {}
+    origin: dict[str, tuple[Any, Any]] = {}
+    for spec in (t for m in plan.homeless() for t in m.mcore):
+        piece = Piece(spec.name, (), (), (0, r.tp_rank, r.dp_rank))
+        sd[spec.name] = piece.request(spec.shape, TORCH_DTYPES[spec.dtype], device=device)
+        origin[spec.name] = (piece, spec)
     return sd, origin
 
 
@@ -105,12 +123,23 @@ def load_layout(plan: Any, ckpt: Path, r: Any, want: dict[str, torch.Tensor], de
     from megatron.core import dist_checkpointing
 
     sd, origin = requests(plan, r, device)
+    kept = {t.name for m in plan.homeless() for t in m.mcore}
     start = time.monotonic()
-    loaded = dist_checkpointing.load(sd, str(ckpt / RELEASE), strict="raise_all")
+    if kept:  # stored, requested by no trainer: megatron's "missing" keys, exactly these
+        loaded, missing, unexpected = dist_checkpointing.load(sd, str(ckpt / RELEASE), strict="return_all")
+        if set(missing) != kept or unexpected:
+            raise AssertionError(f"unrequested {sorted(set(missing) ^ kept)[:5]}, absent {sorted(unexpected)[:5]}")
+    else:
+        loaded = dist_checkpointing.load(sd, str(ckpt / RELEASE), strict="raise_all")
     seconds = time.monotonic() - start
+    if kept:
+        ksd, korigin = kept_requests(plan, r, device)
+        loaded.update(dist_checkpointing.load(ksd, str(ckpt / RELEASE)))
+        origin = {**origin, **korigin}
     equal = sum(_same(loaded[k].cpu(), want[spec.name][piece.index]) for k, (piece, spec) in origin.items())
     state = {"loaded": loaded, "origin": origin}
-    return {"pieces": len(origin), "bit_exact": equal, "load_s": round(seconds, 3)}, state
+    return {"pieces": len(origin), "kept_unrequested": len(kept), "bit_exact": equal,
+            "load_s": round(seconds, 3)}, state
 
 
 def save_layout(state: dict, plan: Any, out: Path, rank: int, device: str) -> float:
@@ -220,6 +249,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--fixture", type=Path, required=True, help="HF checkpoint (glmconv fixture make --preset cut8)")
+    p.add_argument("--layout", choices=("miles", "mcore"), default="miles", help="the Megatron layout converted")
     p.add_argument("--work", type=Path, default=Path("/tmp/glmconv-multirank"))
     p.add_argument("--json-out", type=Path)
     a = p.parse_args()
@@ -232,7 +262,7 @@ def main() -> None:
     assert dist.get_world_size() == 2, "run with torchrun --nproc-per-node 2"
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     fixture, converted, saved = a.fixture.resolve(), a.work / "converted", a.work / "megatron-saved"
-    result: dict[str, Any] = {"backend": a.backend, "device": device, "torch": torch.__version__}
+    result: dict[str, Any] = {"backend": a.backend, "layout": a.layout, "device": device, "torch": torch.__version__}
     if rank == 0:
         from glmconv.runners import convert
 
@@ -240,13 +270,13 @@ def main() -> None:
         a.work.mkdir(parents=True)
         start = time.monotonic()
         with alone():
-            convert.convert(convert.prepare(fixture, converted), convert.RunOptions(progress=False))
+            convert.convert(convert.prepare(fixture, converted, layout=a.layout), convert.RunOptions(progress=False))
         result["convert_s"] = round(time.monotonic() - start, 3)
     dist.barrier()
     from glmconv.runners import convert
 
-    plan = convert.source_job(fixture).plan
-    want = expected_mcore(fixture)
+    plan = convert.source_job(fixture, layout=a.layout).plan
+    want = expected_mcore(fixture, a.layout)
     layouts, state = {}, None
     for name, sizes in LAYOUTS.items():
         r = init_layout(**sizes)
@@ -277,7 +307,7 @@ def _gathered(figures: dict[str, Any]) -> dict[str, Any]:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, figures)
     return {"pieces": sum(f["pieces"] for f in every), "bit_exact": sum(f["bit_exact"] for f in every),
-            "load_s": max(f["load_s"] for f in every)}
+            "kept_unrequested": every[0]["kept_unrequested"], "load_s": max(f["load_s"] for f in every)}
 
 
 if __name__ == "__main__":

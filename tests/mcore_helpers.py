@@ -18,20 +18,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from glmconv.mcore_layout import (  # noqa: F401 (the tests' names for them)
-    COLUMN_SUFFIXES,
-    DOWN_PROJ_SUFFIXES,
-    EXPERT_FC1,
-    EXPERT_FC2,
-    ROW_SUFFIXES,
-    SWIGLU_SUFFIXES,
-    VOCAB_PARALLEL,
     Piece,
     Ranks,
+    Sharding,
     object_request,
     parse_object_key,
+    plan_pieces,
     ranks_from_parallel_state,
     shard_pieces,
-    tp_layout,
+    sharding,
 )
 
 
@@ -156,7 +151,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 # ---- an independent HF -> Megatron reference (the mapping table re-spelled, independently of glmconv/rules) ----
 # Used by the convert proofs: what every Megatron tensor must hold, computed from the HF files with plain torch
-# and safetensors, never through glmconv's plan, transforms, reader or FP8 code.
+# and safetensors, never through glmconv's plan, transforms, reader or FP8 code. Only another layout's names
+# (`reference_mcore(layout=...)`) are taken from glmconv's plan of that layout: its values are still these.
 
 FP8_BLOCK = 128
 KDA, DSA = "linear_attention", "deepseek_sparse_attention"
@@ -215,12 +211,14 @@ def dequant_reference(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = F
 
 
 def reference_mcore(ckpt_dir: Any, *, mtp: bool = True, vision: bool = True,
-                    mtp_inner: str = "transformer_layer.") -> dict[str, torch.Tensor]:
-    """Every Megatron tensor a conversion of `ckpt_dir` must write, computed from the HF files alone.
+                    mtp_inner: str = "transformer_layer.", layout: str = "miles") -> dict[str, torch.Tensor]:
+    """Every Megatron tensor a conversion of `ckpt_dir` (`convert --layout layout`) must write, computed from the
+    HF files alone.
 
-    Each HF tensor is routed to exactly one Megatron tensor (slot); an unknown name, a slot filled twice or a
-    scale without its weight fails. FP8 weights are dequantised by `dequant_reference`. `mtp_inner` is the one
-    name taken as given (whether megatron-core keys it so is test_convert_mcore_keys' business).
+    Each HF tensor is routed to exactly one Megatron tensor (slot) of the miles layout; an unknown name, a slot
+    filled twice or a scale without its weight fails. FP8 weights are dequantised by `dequant_reference`.
+    `mtp_inner` is the one name taken as given (whether megatron-core keys it so is test_convert_mcore_keys'
+    business). Another layout's names are the plan's (`_relaid`): only the values are computed here.
     """
     import json
     from pathlib import Path
@@ -240,7 +238,34 @@ def reference_mcore(ckpt_dir: Any, *, mtp: bool = True, vision: bool = True,
                 continue
             assert slot not in slots.setdefault(mc, {}), f"{mc} slot {slot} filled twice"
             slots[mc][slot] = value
-    return {mc: _assemble(parts) for mc, parts in slots.items()}
+    miles = {mc: _assemble(parts) for mc, parts in slots.items()}
+    return miles if layout == "miles" else _relaid(miles, cfg, layout)
+
+
+def _relaid(miles: dict[str, torch.Tensor], cfg: dict[str, Any], layout: str) -> dict[str, torch.Tensor]:
+    """The miles reference under `layout`'s names, by glmconv's plan of that layout (`Mapping.key`: the miles
+    names of each mapping; `Mapping.mcore`: the layout's, homeless ones under `glmconv_kept.`). One miles tensor
+    per layout tensor is renamed; one miles tensor for several is their dim-0 concatenation, in order (the
+    miles layout's packed q/k/v conv)."""
+    from glmconv.config import parse_config
+    from glmconv.plan import build_plan
+
+    plan = build_plan(parse_config(cfg), layout=layout)
+    left, out = dict(miles), {}
+    for m in plan.mappings:
+        present = [k in left for k in m.key]
+        if not any(present):
+            continue  # a part left out of the reference (mtp=False, vision=False)
+        assert all(present), f"{m.key}: only part of the mapping in the reference"
+        values = [left.pop(k) for k in m.key]
+        if len(values) == 1 and len(m.mcore) > 1:
+            values = list(torch.split(values[0], [t.shape[0] for t in m.mcore]))
+        assert len(values) == len(m.mcore), f"{m.key} -> {[t.name for t in m.mcore]}: no reference relayout"
+        for t, v in zip(m.mcore, values):
+            assert tuple(v.shape) == t.shape, f"{t.name}: reference {tuple(v.shape)} != planned {t.shape}"
+            out[t.name] = v
+    assert not left, f"reference tensors the {layout} plan has no mapping for: {sorted(left)[:5]}"
+    return out
 
 
 def _megatron_dtype(hf_name: str) -> torch.dtype:

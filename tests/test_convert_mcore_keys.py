@@ -6,7 +6,7 @@ expert and the router's expert bias, untied output layer, RMSNorm, one MTP layer
 layer specs, at TP=2 and EP=2 (ETP=1), and records its `sharded_state_dict()`: every ShardedTensor's key,
 global shape and this rank's piece, and every ShardedObject key. The tests compare that with glmconv's plan
 (`plan.mcore_index`, `plan.mcore_objects()`) and with the shard layouts the load proofs request
-(`mcore_helpers.shard_pieces`).
+(`mcore_helpers.shard_pieces`: the shard kind of each tensor's role and transform, in the plan).
 
 What is compared: embedding, output layer, final norm; per layer the input norm, the MLA projections of the
 DSA layer (3), the dense MLPs (0, 1), the MoE router / experts / shared experts (2, 3); the MTP block.
@@ -52,6 +52,20 @@ def _tiny_plan() -> Any:
     from glmconv.plan import build_plan
 
     return build_plan(parse_config(preset_config("tiny")))
+
+
+def _all_mla_plan() -> Any:
+    """The tiny plan with every layer DSA (MLA), as megatron-core's model is built: a mapping for each key it has."""
+    from glmconv.config import parse_config
+    from glmconv.fixtures import preset_config
+    from glmconv.plan import build_plan
+
+    cfg = preset_config("tiny")
+    text = cfg["text_config"]
+    n = text["num_hidden_layers"]
+    text["layer_types"] = ["deepseek_sparse_attention"] * n
+    text["linear_attn_config"].update(kda_layers=[], full_attn_layers=list(range(n)))
+    return build_plan(parse_config(cfg))
 
 
 def _megatron_model(text: dict[str, Any]) -> Any:
@@ -188,7 +202,9 @@ def test_mtp_block_keys_and_global_shapes_equal_the_plan(megatron: list[dict[str
 
 
 def test_shard_layouts_of_the_load_proofs_are_megatrons_own(megatron: list[dict[str, Any]]) -> None:
-    """Where megatron-core builds the module, `mh.shard_pieces` asks for exactly the pieces megatron does."""
+    """Where megatron-core builds the module, `mh.shard_pieces` asks for exactly the pieces megatron does: each key
+    found in the plan (every layer MLA, as built), sharded by its mapping's role and transform."""
+    plan = _all_mla_plan()
     for inv in megatron:
         r: mh.Ranks = inv["ranks"]
         assert (r.tp, r.ep, r.etp) == (2, 2, 1)
@@ -200,13 +216,15 @@ def test_shard_layouts_of_the_load_proofs_are_megatrons_own(megatron: list[dict[
         kinds = set()
         for key, pieces in built.items():
             ours = set()
-            for p in mh.shard_pieces(key, shapes[key], r, down_proj="column"):
+            mapping, spec = plan.mapping_of_mcore[key], plan.mcore_index[key]
+            assert spec.shape == shapes[key], key
+            for p in mh.shard_pieces(spec, mapping, r, down_proj="column"):
                 st = p.request(shapes[key], torch.bfloat16)
                 ours.add((tuple(st.global_offset), tuple(st.local_shape), tuple(st.axis_fragmentations),
                           _main(st.replica_id)))
             assert ours == pieces, f"{key} at {r}: ours {sorted(ours)} != megatron's {sorted(pieces)}"
-            kinds.add(mh.tp_layout(key, "column"))
-        assert kinds == {"replicated", "column", "row", "swiglu", "expert_fc1", "expert_fc2"}
+            kinds.add(mh.sharding(mapping, "column").label)  # type: ignore[union-attr]
+        assert kinds == {"replicated", "column", "row", "column/2", "expert_column/2", "expert_row"}
 
 
 def _main(replica_id: Any) -> bool:
@@ -220,3 +238,26 @@ def test_both_ranks_built_the_same_model_each_with_its_own_experts(megatron: lis
     fc1 = [{k for k in inv["objects"] if k.startswith("decoder.layers.2.mlp.experts.experts.linear_fc1.")}
            for inv in megatron]
     assert [len(x) for x in fc1] == [4, 4] and not fc1[0] & fc1[1]
+
+
+@pytest.mark.parametrize("layout", ["miles", "mcore"])
+def test_shard_kinds_come_from_roles_and_homeless_tensors_are_not_requested(layout: str) -> None:
+    """Every rule's role has a shard kind; the transform packs it (miles: one q/k/v conv split per part; mcore:
+    three convs, each column-split); a homeless mapping (`glmconv_kept.`) is requested by no trainer."""
+    from glmconv.config import parse_config
+    from glmconv.fixtures import preset_config
+    from glmconv.mcore_layout import SHARDING
+    from glmconv.plan import build_plan
+    from glmconv.rules import roles
+    from glmconv.rules.table import rules_in
+
+    assert {r.role for r in rules_in(layout)} <= set(SHARDING)
+    plan = build_plan(parse_config(preset_config("tiny")), layout=layout)
+    r = mh.Ranks(tp=2, tp_rank=1)
+    for m in plan.mappings:
+        assert (mh.sharding(m) is None) == m.homeless, m.key
+        assert all(bool(mh.shard_pieces(t, m, r)) != m.homeless for t in m.mcore), m.key
+    assert bool(plan.homeless()) == (layout == "mcore")
+    conv = [mh.sharding(m).label for m in plan.mappings if m.rule.role == roles.KDA_CONV  # type: ignore[union-attr]
+            for _ in m.mcore]
+    assert conv == (["column/3"] * 3 if layout == "miles" else ["column"] * 9)

@@ -1,11 +1,15 @@
-"""Converted checkpoints load through megatron-core's `dist_checkpointing` at TP=1, TP=2 and EP=2.
+"""Converted checkpoints load through megatron-core's `dist_checkpointing` at TP=1, TP=2 and EP=2, in both
+Megatron layouts (`convert --layout miles|mcore`).
 
-Per layout, one group of 2 gloo processes on CPU (spawned, like tests/mcore_helpers.py) loads the converted
-`tiny`, `tiny --fp8` and `cut8` with a sharded state dict of `ShardedTensor.from_rank_offsets` requests for
-every tensor of the plan (as a trainer shards it: `mcore_helpers.shard_pieces`) plus every `_extra_state`
-ShardedObject, under `strict="raise_all"` (nothing requested is missing, nothing stored is left unrequested).
+Per parallel layout, one group of 2 gloo processes on CPU (spawned, like tests/mcore_helpers.py) loads the
+converted `tiny`, `tiny --fp8` and `cut8` of each Megatron layout with a sharded state dict of
+`ShardedTensor.from_rank_offsets` requests for every tensor of the plan a trainer requests (as it shards it:
+`mcore_helpers.plan_pieces`, the shard kind of each tensor's role and transform) plus every `_extra_state`
+ShardedObject. Miles: `strict="raise_all"` (nothing requested is missing, nothing stored is left unrequested).
+mcore: the same check through `strict="return_all"`: nothing requested is missing, and the stored keys left
+unrequested are exactly the plan's homeless ones (`glmconv_kept.`: kept for export, no trainer parameter).
 Every local shard must equal the same slice of `mcore_helpers.reference_mcore` (computed from the HF files
-alone; FP8 sources dequantised block by block), bit for bit.
+alone; FP8 sources dequantised block by block; the mcore layout's names from its plan), bit for bit.
 """
 
 from __future__ import annotations
@@ -18,60 +22,78 @@ import torch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 FIXTURES = ("tiny", "tiny-fp8", "cut8")
-LAYOUTS = {"tp1": dict(tp=1, ep=1), "tp2": dict(tp=2, ep=1), "ep2": dict(tp=1, ep=2)}
+MEGATRON_LAYOUTS = ("miles", "mcore")
+PARALLEL = {"tp1": dict(tp=1, ep=1), "tp2": dict(tp=2, ep=1), "ep2": dict(tp=1, ep=2)}
+KEPT_PREFIX = "glmconv_kept."
+Case = tuple[str, str, str, str]  # (fixture, Megatron layout, HF dir, converted root)
 
 
 @pytest.fixture(scope="module")
 def converted(tiny_ckpt: Path, tiny_fp8_ckpt: Path, cut8_ckpt: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, str, str]]:
-    """(fixture, HF dir, converted root) for each fixture, converted once in this process."""
+              tmp_path_factory: pytest.TempPathFactory) -> list[Case]:
+    """Each fixture converted once per Megatron layout, in this process."""
     from glmconv.runners.convert import RunOptions, convert, prepare
 
     root = tmp_path_factory.mktemp("converted")
     out = []
-    for name, src in zip(FIXTURES, (tiny_ckpt, tiny_fp8_ckpt, cut8_ckpt)):
-        convert(prepare(src, root / name), RunOptions(progress=False))
-        out.append((name, str(src), str(root / name)))
+    for layout in MEGATRON_LAYOUTS:
+        (root / layout).mkdir()
+        for name, src in zip(FIXTURES, (tiny_ckpt, tiny_fp8_ckpt, cut8_ckpt)):
+            convert(prepare(src, root / layout / name, layout=layout), RunOptions(progress=False))
+            out.append((name, layout, str(src), str(root / layout / name)))
     return out
 
 
-def _check_fixture(name: str, src: str, root: str, r: mh.Ranks) -> int:
-    """Load one converted checkpoint at this rank's layout; returns the number of local pieces compared."""
+def _check_fixture(name: str, layout: str, src: str, root: str, r: mh.Ranks) -> int:
+    """Load one converted checkpoint at this rank's parallel layout; returns the number of local pieces compared."""
     from glmconv.io.dtypes import TORCH_DTYPES
     from glmconv.runners.convert import prepare
 
-    plan = prepare(src, Path(root) / "unused").plan
-    want = mh.reference_mcore(src)
-    assert set(plan.mcore_index) == set(want), f"{name}: plan and reference disagree on the tensor set"
+    plan = prepare(src, Path(root) / "unused", layout=layout).plan
+    want = mh.reference_mcore(src, layout=layout)
+    assert set(plan.mcore_index) == set(want), f"{name} {layout}: plan and reference disagree on the tensor set"
     request, expected = {}, {}
-    for spec in plan.mcore_index.values():
-        for i, piece in enumerate(mh.shard_pieces(spec.name, spec.shape, r)):
+    for spec, pieces in mh.plan_pieces(plan, r):
+        for i, piece in enumerate(pieces):
             request[f"{spec.name}#{i}"] = piece.request(spec.shape, TORCH_DTYPES[spec.dtype])
             expected[f"{spec.name}#{i}"] = want[spec.name][piece.index]
+    kept = {t.name for m in plan.homeless() for t in m.mcore}
+    requested = {k.split("#")[0] for k in request}
+    assert requested | kept == set(plan.mcore_index) and not requested & kept, f"{name} {layout}"
+    assert all(k.startswith(KEPT_PREFIX) for k in kept) and bool(kept) == (layout == "mcore"), f"{name} {layout}"
     objects = {k: o for k in plan.mcore_objects() if (o := mh.object_request(k, r)) is not None}
-    loaded = mh.load({**request, **objects}, str(Path(root) / "release"), strict="raise_all")
+    ckpt = str(Path(root) / "release")
+    if kept:  # stored, never requested: megatron's "missing" keys, exactly these; nothing requested is absent
+        loaded, missing, unexpected = mh.load({**request, **objects}, ckpt, strict="return_all")
+        assert (sorted(missing), sorted(unexpected)) == (sorted(kept), []), f"{name} {layout} at {r}"
+    else:
+        loaded = mh.load({**request, **objects}, ckpt, strict="raise_all")
     for key, t in expected.items():
-        mh.assert_same(f"{name}: {key} at {r}", loaded[key], t)
+        mh.assert_same(f"{name} {layout}: {key} at {r}", loaded[key], t)
     for key in objects:
         value = loaded[key]
         assert isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.numel() == 0, (key, value)
     assert (loaded["checkpoint_version"], loaded["iteration"]) == (3.0, 0)
     assert loaded["args"].num_layers == plan.config.num_layers
+    # the mcore layout's trainer has no MTP module: its MTP tensors are kept only, and the args say so
+    mtp_layers = None if layout == "mcore" else plan.config.num_mtp_layers or None
+    assert loaded["args"].mtp_num_layers == mtp_layers, f"{name} {layout}"
     return len(expected)
 
 
-def _load_worker(rank: int, tp: int, ep: int, cases: list[tuple[str, str, str]], counts_file: str) -> None:
+def _load_worker(rank: int, tp: int, ep: int, cases: list[Case], counts_file: str) -> None:
     mh.init_parallel(tp=tp, ep=ep)
     r = mh.ranks_from_parallel_state()
     assert (r.tp, r.ep) == (tp, ep)
-    counts = {name: _check_fixture(name, src, root, r) for name, src, root in cases}
+    counts = {(name, layout): _check_fixture(name, layout, src, root, r) for name, layout, src, root in cases}
     torch.save({"ranks": r, "counts": counts}, f"{counts_file}.{rank}")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_megatron_loads_every_tensor_and_extra_state_at_layout(layout: str, converted: list[tuple[str, str, str]],
+@pytest.mark.parametrize("layout", list(PARALLEL))
+def test_megatron_loads_every_tensor_and_extra_state_at_layout(layout: str, converted: list[Case],
                                                                tmp_path: Path) -> None:
-    mh.spawn(_load_worker, LAYOUTS[layout]["tp"], LAYOUTS[layout]["ep"], converted, str(tmp_path / "counts"))
+    """Both Megatron layouts of every fixture, in one group of 2 processes per parallel layout."""
+    mh.spawn(_load_worker, PARALLEL[layout]["tp"], PARALLEL[layout]["ep"], converted, str(tmp_path / "counts"))
     seen = [torch.load(tmp_path / f"counts.{rank}", weights_only=False) for rank in (0, 1)]
     ranks = [s["ranks"] for s in seen]
     if layout == "tp2":  # the two ranks hold different halves of every split tensor and expert
@@ -81,18 +103,19 @@ def test_megatron_loads_every_tensor_and_extra_state_at_layout(layout: str, conv
     else:  # data parallel: both ranks load everything, one as the main replica
         assert [(x.tp, x.ep, x.dp_rank) for x in ranks] == [(1, 1, 0), (1, 1, 1)]
     for name in FIXTURES:
-        assert all(s["counts"][name] > 150 for s in seen), seen
+        assert all(s["counts"][(name, "miles")] > 150 for s in seen), seen
+        assert all(s["counts"][(name, "mcore")] > 80 for s in seen), seen
 
 
-def test_common_state_and_tensor_metadata_read_through_megatron(converted: list[tuple[str, str, str]]) -> None:
+def test_common_state_and_tensor_metadata_read_through_megatron(converted: list[Case]) -> None:
     """`load_common_state_dict` and `load_tensors_metadata`, in this process (neither needs a process group)."""
     from megatron.core import dist_checkpointing
 
     from glmconv.runners.convert import prepare
 
-    for name, src, root in converted:
+    for name, layout, src, root in converted:
         ckpt = str(Path(root) / "release")
-        plan = prepare(src, Path(root) / "unused").plan
+        plan = prepare(src, Path(root) / "unused", layout=layout).plan
         common = dist_checkpointing.load_common_state_dict(ckpt)
         assert (common["checkpoint_version"], common["iteration"]) == (3.0, 0), name
         t = plan.config.text
@@ -100,8 +123,9 @@ def test_common_state_and_tensor_metadata_read_through_megatron(converted: list[
         assert (args.num_layers, args.hidden_size, args.num_experts) == (
             t["num_hidden_layers"], t["hidden_size"], t["n_routed_experts"]), name
         assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
+        assert args.mtp_num_layers == (None if layout == "mcore" else plan.config.num_mtp_layers), (name, layout)
         meta = dist_checkpointing.load_tensors_metadata(ckpt)
-        want = mh.reference_mcore(src)
+        want = mh.reference_mcore(src, layout=layout)
         assert sorted(meta) == sorted(want), name
         for key, t_ in want.items():
             assert (tuple(meta[key].global_shape), meta[key].dtype) == (tuple(t_.shape), t_.dtype), key
