@@ -17,9 +17,10 @@ from glmconv_cli.sizes import SIZE
 @click.command("relayout")
 @click.argument("mcore_dir", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--to", "to", type=click.Choice(LAYOUT_CHOICES), required=True,
+@click.option("--to", "to", type=click.Choice(LAYOUT_CHOICES), default=None,
               help="The layout to write: miles (the miles glm5_next plugin) or mcore (megatron-core's native modules, "
-              "as Megatron-Bridge builds them). The layout MCORE_DIR already has is refused (cp -r copies it).")
+              "as Megatron-Bridge builds them); required. The layout MCORE_DIR already has is refused (cp -r copies "
+              "it).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, estimated time, free space at OUT_DIR); "
               "write nothing.")
 @click.option("--no-space-check", "no_space_check", is_flag=True,
@@ -29,10 +30,12 @@ from glmconv_cli.sizes import SIZE
               "one is verified); any other non-empty directory is refused.")
 @click.option("--group-size", type=SIZE, default="1GB", show_default=True,
               help="Bytes per data file (bounds memory where tensors must be read and rebuilt).")
-def relayout(mcore_dir: Path, out_dir: Path, to: str, dry_run: bool, no_space_check: bool, as_json: bool,
+def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_space_check: bool, as_json: bool,
              force: bool, group_size: int) -> None:
     """Rewrite a torch_dist checkpoint in the other Megatron layout: the same tensors bit for bit, bytes that
     only move copied file to file; export of the result equals export of MCORE_DIR."""
+    if to is None:
+        raise click.UsageError(f"Missing option '--to' (choose {' or '.join(LAYOUT_CHOICES)}).")
     say("relayout", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 

@@ -303,3 +303,18 @@ def test_dry_run_writes_nothing(tiny_ckpt: Path, converted: Callable[[Path, str]
     assert res.stdout.splitlines()[0] == ("would rewrite 185 Megatron tensors (miles, 0.001 GB) -> 191 Megatron "
                                           "tensors (mcore, 0.001 GB)")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_common_state_holding_megatron_objects_is_refused_naming_the_key(tiny_ckpt: Path) -> None:
+    import argparse
+
+    from glmconv.io.torch_dist.common_state import OpaqueValue, relaid_common_state
+
+    # what the reader makes of an allow-listed megatron enum in a trainer's args when megatron is not imported
+    stand_in = type("AttnBackend", (OpaqueValue,), {"qualname": "megatron.core.transformer.enums.AttnBackend"})
+    common = {"args": argparse.Namespace(attention_backend=stand_in(5)), "iteration": 7}
+    want = (r"^the common state's args.attention_backend holds a megatron object "
+            r"\(<megatron.core.transformer.enums.AttnBackend \(5,\)>\) that glmconv reads only as an inert "
+            r"stand-in and cannot write back$")
+    with pytest.raises(GlmconvError, match=want):
+        relaid_common_state(common, glmconv.load_config(tiny_ckpt), MCORE)
