@@ -81,21 +81,21 @@ class RelayoutJob:
         return sum(m.mcore_bytes for m in self.target.mappings)
 
 
-@dataclass(frozen=True)
-class RelayoutOptions:
-    group_bytes: int = DEFAULT_GROUP_BYTES
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    progress: bool = True
-    space_check: bool = True
-    zero_copy: bool = field(default_factory=lambda: _zero_copy_default())
-
-
 def _zero_copy_default() -> bool:
     import os
 
     from glmconv.runners.export import ZERO_COPY_ENV
 
     return os.environ.get(ZERO_COPY_ENV, "1") != "0"
+
+
+@dataclass(frozen=True)
+class RelayoutOptions:
+    group_bytes: int = DEFAULT_GROUP_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    progress: bool = True
+    space_check: bool = True
+    zero_copy: bool = field(default_factory=_zero_copy_default)  # GLMCONV_ZERO_COPY=0: always read through torch
 
 
 # ---- deciding the plan -------------------------------------------------------------------------------
