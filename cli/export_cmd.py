@@ -12,6 +12,7 @@ from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.text import count, printable, show
 from glmconv_cli.convert_cmd import plan_lines
 from glmconv_cli.sizes import SIZE
+from glmconv_cli.workers import WORKERS
 
 
 @click.command("export")
@@ -23,8 +24,12 @@ from glmconv_cli.sizes import SIZE
               help="config.json of the model (default: the one convert left in MCORE_DIR).")
 @click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True, help="Largest safetensors shard.")
 @click.option("--fp8", is_flag=True, help="Re-quantise the release's FP8 set (e4m3, 128x128 block scales).")
-@click.option("--workers", type=click.IntRange(1, 256), default=1, show_default=True,
-              help="Worker processes on this machine (under torchrun, one per rank instead).")
+@click.option("--workers", type=WORKERS, default="1", show_default=True,
+              help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 cores "
+              "(with --fp8) or 2 cores, at most 8 (under torchrun, one per rank instead).")
+@click.option("--read-threads", type=click.IntRange(0, 64), default=2, show_default=True,
+              help="Threads per worker reading, transforming and FP8-encoding ahead of its writer (0: one step at "
+              "a time); every choice writes the same shards.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
@@ -37,7 +42,7 @@ from glmconv_cli.sizes import SIZE
               help="Megatron layout of MCORE_DIR (default: the one glmconv.json records, else the one its names are "
               "spelled in; a contradiction is refused).")
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int, fp8: bool,
-           workers: int, as_json: bool, force: bool, check_finite: bool, dry_run: bool,
+           workers: int | str, read_threads: int, as_json: bool, force: bool, check_finite: bool, dry_run: bool,
            no_space_check: bool, layout: str | None) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
     say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
@@ -45,7 +50,8 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
 
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
                          workers=workers, force=force, check_finite=check_finite, dry_run=dry_run,
-                         progress=not as_json, space_check=not no_space_check, layout=layout)
+                         progress=not as_json, space_check=not no_space_check, layout=layout,
+                         read_threads=read_threads)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
     if as_json:

@@ -64,9 +64,14 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
 
 def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | None = None,
            config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           workers: int = 1, force: bool = False, check_finite: bool = False, dry_run: bool = False,
-           progress: bool = False, space_check: bool = True, layout: str | None = None) -> dict[str, Any]:
+           workers: int | str = 1, force: bool = False, check_finite: bool = False, dry_run: bool = False,
+           progress: bool = False, space_check: bool = True, layout: str | None = None,
+           read_threads: int = 2) -> dict[str, Any]:
     """Megatron torch_dist -> HF safetensors in the release's naming (`like`: an HF checkpoint to imitate).
+
+    `workers`: processes on this machine, or `auto` (glmconv/runners/workers.py, FP8 encoding counted as convert
+    counts dequantisation); `read_threads`: threads reading, transforming and FP8-encoding ahead of each worker's
+    writer (0: one step at a time). Every choice writes the same shards.
 
     `layout`: the Megatron layout of `mcore_dir` (`miles` or `mcore`); None reads the one glmconv.json records,
     else the one its names are spelled in. Tensors kept under `glmconv_kept.` are exported like the others.
@@ -75,12 +80,14 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s filesystem is refused before
     anything is written (glmconv/space.py).
     """
-    from glmconv.runners.export import ExportOptions, dry_run_summary, prepare
+    from glmconv.runners.export import ExportOptions, bytes_in, dry_run_summary, fp8_work_bytes, prepare
     from glmconv.runners.export import export as run
+    from glmconv.runners.workers import worker_count
 
     job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
                   layout=layout)
-    opts = ExportOptions(workers=workers, progress=progress, check_finite=check_finite, space_check=space_check)
+    opts = ExportOptions(workers=worker_count(workers, bytes_in(job), fp8_work_bytes(job)), progress=progress,
+                         check_finite=check_finite, space_check=space_check, threads=read_threads)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 

@@ -8,6 +8,7 @@ stacked experts -> per-expert tensors, a few experts at a time). Which names gro
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Mapping as Dict
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 Rows = tuple[int, int] | None
 Read = Callable[[str, Rows], "torch.Tensor"]  # a Megatron tensor of the mapping, whole or rows [start, stop)
 Named = tuple[str, "torch.Tensor"]
+_STATS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -54,20 +56,35 @@ def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int,
                like: LikeFp8 | None = None) -> Iterator[Named]:
     """The HF tensors of `m` (FP8 weights followed by their scales), its Megatron tensors taken from `read`;
     stacked experts come `chunk_bytes` of experts at a time, never whole."""
+    for _, make in mapping_hf_steps(m, read, dtypes, chunk_bytes, stats, like):
+        yield from make()
+
+
+def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
+                     like: LikeFp8 | None = None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
+    """`mapping_hf` step by step: the Megatron bytes each step reads and what makes its HF tensors, so that
+    export can run steps ahead on threads (`stats` is added to under a lock)."""
     steps = m.row_steps(chunk_bytes)
     if steps is None:
-        hf = m.rule.transform.backward([read(t.name, None) for t in m.mcore], [t.shape for t in m.hf])
-        yield from _encoded(m, range(len(m.hf)), hf, dtypes, stats, like)
+        def whole() -> list[Named]:
+            hf = m.rule.transform.backward([read(t.name, None) for t in m.mcore], [t.shape for t in m.hf])
+            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like)
+
+        yield m.mcore_bytes, whole
         return
+    row_bytes = m.mcore_bytes // max(1, m.mcore[0].shape[0])
     for rows, picks in steps:
-        hf = m.rule.transform.backward([read(m.mcore[0].name, (rows.start, rows.stop))], [])
-        yield from _encoded(m, picks, hf, dtypes, stats, like)
+        def part(rows: range = rows, picks: list[int] = picks) -> list[Named]:
+            hf = m.rule.transform.backward([read(m.mcore[0].name, (rows.start, rows.stop))], [])
+            return _encoded(m, picks, hf, dtypes, stats, like)
+
+        yield len(rows) * row_bytes, part
 
 
 def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
-             stats: Fp8Stats, like: LikeFp8 | None) -> Iterator[Named]:
-    for i, tensor in zip(picks, tensors, strict=True):
-        yield from encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like)
+             stats: Fp8Stats, like: LikeFp8 | None) -> list[Named]:
+    return [out for i, tensor in zip(picks, tensors, strict=True)
+            for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like)]
 
 
 def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
@@ -86,8 +103,9 @@ def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: 
     from glmconv.io.fp8_reuse import encode as encode_fp8
 
     fp8 = encode_fp8(t, like.pair(spec.name) if like is not None else None)
-    stats.add(Fp8Stats(1, fp8.scales.numel(), fp8.scale_adjusted, fp8.inexact, int(fp8.requantized > 0),
-                       fp8.requantized))
+    with _STATS_LOCK:  # export encodes on reader threads
+        stats.add(Fp8Stats(1, fp8.scales.numel(), fp8.scale_adjusted, fp8.inexact, int(fp8.requantized > 0),
+                           fp8.requantized))
     yield spec.name, fp8.codes
     yield scale.name, fp8.scales
 

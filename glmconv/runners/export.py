@@ -27,8 +27,8 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,9 +55,10 @@ from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
+from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
 from glmconv.runners.ranks import run_on_output
-from glmconv.weight_sync import Fp8Stats, mapping_hf
+from glmconv.weight_sync import Fp8Stats, Read, mapping_hf, mapping_hf_steps
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +104,8 @@ class ExportOptions:
     check_finite: bool = False  # refuse a NaN/Inf in any Megatron tensor read
     zero_copy: bool = field(default_factory=lambda: os.environ.get(ZERO_COPY_ENV, "1") != "0")
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
+    threads: int = DEFAULT_THREADS  # reader/encoder threads per worker, ahead of its writer (0: none)
+    ahead_bytes: int = DEFAULT_AHEAD_BYTES  # steps made ahead of the writer hold at most this, per worker
 
 
 # ---- deciding the plan -------------------------------------------------------------------------------
@@ -268,12 +271,16 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
                     like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One mapping backward, read from the `.distcp` files (a padded vocabulary: its first rows) through the
     weight-sync code (`glmconv.weight_sync.mapping_hf`); stacked experts `chunk_bytes` at a time, never whole."""
-    plain = {t.name: (0, t.shape[0]) if t.name in stored_rows else None for t in m.mcore}
     try:
-        yield from mapping_hf(m, lambda name, rows: reader.read(name, plain[name] if rows is None else rows), dtypes,
-                              chunk_bytes, stats, like)
+        yield from mapping_hf(m, stored_read(m, lambda: reader, stored_rows), dtypes, chunk_bytes, stats, like)
     finally:
         reader.drop_cache()
+
+
+def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int]) -> Read:
+    """How `mapping_hf` reads `m`'s Megatron tensors: whole ones as stored, a padded vocabulary by its first rows."""
+    plain = {t.name: (0, t.shape[0]) if t.name in stored_rows else None for t in m.mcore}
+    return lambda name, rows: reader().read(name, plain[name] if rows is None else rows)
 
 
 def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> list[PlannedTensor]:
@@ -364,38 +371,83 @@ def rank_dir(stage: Path, rank: int) -> Path:
 
 
 def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Any,
-              chunk_bytes: int, check_finite: bool = False, zero_copy: bool = True) -> ShareResult:
-    """Export one worker's mappings into its own shards (memory: one mapping step; shards are streamed)."""
+              chunk_bytes: int, check_finite: bool = False, zero_copy: bool = True, threads: int = DEFAULT_THREADS,
+              ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> ShareResult:
+    """Export one worker's mappings into its own shards, reading, transforming and FP8-encoding on `threads`
+    threads ahead of the writer (at most `ahead_bytes` made ahead); the shards are those of the serial path."""
     from glmconv.io.byte_copy import FileCopier
     from glmconv.io.safetensors.writer import PlannedShardWriter
-    from glmconv.io.torch_dist.reader import DcpReader
 
-    reader = DcpReader(job.src, check_finite=check_finite)
-    stats, consumed = Fp8Stats(), []
+    readers = ThreadReaders(job.src, check_finite)
+    stats, consumed, copied = Fp8Stats(), [], 0
     if not share:
         return ShareResult(rank, {}, 0, [], 0, stats)
     outputs = [planned_outputs(m, job.dtypes, chunk_bytes) for m in share]
     writer = PlannedShardWriter(rank_dir(stage, rank), [t for ts in outputs for t in ts], job.max_shard_bytes)
+
+    def steps(like: LikeFp8 | None) -> Iterator[Step]:
+        for m, planned in zip(share, outputs):
+            yield from export_steps(m, planned, readers, job, chunk_bytes, stats, like,
+                                    zero_copy=zero_copy and not check_finite)
+            consumed.extend(t.name for t in m.mcore)
+
     try:
-        with FileCopier() as copier, like_fp8(job) as like:
-            for m, planned in zip(share, outputs):
-                route = byte_route(m, reader, job.dtypes) if zero_copy and not check_finite else None
-                if route is not None:
-                    for t in planned:
-                        copied = writer.copy(t.name, route_extents(reader, route[t.name]), copier)
-                        reader.bytes_read += copied
-                        prog.advance(copied)  # once written: bytes and tensors as they reach the shard
+        with FileCopier() as copier, like_fp8(job) as like, \
+                closing(run_ahead(steps(like), threads, ahead_bytes)) as made:  # its threads end before the files
+            for name, data in made:
+                if isinstance(data, list):  # extents in the .distcp files: copied file to file
+                    n = writer.copy(name, data, copier)
+                    copied += n
                 else:
-                    for name, tensor in mapping_tensors(m, reader, job.dtypes, job.stored_rows, chunk_bytes, stats,
-                                                        like):
-                        writer.write(name, tensor)
-                        prog.advance(tensor.numel() * tensor.element_size())
-                consumed.extend(t.name for t in m.mcore)
+                    writer.write(name, data)
+                    n = data.numel() * data.element_size()
+                prog.advance(n)  # once written: bytes and tensors as they reach the shard
     except BaseException:
         writer.abort()
         raise
     weight_map = writer.close()
-    return ShareResult(rank, weight_map, writer.total_size, consumed, reader.bytes_read, stats)
+    return ShareResult(rank, weight_map, writer.total_size, consumed, readers.bytes_read + copied, stats)
+
+
+def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReaders, job: ExportJob, chunk_bytes: int,
+                 stats: Fp8Stats, like: LikeFp8 | None, *, zero_copy: bool) -> Iterator[Step]:
+    """One mapping's work for `run_ahead`: its byte route (extents, no memory), else its read-and-encode steps,
+    each on its thread's own DcpReader (which keeps the one stored chunk it last loaded: steps of a mapping that
+    share a chunk on one thread read it once)."""
+    route = byte_route(m, readers.get(), job.dtypes) if zero_copy else None
+    if route is not None:
+        yield Step(0, lambda: [(t.name, route_extents(readers.get(), route[t.name])) for t in planned])
+        return
+    read = stored_read(m, readers.get, job.stored_rows)
+    for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like):
+        yield Step(nbytes, make)
+
+
+class ThreadReaders:
+    """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
+
+    def __init__(self, src: Path, check_finite: bool) -> None:
+        import threading
+
+        self._src, self._check_finite = src, check_finite
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[DcpReader] = []
+
+    def get(self) -> DcpReader:
+        from glmconv.io.torch_dist.reader import DcpReader
+
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = self._local.reader = DcpReader(self._src, check_finite=self._check_finite)
+            with self._lock:
+                self._all.append(reader)
+        return reader
+
+    @property
+    def bytes_read(self) -> int:
+        with self._lock:
+            return sum(r.bytes_read for r in self._all)
 
 
 # ---- assembling, verifying, publishing (rank 0) ------------------------------------------------------
@@ -460,6 +512,12 @@ def bytes_in(job: ExportJob) -> int:
     return sum(m.mcore_bytes for m in job.plan.mappings)
 
 
+def fp8_work_bytes(job: ExportJob) -> int:
+    """Megatron bytes that FP8 encoding goes through (`--fp8`): what `--workers auto` weighs as convert weighs
+    dequantisation."""
+    return sum(m.mcore_bytes for m in job.plan.mappings if any(job.dtypes.get(t.name) == FP8 for t in m.hf))
+
+
 def bytes_out(job: ExportJob) -> int:
     """Bytes of HF tensor data export writes (each tensor in the dtype it is written as, FP8 scales included)."""
     return sum(t.nbytes for m in job.plan.mappings for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES))
@@ -516,7 +574,8 @@ class ExportRun(PlanRun):
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
         o = self.opts
-        return run_share(self.job, share, rank, stage, prog, o.chunk_bytes, o.check_finite, o.zero_copy)
+        return run_share(self.job, share, rank, stage, prog, o.chunk_bytes, o.check_finite, o.zero_copy, o.threads,
+                         o.ahead_bytes)
 
     def check(self, results: list[ShareResult]) -> None:
         """Every Megatron tensor consumed once and every HF tensor written once, across all ranks."""
