@@ -11,6 +11,7 @@ import os
 import socket
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -374,3 +375,29 @@ def _assemble(parts: dict[Any, torch.Tensor]) -> torch.Tensor:
     per = len(parts) // experts
     assert set(parts) == {("expert", e, i) for e in range(experts) for i in range(per)}, "experts missing"
     return torch.stack([torch.cat([parts[("expert", e, i)] for i in range(per)]) for e in range(experts)])
+
+
+def rewrite_dcp(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                common: Callable[[dict[str, Any]], dict[str, Any]] = lambda c: c,
+                keep: tuple[str, ...] = ("config.json",)) -> Path:
+    """A copy of a torch_dist checkpoint as a trainer might leave it: tensors and common state edited, written by
+    glmconv's own writer (objects kept); the files and folders named in `keep` copied beside it."""
+    import io
+    import shutil
+
+    from glmconv.io.file_names import COMMON_STATE_KEY
+    from glmconv.io.torch_dist.common_state import read_common_state
+    from glmconv.io.torch_dist.reader import DcpReader, read_bytes_entry
+    from glmconv.io.torch_dist.writer import DcpWriter
+
+    reader = DcpReader(src)
+    tensors = edit({n: reader.read(n) for n in reader.names()})
+    objects = {k: torch.load(io.BytesIO(read_bytes_entry(reader.iter_dir, k)), weights_only=True)[0]
+               for k in reader.ckpt.objects if k != COMMON_STATE_KEY}
+    writer = DcpWriter(dst)
+    writer.write(tensors)
+    writer.write_objects(objects)
+    writer.finish(common(read_common_state(reader.iter_dir)))
+    for name in keep:
+        (shutil.copytree if (src / name).is_dir() else shutil.copyfile)(src / name, dst / name)
+    return dst

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mcore_helpers as mh
 import pytest
 import torch
 from hf_helpers import raw_tensors
@@ -18,7 +19,6 @@ from glmconv.config import load_config
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.file_names import (
     COMMON_PT_NAME,
-    COMMON_STATE_KEY,
     CONFIG_NAME,
     DCP_METADATA_NAME,
     INDEX_NAME,
@@ -28,7 +28,7 @@ from glmconv.io.file_names import (
 from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from glmconv.io.safetensors.writer import ShardWriter
 from glmconv.io.torch_dist.common_state import read_common_state
-from glmconv.io.torch_dist.reader import DcpReader, read_bytes_entry
+from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter
 from glmconv.plan import build_plan
 from glmconv.rules import names
@@ -70,16 +70,7 @@ def _index(ckpt: Path) -> dict[str, Any]:
 
 def _rewrite(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> Path:
     """A copy of a torch_dist checkpoint with its tensors edited (written whole by glmconv's own writer)."""
-    reader = DcpReader(src)
-    tensors = edit({n: reader.read(n) for n in reader.names()})
-    objects = {k: torch.load(io.BytesIO(read_bytes_entry(reader.iter_dir, k)), weights_only=True)[0]
-               for k in reader.ckpt.objects if k != COMMON_STATE_KEY}
-    writer = DcpWriter(dst)
-    writer.write(tensors)
-    writer.write_objects(objects)
-    writer.finish(read_common_state(reader.iter_dir))
-    shutil.copyfile(src / CONFIG_NAME, dst / CONFIG_NAME)
-    return dst
+    return mh.rewrite_dcp(src, dst, edit)
 
 
 def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:

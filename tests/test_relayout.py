@@ -3,10 +3,8 @@ bytes only move, with the source's records carried so that export of the result 
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,10 +17,9 @@ from hf_helpers import raw_tensors
 
 import glmconv
 from glmconv.errors import GlmconvError
-from glmconv.io.file_names import COMMON_STATE_KEY, CONFIG_NAME, MANIFEST_NAME, SIDECAR_DIR
+from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME, SIDECAR_DIR
 from glmconv.io.torch_dist.common_state import read_common_state
-from glmconv.io.torch_dist.reader import DcpReader, read_bytes_entry
-from glmconv.io.torch_dist.writer import DcpWriter
+from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.runners import relayout as relayout_mod
 from glmconv.runners.export import ZERO_COPY_ENV
 from glmconv_cli.main import cli
@@ -63,20 +60,8 @@ def _export(mc: Path, out: Path, **kw: Any) -> Path:
 
 def _rewrite(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
              common: Callable[[dict[str, Any]], dict[str, Any]] = lambda c: c) -> Path:
-    """A copy of a torch_dist checkpoint as a trainer might leave it: tensors and common state edited, written by
-    glmconv's own writer, glmconv.json and the sidecars kept."""
-    reader = DcpReader(src)
-    tensors = edit({n: reader.read(n) for n in reader.names()})
-    objects = {k: torch.load(io.BytesIO(read_bytes_entry(reader.iter_dir, k)), weights_only=True)[0]
-               for k in reader.ckpt.objects if k != COMMON_STATE_KEY}
-    writer = DcpWriter(dst)
-    writer.write(tensors)
-    writer.write_objects(objects)
-    writer.finish(common(read_common_state(reader.iter_dir)))
-    for name in (CONFIG_NAME, MANIFEST_NAME):
-        shutil.copyfile(src / name, dst / name)
-    shutil.copytree(src / SIDECAR_DIR, dst / SIDECAR_DIR)
-    return dst
+    """A trainer's copy of a converted checkpoint: glmconv.json and the sidecars kept."""
+    return mh.rewrite_dcp(src, dst, edit, common, keep=(CONFIG_NAME, MANIFEST_NAME, SIDECAR_DIR))
 
 
 def _assert_same_tensors(got: Path, want: Path) -> None:

@@ -24,8 +24,7 @@ from glmconv.rules.layouts import DEFAULT_LAYOUT
 from glmconv.rules.table import BF16, DTYPE_CHOICES, F32, KEEP
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
-from glmconv.runners.ranks import run_on_output
+from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publish_run, shares
 
 if TYPE_CHECKING:
     import torch
@@ -348,13 +347,11 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     from glmconv.io.dequant import resolve_device
-    from glmconv.progress import PUBLISH, say
 
     if opts.device == "cuda":
         resolve_device(opts.device, fp8_bytes(job.plan.mappings))  # no GPU: refused before anything is written
-    return run_on_output(job.out, {"input": job.src}, force, run_plan, (ConvertRun(job, opts),), opts.workers,
-                         "convert", space_check=(lambda: space_plan(job, True)) if opts.space_check else None,
-                         on_publish=lambda: say("convert", PUBLISH, str(job.out), enabled=opts.progress))
+    return publish_run(ConvertRun(job, opts), job.out, {"input": job.src}, force, opts.workers,
+                       (lambda: space_plan(job, True)) if opts.space_check else None)
 
 
 class ConvertRun(PlanRun):

@@ -56,8 +56,7 @@ from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan, shares
-from glmconv.runners.ranks import run_on_output
+from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publish_run, shares
 from glmconv.weight_sync import Fp8Stats, Read, mapping_hf, mapping_hf_steps
 
 if TYPE_CHECKING:
@@ -545,11 +544,9 @@ def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[
     """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     start = time.monotonic()
     inputs = _inputs(job.src, job.like, job.config_path)
-    from glmconv.progress import PUBLISH, say
 
-    summary = run_on_output(job.out, inputs, force, run_plan, (ExportRun(job, opts),), opts.workers, "export",
-                            space_check=(lambda: space_plan(job, True)) if opts.space_check else None,
-                            on_publish=lambda: say("export", PUBLISH, str(job.out), enabled=opts.progress))
+    summary = publish_run(ExportRun(job, opts), job.out, inputs, force, opts.workers,
+                          (lambda: space_plan(job, True)) if opts.space_check else None)
     return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
 
 

@@ -1,20 +1,20 @@
-"""The steps convert and export share: every rank runs its share of the plan into the staging directory, rank 0
-checks what all ranks did and finishes the output, and every rank sees one verdict (so none hangs in a
-collective). A direction says only what is particular to it, as a `PlanRun`; `glmconv.runners.ranks` runs
-`run_plan` as 1, N or torchrun ranks and publishes rank 0's summary.
+"""The steps convert, export and relayout share: every rank runs its share of the plan into the staging
+directory, rank 0 checks what all ranks did and finishes the output, and every rank sees one verdict (so none
+hangs in a collective). A direction says only what is particular to it, as a `PlanRun`; `publish_run` runs it as
+1, N or torchrun ranks (`glmconv.runners.ranks`) and publishes rank 0's summary.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.plan import Mapping
 from glmconv.progress import COPY, FLUSH, VERIFY
-from glmconv.runners.ranks import broadcast, gather, progress, try_, try_none
+from glmconv.runners.ranks import broadcast, gather, progress, run_on_output, try_, try_none
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are moved in steps of at most this many bytes
 
@@ -75,6 +75,15 @@ def run_plan(run: PlanRun, stage: Path, rank: int, world: int, group: Any) -> di
     verdict = broadcast(group, verdict)
     _raise(verdict if isinstance(verdict, str) else None)
     return verdict
+
+
+def publish_run(run: PlanRun, out: Path, inputs: dict[str, Path | None], force: bool, workers: int,
+                space_check: Callable[[], Any] | None) -> dict[str, Any]:
+    """`run` staged beside `out`, run on `workers` ranks, verified and published: how every command writes."""
+    from glmconv.progress import PUBLISH, say
+
+    return run_on_output(out, inputs, force, run_plan, (run,), workers, run.verb, space_check=space_check,
+                         on_publish=lambda: say(run.verb, PUBLISH, str(out), enabled=run.show_progress))
 
 
 def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:

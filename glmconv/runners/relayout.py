@@ -40,8 +40,7 @@ from glmconv.rules.ops import Rename
 from glmconv.rules.table import F32
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.convert import DEFAULT_GROUP_BYTES, layout_summary
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, run_plan
-from glmconv.runners.ranks import run_on_output
+from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publish_run
 
 if TYPE_CHECKING:
     import torch
@@ -337,11 +336,9 @@ def dry_run_summary(job: RelayoutJob, opts: RelayoutOptions) -> dict[str, Any]:
 
 def relayout(job: RelayoutJob, opts: RelayoutOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the relayout; returns the summary. Raises GlmconvError on any failure."""
-    from glmconv.progress import PUBLISH, say
 
-    return run_on_output(job.out, {"input": job.src}, force, run_plan, (RelayoutRun(job, opts),), 1, "relayout",
-                         space_check=(lambda: space_plan(job, True)) if opts.space_check else None,
-                         on_publish=lambda: say("relayout", PUBLISH, str(job.out), enabled=opts.progress))
+    return publish_run(RelayoutRun(job, opts), job.out, {"input": job.src}, force, 1,
+                       (lambda: space_plan(job, True)) if opts.space_check else None)
 
 
 class RelayoutRun(PlanRun):
