@@ -107,11 +107,27 @@ def test_the_same_tensors_hold_the_same_bytes_in_both_layouts(converted: dict, t
 
 
 def test_audit_compares_two_layouts_through_the_mapping(converted: dict, tiny_miles: Path) -> None:
-    src, mc, _ = converted["tiny"]
+    _, mc, _ = converted["tiny"]
     report = api.audit(mc, tiny_miles)
     assert report.ok, report.findings[:3]
     assert (report.plans["src"]["layout"], report.plans["against"]["layout"]) == ("mcore", "miles")
-    assert api.audit(src, mc).ok
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-fp8", "cut8"])
+def test_audit_of_the_source_against_its_mcore_conversion_is_clean_both_ways(name: str, converted: dict) -> None:
+    src, mc, _ = converted[name]
+    there, back = api.audit(src, mc), api.audit(mc, src)
+    assert there.ok and back.ok, (there.findings[:3], back.findings[:3])
+    assert there.plans["against"]["layout"] == back.plans["src"]["layout"] == "mcore"
+
+
+def test_audit_names_a_tensor_the_mcore_conversion_lacks(converted: dict, tmp_path: Path) -> None:
+    src, mc, _ = converted["tiny"]
+    gone = "decoder.layers.0.self_attention.k_conv1d.weight"
+    lacking = mh.rewrite_dcp(mc, tmp_path / "lacking", lambda ts: {n: t for n, t in ts.items() if n != gone},
+                             keep=("config.json", MANIFEST_NAME))
+    report = api.audit(src, lacking)
+    assert [(f.kind, f.tensor, f.side) for f in report.findings] == [("missing", gone, "against")]
 
 
 def test_audit_detects_the_layout_from_the_names_without_a_record(converted: dict, tmp_path: Path) -> None:
