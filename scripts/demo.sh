@@ -32,4 +32,12 @@ $G parity "$OUT/hf-tiny-fp8" "$OUT/mcore-tiny" --train-conventions serve --train
 echo "== glmconv parity --train-conventions serve: aligned conventions must agree to fp32 noise"
 $G parity "$OUT/hf-tiny-fp8" "$OUT/mcore-tiny" --train-conventions serve --report-dir "$OUT/parity-aligned" \
   --fail-on 'logprob_abs_diff.max>1e-4'
+echo "== glmconv relayout --to mcore: the same weights under megatron-core's native names (Megatron-Bridge, NeMo)"
+$G relayout "$OUT/mcore-tiny" "$OUT/mcore-tiny-native" --to mcore
+$G audit-names "$OUT/mcore-tiny-native" --against "$OUT/mcore-tiny"
+$G verify "$OUT/hf-tiny-fp8" "$OUT/mcore-tiny-native"
+echo "== glmconv parity on the native layout, serve conventions but indexer_kpool=off (megatron-core's token-level"
+echo "   DSA indexer, which has no kpool parameters): a sequence of 128 > index_topk 16 selects other tokens at layer 3"
+$G parity "$OUT/hf-tiny-fp8" "$OUT/mcore-tiny-native" --train-conventions serve --train-convention indexer_kpool=off \
+  --report-dir "$OUT/parity-native" || true
 echo "demo OK: outputs in $OUT"
