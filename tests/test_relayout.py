@@ -290,16 +290,23 @@ def test_dry_run_writes_nothing(tiny_ckpt: Path, converted: Callable[[Path, str]
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_a_common_state_holding_megatron_objects_is_refused_naming_the_key(tiny_ckpt: Path) -> None:
+def test_megatron_objects_in_a_trainers_common_state_are_carried(converted: Callable[[Path, str], Path],
+                                                                 tiny_ckpt: Path, tmp_path: Path) -> None:
     import argparse
 
-    from glmconv.io.torch_dist.common_state import OpaqueValue, relaid_common_state
+    from glmconv.io.torch_dist.common_state import OpaqueValue
 
-    # what the reader makes of an allow-listed megatron enum in a trainer's args when megatron is not imported
+    # what the reader makes of an allow-listed megatron enum in a trainer's args when megatron is not imported;
+    # written back as the global it stands for (tests/test_common_state_write_back.py loads it in megatron)
     stand_in = type("AttnBackend", (OpaqueValue,), {"qualname": "megatron.core.transformer.enums.AttnBackend"})
-    common = {"args": argparse.Namespace(attention_backend=stand_in(5)), "iteration": 7}
-    want = (r"^the common state's args.attention_backend holds a megatron object "
-            r"\(<megatron.core.transformer.enums.AttnBackend \(5,\)>\) that glmconv reads only as an inert "
-            r"stand-in and cannot write back$")
-    with pytest.raises(GlmconvError, match=want):
-        relaid_common_state(common, glmconv.load_config(tiny_ckpt), MCORE)
+
+    def trained(common: dict[str, Any]) -> dict[str, Any]:
+        args = argparse.Namespace(**vars(common["args"]), attention_backend=stand_in(5))
+        return {**common, "args": args, "iteration": 7}
+
+    src = _rewrite(converted(tiny_ckpt, MILES), tmp_path / "trained", lambda ts: ts, trained)
+    _relayout(src, tmp_path / "out", MCORE)
+    got = read_common_state(DcpReader(tmp_path / "out").iter_dir)
+    backend = got["args"].attention_backend
+    assert (backend.qualname, backend.args, got["iteration"]) == ("megatron.core.transformer.enums.AttnBackend",
+                                                                  (5,), 7)

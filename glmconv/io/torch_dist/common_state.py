@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import copyreg
 import io
 import pathlib
 import pickle
@@ -46,19 +47,29 @@ OPAQUE_GLOBALS: tuple[str, ...] = (
 
 
 class OpaqueValue:
-    """Inert stand-in for an allow-listed megatron object: keeps its constructor args and state, runs nothing."""
+    """Inert stand-in for an allow-listed megatron object: keeps its constructor args and state, runs nothing.
+
+    Pickled by `STAND_IN_PICKLE`, it is written back as the megatron object it stands for: the same global, called
+    with the same args (an enum) or built from the same state (a dataclass), so a trainer loads the original."""
 
     qualname = "?"
+    state: Any = None
 
     def __init__(self, *args: Any) -> None:
         self.args = args
-        self.state: Any = None
+        self.state = None
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        args = getattr(self, "args", None)  # None: it was made by NEWOBJ (cls.__new__), as copyreg pickles objects
+        if args is None:
+            return (copyreg.__newobj__, (type(self),), self.state)
+        return (type(self), args) if self.state is None else (type(self), args, self.state)
+
     def __repr__(self) -> str:
-        return f"<{self.qualname} {self.args or self.state!r}>"
+        return f"<{self.qualname} {getattr(self, 'args', None) or self.state!r}>"
 
 
 def _opaque_allow_list() -> list[tuple[type, str]]:
@@ -66,6 +77,33 @@ def _opaque_allow_list() -> list[tuple[type, str]]:
 
 
 _OPAQUE = _opaque_allow_list()
+
+
+class _StandInPickler(pickle._Pickler):  # type: ignore[name-defined, misc]  # the Python pickler: save_global
+    """pickle's own (Python) pickler, writing a stand-in class as the megatron global it stands for, by name: a
+    trainer's unpickler finds the real class there; megatron is never imported here."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if not (isinstance(obj, type) and issubclass(obj, OpaqueValue) and obj is not OpaqueValue):
+            super().save_global(obj, name)
+            return
+        module, _, qualname = obj.qualname.rpartition(".")
+        if self.proto >= 4:
+            self.save(module)
+            self.save(qualname)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
+
+
+STAND_IN_PICKLE = types.ModuleType("glmconv_stand_in_pickle")  # torch.save(..., pickle_module=STAND_IN_PICKLE)
+STAND_IN_PICKLE.Pickler = _StandInPickler  # type: ignore[attr-defined]
+
+
+def pickle_module_for(obj: Any) -> Any:
+    """The pickle module `torch.save` needs for `obj`: `STAND_IN_PICKLE` when it holds a stand-in, else pickle."""
+    return STAND_IN_PICKLE if any(isinstance(v, OpaqueValue) for _, v in _walk(obj)) else pickle
 
 
 GLMCONV_ENTRY = "glmconv"  # the common state's record of what glmconv wrote (its Megatron layout)
@@ -134,18 +172,14 @@ def relaid_common_state(common: dict[str, Any], config: GlmConfig, layout: str) 
     """A checkpoint's common state for `layout` (relayout): its own `args`, iteration and the rest kept, with the
     layout's `mtp_num_layers` rule and `glmconv` entry, as `build_common_state` writes them.
 
-    Values the reader keeps only as inert stand-ins (megatron objects, `OpaqueValue`) cannot be written back
-    without megatron: refused, naming the key."""
+    Megatron objects the reader keeps as inert stand-ins (`OpaqueValue`) are carried as they are: the writer
+    pickles them back as the globals they stand for (`pickle_module_for`)."""
     state = dict(common)
     args = state.get("args")
     if isinstance(args, argparse.Namespace | types.SimpleNamespace):
         args = copy.copy(args)
         args.mtp_num_layers = mtp_num_layers(config, layout)
         state["args"] = args
-    opaque = next(((k, v) for k, v in _walk(state) if isinstance(v, OpaqueValue)), None)
-    if opaque is not None:
-        raise CheckpointError(f"the common state's {opaque[0]} holds a megatron object ({opaque[1]!r}) that glmconv "
-                              "reads only as an inert stand-in and cannot write back")
     entry = state.get(GLMCONV_ENTRY)
     state[GLMCONV_ENTRY] = {**(entry if isinstance(entry, dict) else {}), "layout": layout}
     return state

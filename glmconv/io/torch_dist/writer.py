@@ -344,8 +344,10 @@ def _why(exc: BaseException, where: Path, need: int) -> str:
 
 
 def _serialize(obj: Any) -> io.BytesIO:
+    from glmconv.io.torch_dist.common_state import pickle_module_for
+
     buf = io.BytesIO()
-    torch.save([obj], buf)
+    torch.save([obj], buf, pickle_module=pickle_module_for(obj))
     buf.seek(0)
     return buf
 
