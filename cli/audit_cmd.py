@@ -12,7 +12,7 @@ from glmconv import api
 from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
 from glmconv.text import console as text_console
-from glmconv.text import printable
+from glmconv.text import count, printable
 
 ROWS_PER_KIND = 20
 
@@ -70,10 +70,22 @@ def _emit(src: str, side: str, as_json: bool, **kw: object) -> None:
 
 def _print_report(report: AuditReport) -> None:
     console = text_console(highlight=False)
+    for line in _layout_lines(report):
+        console.print(line, markup=False)
     if report.findings:
         console.print(_table(report))
     style = "bold green" if report.ok else "bold red"
     console.print(f"[{style}]{report.summary()}[/]", markup=True)
+
+
+def _layout_lines(report: AuditReport) -> list[str]:
+    """Each torch_dist side's Megatron layout, and how many of its tensors that layout keeps without a home."""
+    out = []
+    for side, plan in report.plans.items():
+        if plan["kind"] == "mcore":
+            kept = f", {count(plan['homeless'], 'tensor')} kept under glmconv_kept." if plan["homeless"] else ""
+            out.append(f"{side}: torch_dist in the {plan['layout']} layout{kept}")
+    return out
 
 
 def _table(report: AuditReport) -> object:

@@ -173,3 +173,11 @@ def test_an_unknown_layout_is_a_usage_error(tiny_ckpt: Path, tmp_path: Path) -> 
     result = CliRunner().invoke(cli, ["convert", str(tiny_ckpt), str(tmp_path / "mc"), "--layout", "nemo"])
     assert result.exit_code == 2 and "'nemo' is not one of 'miles', 'mcore'" in result.output
     assert not (tmp_path / "mc").exists()
+
+
+def test_the_cli_audit_says_each_torch_dist_sides_layout_and_what_it_keeps(converted: dict, tiny_miles: Path) -> None:
+    _, mc, _ = converted["tiny"]
+    result = CliRunner().invoke(cli, ["audit-names", str(mc), "--against", str(tiny_miles)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == ["src: torch_dist in the mcore layout, 67 tensors kept under glmconv_kept.",
+                                          "against: torch_dist in the miles layout", "OK: 376 tensors match the plan"]

@@ -83,7 +83,7 @@ class Side:
         return {"kind": self.kind, "fp8": self.plan.fp8, "mtp": self.plan.mtp, "vision": self.plan.vision,
                 "text_prefix": self.plan.text_prefix, "layers": self.config.num_layers,
                 "ignored_beyond_layers": self.ignored, "layout": self.plan.layout,
-                "homeless": len(self.plan.homeless())}
+                "homeless": sum(len(m.mcore) for m in self.plan.homeless())}  # Megatron tensors kept, not loaded
 
 
 @dataclass
