@@ -10,7 +10,9 @@ For every size in BENCH_SIZES (default 1GB,4GB; BF16) and BENCH_FP8_SIZES (defau
 3. with BENCH_COLD=1 (default) two more steps per round on a cold input: SRC's pages are dropped with
    posix_fadvise(DONTNEED) after fsync (no root needed; residency is checked), then `cp -r`, and again for
    `convert`;
-4. when the CLI has `export`: rounds of `cp -r OUT X` and `glmconv export OUT EXP` on the converted checkpoint.
+4. when the CLI has `export`: rounds of `cp -r OUT X` and `glmconv export OUT EXP` on the converted checkpoint;
+5. when it has `relayout`: rounds of `glmconv relayout OUT REL --to mcore` (bytes only move: file to file), against
+   the same `cp -r OUT X`.
 
 Every command runs as a child process: wall time is perf_counter around it; peak memory is the largest sum of
 RSS over the process tree, sampled every 50 ms with psutil (also RSS minus file-backed shared pages, since
@@ -259,6 +261,10 @@ def run_case(size: int, fp8: bool, base: Path, opts: dict[str, Any]) -> dict[str
                 if exp.is_dir():
                     c.row["export_bytes"] = dir_bytes(exp)
                 rm(exp)
+                if opts["relayout"]:
+                    c.step("relayout", [*GLMCONV, "relayout", str(out1), str(exp), "--to", "mcore", "--json"], out1,
+                           rnd)
+                    rm(exp)
     if not opts["keep"]:
         rm(src, out1)
     return c.row
@@ -330,7 +336,7 @@ def summarize(row: dict[str, Any]) -> None:
                  peak_rss_minus_shared_bytes=max(r["peak_rss_minus_shared_bytes"] for r in ok),
                  input_resident_before=statistics.median(r["input_resident_before"] or 0 for r in ok)
                  if any(r["input_resident_before"] is not None for r in ok) else None)
-        nbytes = row.get("output_bytes") if name in ("cp-mcore", "export") else row.get("input_bytes")
+        nbytes = row.get("output_bytes") if name in ("cp-mcore", "export", "relayout") else row.get("input_bytes")
         s["gb_per_s"] = round(nbytes / s["seconds_min"] / 1e9, 3) if nbytes else None
 
     def ref(*names: str, key: str = "seconds_min") -> float | None:
@@ -345,7 +351,7 @@ def summarize(row: dict[str, Any]) -> None:
             s["ratio_vs_cp"] = _ratio(ref(*cps), s["seconds_min"])
             s["ratio_vs_cp_median"] = _ratio(ref(*cps, key="seconds_median"), s["seconds_median"])
             s["ratio_vs_cp_sync"] = _ratio(ref("cp+sync"), s["seconds_min"])
-        elif name == "export":
+        elif name in ("export", "relayout"):
             s["ratio_vs_cp"] = _ratio(ref("cp-mcore"), s["seconds_min"])
             s["ratio_vs_cp_median"] = _ratio(ref("cp-mcore", key="seconds_median"), s["seconds_median"])
 
@@ -392,6 +398,7 @@ def main() -> int:
         "workers": env_int("BENCH_WORKERS", 2), "repeat": max(1, env_int("BENCH_REPEAT", 3)),
         "cold": os.environ.get("BENCH_COLD", "1") == "1", "profile": os.environ.get("BENCH_PROFILE", "0") == "1",
         "keep": os.environ.get("BENCH_KEEP", "0") == "1", "export": has_command("export"),
+        "relayout": has_command("relayout"),
         "quiet": (float(os.environ.get("BENCH_QUIET_S", "20")), float(os.environ.get("BENCH_QUIET_CORES", "0.5")))}
     results: dict[str, Any] = {"machine": machine(base), "options": dict(opts),
                                "env": {k: v for k, v in os.environ.items() if k.startswith("BENCH_")}, "cases": []}

@@ -42,6 +42,25 @@ def test_selections_equal_reference(p: KpoolParams, dtype: torch.dtype) -> None:
     assert d["beyond_tie"] == 0 and d["differ"] <= 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_token_level_selections_without_compress_tensors_equal_reference(dtype: torch.dtype) -> None:
+    """indexer_kpool=off: megatron-core's token-level indexer, pools of one token and no compress gate/ape."""
+    import dataclasses
+
+    from glmconv.ops.kpool import token_params
+
+    p = token_params(KpoolParams(4, 16, 16, 4, True))
+    x, q, w = indexer_inputs(sum(LENGTHS), DEV, dtype=dtype, seed=5, p=p, hidden=64, q_lora=32)
+    w = dataclasses.replace(w, compress_gate=None, compress_ape=None)
+    cu = cu_seqlens(LENGTHS, DEV)
+    got, want = kpool_topk(x, q, w, p, cu), reference(x, q, w, p, cu)
+    assert got.shape == want.shape == (sum(LENGTHS), 16)
+    assert torch.equal(got < 0, want < 0)
+    d = kpool_disagreements(x, q, w, p, cu, got, want)
+    assert d["beyond_tie"] == 0 and d["differ"] <= 3
+
+
 @torch.no_grad()
 def test_int32_padded_width_for_the_attention_kernel() -> None:
     p = KpoolParams(4, 16, 16, 4, True)

@@ -225,12 +225,15 @@ def kpool_disagreements(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensor
     t = x.shape[0]
     iq = F.linear(q_resid, w.wq_b).view(t, p.heads, p.head_dim).double()
     ik = F.layer_norm(F.linear(x, w.wk), (p.head_dim,), w.k_norm_weight, w.k_norm_bias, K_NORM_EPS).double()
-    gate = F.linear(x, w.compress_gate).double()
     head_w = (F.linear(x, w.weights_proj).float() * p.heads ** -0.5).double()
     lay = layout(cu, t, p.kpool, p.topk // p.kpool)
     starts = lay.pool_tok[lay.pool_tok >= 0].long()
     idx = starts[:, None] + torch.arange(p.kpool, device=x.device)
-    keys = ((gate[idx] + w.compress_ape.double()).softmax(1) * ik[idx]).sum(1)  # [P, d]
+    if w.compress_gate is None or w.compress_ape is None:  # the token-level indexer: a pool is one token
+        keys = ik[starts]
+    else:
+        gate = F.linear(x, w.compress_gate).double()
+        keys = ((gate[idx] + w.compress_ape.double()).softmax(1) * ik[idx]).sum(1)  # [P, d]
     beyond = 0
     for r in rows:
         limit = r - int(lay.tail[r])  # ids above are the query's own tail, not a pool choice

@@ -183,9 +183,17 @@ def select(iq: torch.Tensor, ik: torch.Tensor, gate: torch.Tensor, head_w: torch
 
 def kpool_topk(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors, p: KpoolParams,
                cu_seqlens: torch.Tensor, width: int | None = None, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Same contract as the reference `kpool_topk`; `width` / `dtype` let the attention kernel take it as is."""
+    """Same contract as the reference `kpool_topk`; `width` / `dtype` let the attention kernel take it as is.
+
+    Without compress tensors (megatron-core's token-level indexer, kpool 1) each one-token pool's softmax over a
+    zero gate and ape is exactly 1: its key is the token's own ik, as the reference computes it."""
     iq = F.linear(q_resid, w.wq_b).view(x.shape[0], p.heads, p.head_dim)
     ik = F.layer_norm(F.linear(x, w.wk), (p.head_dim,), w.k_norm_weight, w.k_norm_bias, K_NORM_EPS)
-    gate = F.linear(x, w.compress_gate)
+    if w.compress_gate is None or w.compress_ape is None:
+        if p.kpool != 1:
+            raise ValueError(f"the indexer without compress tensors pools single tokens (kpool 1), not {p.kpool}")
+        gate, ape = ik.new_zeros(ik.shape), torch.zeros(1, p.head_dim, device=ik.device)
+    else:
+        gate, ape = F.linear(x, w.compress_gate), w.compress_ape
     head_w = F.linear(x, w.weights_proj).float() * p.heads ** -0.5
-    return select(iq, ik, gate, head_w, w.compress_ape, p, cu_seqlens, width, dtype)
+    return select(iq, ik, gate, head_w, ape, p, cu_seqlens, width, dtype)

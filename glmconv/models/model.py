@@ -25,7 +25,7 @@ from glmconv.models.weights import AttentionWeights, ExpertBank, HcSite, MlpWeig
 from glmconv.ops import rms_norm
 from glmconv.ops.dsa import DsaParams, dsa_layer
 from glmconv.ops.kda import KdaParams
-from glmconv.ops.kpool import KpoolParams, kpool_topk, token_params
+from glmconv.ops.kpool import KpoolParams, token_params
 from glmconv.ops.mhc import HcParams, hc_post, hc_pre, head_learned, head_mean
 from glmconv.ops.moe import RouterParams, replay_route, route, routed, swiglu_limit
 from glmconv.ops.moe import mlp as swiglu_mlp
@@ -41,8 +41,8 @@ class GlmModel:
 
     kernels="auto" runs KDA, DSA attention and the kpool indexer through glmconv.kernels on CUDA (the
     references elsewhere); "reference" runs the torch references everywhere. One forward code either way.
-    With conventions.indexer_kpool "off" (megatron-core's token-level indexer) the indexer is the torch
-    reference whatever `kernels` says (torch ops, on the model's device): the triton kernel is the kpool one.
+    With conventions.indexer_kpool "off" (megatron-core's token-level indexer) the same ops run pools of one
+    token without the compress tensors (the triton kernel too).
     stream=True holds one layer's weights at a time (see `WeightCache`), with the same results.
     """
 
@@ -62,7 +62,7 @@ class GlmModel:
         self.ops = op_set(kernels, self.device, self.kpool_p.width)
         self._kpool = conventions.indexer_kpool == "learned"
         self._index_p = self.kpool_p if self._kpool else token_params(self.kpool_p)
-        self._indexer = self.ops.indexer if self._kpool else kpool_topk  # the kernel has no token-level mode
+        self._indexer = self.ops.indexer
         self.record_out = False  # aux["out"]: the attention output itself, for the kernel error rows
         self.cache = WeightCache(stream)
         self._last_topk: torch.Tensor | None = None  # the last DSA layer's own selection
