@@ -488,6 +488,24 @@ def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | Non
                        findings=_dedupe(findings), plans=plans)
 
 
+def output_findings(src: Path, out: Path, src_opts: Options, out_opts: Options) -> list[Finding]:
+    """What a freshly written output gets wrong: against its own plan, and through the mapping against its source
+    (both ways); `out` is the "against" side. The source itself is not audited again."""
+    a, b = load_side(src, src_opts), load_side(out, out_opts, "against")
+    plan_side(a, src_opts)
+    plan_side(b, out_opts, "against")
+    return [*b.findings, *compare_side(b, out_opts, "against"), *config_findings(a, b, "against"),
+            *cross_check(a, b, "against"), *cross_check(b, a, "src", shapes=False)]
+
+
+def refuse(stage: Path, findings: list[Finding]) -> None:
+    """One line naming the first finding of a staged output's verification, if any: nothing is then published."""
+    if findings:
+        f = findings[0]
+        raise CheckpointError(f"verification of {stage} failed: {f.tensor}: {f.kind}: expected {f.expected}, "
+                              f"found {f.found}")
+
+
 def _dedupe(findings: Iterable[Finding]) -> list[Finding]:
     """Keep the first finding per (side, tensor); the per-side audit comes before the cross-check."""
     seen: set[tuple[str, str, str]] = set()
