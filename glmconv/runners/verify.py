@@ -144,7 +144,8 @@ def summary(job: VerifyJob, found: list[Mismatch], elapsed: float) -> dict[str, 
     hf_names = sum(len(hf_m.hf) + sum(1 for s in hf_m.scales if s) for hf_m, _ in job.pairs)
     worst = max(found, key=lambda f: f.max_abs_diff, default=None)
     return {"hf": str(job.hf.src), "mcore": str(job.mcore.src), "iteration": job.mcore.iteration,
-            "fp8_source": job.hf.plan.fp8, "mtp": plan.mtp, "vision": plan.vision, "left_out": job.left_out,
+            "fp8_source": job.hf.plan.fp8, "mtp": plan.mtp, "vision": plan.vision, "layout": plan.layout,
+            "left_out": job.left_out,
             "mappings": len(job.pairs), "hf_tensors": hf_names, "mcore_tensors": len(plan.mcore_index),
             "bytes": sum(mc.mcore_bytes for _, mc in job.pairs), "equal": not found, "mismatches": len(found),
             "first_mismatch": found[0].as_json() if found else None,
