@@ -67,9 +67,11 @@ def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as
 
 
 def warn_homeless(s: dict) -> None:
-    """On stderr, even with --json: what the layout's trainer will not load (convert and relayout)."""
-    if s.get("homeless_warning"):
-        click.echo(s["homeless_warning"], err=True)
+    """On stderr, even with --json: what the layout's trainer will not load (convert, relayout), or what SRC
+    lacked and --like gave (export)."""
+    for key in ("homeless_warning", "taken_from_like_warning"):
+        if s.get(key):
+            click.echo(s[key], err=True)
 
 
 def _print(s: dict, dry_run: bool) -> None:

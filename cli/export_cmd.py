@@ -10,7 +10,7 @@ import click
 from glmconv.progress import PLAN, say
 from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.text import count, printable, show
-from glmconv_cli.convert_cmd import plan_lines
+from glmconv_cli.convert_cmd import plan_lines, warn_homeless
 from glmconv_cli.sizes import SIZE
 from glmconv_cli.workers import WORKERS
 
@@ -54,6 +54,7 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
                          read_threads=read_threads)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
+    warn_homeless(summary)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -181,3 +181,40 @@ def test_the_cli_audit_says_each_torch_dist_sides_layout_and_what_it_keeps(conve
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines() == ["src: torch_dist in the mcore layout, 67 tensors kept under glmconv_kept.",
                                           "against: torch_dist in the miles layout", "OK: 376 tensors match the plan"]
+
+
+def _bridge_saved(mc: Path, out: Path) -> Path:
+    """What a trainer built by Megatron-Bridge saves: no glmconv_kept. tensor (no parameter holds them), no
+    glmconv.json."""
+    return mh.rewrite_dcp(mc, out, lambda ts: {n: t for n, t in ts.items() if not n.startswith(KEPT)})
+
+
+def test_a_bridge_saved_checkpoint_exports_its_kpool_tensors_from_like(converted: dict, tmp_path: Path) -> None:
+    src, mc, _ = converted["tiny"]
+    summary = api.export(_bridge_saved(mc, tmp_path / "trained"), tmp_path / "hf", like=src)
+    got, want = raw_tensors(tmp_path / "hf"), raw_tensors(src)
+    kpool = ["model.language_model.layers.3.self_attn.indexer.index_kpool_compress_ape",
+             "model.language_model.layers.3.self_attn.indexer.index_kpool_compress_gate"]
+    assert summary["taken_from_like"] == kpool and (summary["mtp"], summary["vision"]) == (False, False)
+    assert set(got) == {n for n in want if ".layers.4." not in n and ".visual." not in n}  # no MTP, no vision
+    assert [n for n in got if got[n] != want[n]] == []  # the kpool tensors are --like's, bit for bit
+
+
+def test_a_bridge_saved_checkpoint_without_like_is_refused_naming_the_tensor(converted: dict, tmp_path: Path) -> None:
+    _, mc, _ = converted["tiny"]
+    trained = _bridge_saved(mc, tmp_path / "trained")
+    want = (f"^{KEPT}decoder.layers.3.self_attention.core_attention.indexer.index_kpool_compress_gate: missing from "
+            ".*: the mcore layout has no trainer parameter for .*index_kpool_compress_gate, so a checkpoint its "
+            "trainer saved has none; pass --like with the HF checkpoint training started from$")
+    with pytest.raises(CheckpointError, match=want):
+        api.export(trained, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_the_cli_says_what_it_took_from_like(converted: dict, tmp_path: Path) -> None:
+    src, mc, _ = converted["tiny"]
+    trained = _bridge_saved(mc, tmp_path / "trained")
+    result = CliRunner().invoke(cli, ["export", str(trained), str(tmp_path / "hf"), "--like", str(src), "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("warning: 2 HF tensors that the mcore layout has no trainer parameter for "
+                                    "(indexer.compress_ape, indexer.compress_gate) are not in ")

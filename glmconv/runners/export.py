@@ -57,6 +57,7 @@ from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publish_run, shares
+from glmconv.text import count
 from glmconv.weight_sync import Fp8Stats, Read, mapping_hf, mapping_hf_steps
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
 
     from glmconv.io.byte_copy import Extent
     from glmconv.io.fp8_reuse import LikeFp8
+    from glmconv.io.safetensors.reader import HfTensorSource
     from glmconv.io.safetensors.writer import PlannedTensor
     from glmconv.io.torch_dist.reader import DcpReader
 
@@ -93,6 +95,7 @@ class ExportJob:
     sidecars: dict[str, Path] = field(default_factory=dict)  # HF files to copy: --like's, else convert's record
     dtypes_from: str = PLAN  # LIKE, CONVERTED (glmconv.json's record) or PLAN (an older glmconv's checkpoint)
     sidecars_from: str | None = None  # LIKE, CONVERTED or None
+    from_like: frozenset[tuple[str, ...]] = frozenset()  # keys of homeless mappings SRC lacks, taken from --like
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,8 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
     `prepare` and the weight-sync API (`glmconv.weight_sync`) both start here.
 
     `layout`: the Megatron layout to read `src` in; None: the one glmconv.json records, else the one its names
-    are spelled in (glmconv.checkpoint_layout). Tensors kept under glmconv_kept. are exported like any other."""
+    are spelled in (glmconv.checkpoint_layout). Tensors kept under glmconv_kept. are exported like any other;
+    where SRC has none (its trainer, with no parameter for them, saved none), they come unchanged from --like."""
     from glmconv.checkpoint_layout import checkpoint_layout
     from glmconv.io.torch_dist.common_state import read_common_state
     from glmconv.megatron_args import check_stored_args
@@ -146,8 +150,9 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
     parts = names.mcore_parts_present(ck.tensors)
     plan = build_plan(cfg, fp8=fp8, mtp="mtp" in parts, vision="vision" in parts, text_prefix=prefix,
                       layout=checkpoint_layout(src_p, cfg, ck.tensors, layout))
-    stored_rows = check_source(plan, ck)
-    plan = retyped(plan, {n: ck.tensors[n].dtype for n in plan.mcore_index})
+    from_like = homeless_from_like(plan, ck, like_ck)
+    stored_rows = check_source(plan, ck, from_like)
+    plan = retyped(plan, {n: ck.tensors[n].dtype for n in plan.mcore_index if n in ck.tensors})
     manifest = _manifest(src_p)
     dtypes, dtypes_from = _dtypes(plan, like_ck, manifest, src_p)
     files, files_from = _sidecars(like_ck, manifest, src_p)  # refused before any work when not plain files inside
@@ -156,7 +161,30 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         dtypes=dtypes, stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
         like=Path(like) if like is not None else None, config_path=Path(config) if config is not None else None,
         source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
-        sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from)
+        sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from, from_like=from_like)
+
+
+def homeless_from_like(plan: Plan, ck: DcpCheckpoint, like: HfCheckpoint | None) -> frozenset[tuple[str, ...]]:
+    """The homeless mappings (no trainer parameter holds them: the kpool compression in the mcore layout) that SRC
+    lacks altogether, as a checkpoint saved by that layout's trainer does: their HF tensors are --like's, which
+    training cannot have changed. Without --like, or with a --like that lacks one, refused naming it."""
+    absent = [m for m in plan.homeless() if not any(t.name in ck.tensors for t in m.mcore)]
+    if not absent:
+        return frozenset()
+    first = absent[0]
+    if like is None:
+        more = f" (and {len(absent) - 1} more such mappings)" if len(absent) > 1 else ""
+        raise CheckpointError(f"{first.mcore[0].name}: missing from {ck.iter_dir}{more}: the {plan.layout} layout has "
+                              f"no trainer parameter for {', '.join(t.name for t in first.hf)}, so a checkpoint its "
+                              "trainer saved has none; pass --like with the HF checkpoint training started from")
+    for m in absent:
+        for t in m.hf:
+            got = like.tensors.get(t.name)
+            if got is None or got.shape != t.shape:
+                found = "absent" if got is None else str(list(got.shape))
+                raise CheckpointError(f"{t.name}: {found} in --like {like.path}, expected {list(t.shape)} (SRC has "
+                                      f"no {m.mcore[0].name} to export it from)")
+    return frozenset(m.key for m in absent)
 
 
 def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> dict[str, Path | None]:
@@ -221,10 +249,12 @@ def _config_json(cfg: GlmConfig, plan: Plan) -> dict[str, Any]:
     return raw
 
 
-def check_source(plan: Plan, ck: DcpCheckpoint) -> dict[str, int]:
-    """Every planned Megatron tensor present with its shape and dtype, nothing else; returns vocab-padded rows."""
+def check_source(plan: Plan, ck: DcpCheckpoint, from_like: frozenset[tuple[str, ...]] = frozenset()) -> dict[str, int]:
+    """Every planned Megatron tensor present with its shape and dtype (but those of `from_like` mappings, absent),
+    nothing else; returns vocab-padded rows."""
     where = ck.iter_dir
-    missing = [n for n in plan.mcore_index if n not in ck.tensors]
+    elsewhere = {t.name for key in from_like for t in plan.mapping_of_key[key].mcore}
+    missing = [n for n in plan.mcore_index if n not in ck.tensors and n not in elsewhere]
     if missing:
         needs = ", ".join(t.name for t in plan.mapping_of_mcore[missing[0]].hf)
         more = f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""
@@ -235,6 +265,8 @@ def check_source(plan: Plan, ck: DcpCheckpoint) -> dict[str, int]:
         raise CheckpointError(f"{extra[0]}: in {where} but not in the export plan{more}")
     padded: dict[str, int] = {}
     for name, spec in plan.mcore_index.items():
+        if name in elsewhere:
+            continue
         got = ck.tensors[name]
         if not spec.accepts(got.dtype):
             raise CheckpointError(f"{name}: {got.dtype} in {where}, the plan says {spec.expected_dtypes()}")
@@ -274,6 +306,35 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
         yield from mapping_hf(m, stored_read(m, lambda: reader, stored_rows), dtypes, chunk_bytes, stats, like)
     finally:
         reader.drop_cache()
+
+
+def from_hf(m: Mapping, source: HfTensorSource) -> Read:
+    """`m`'s Megatron tensors made from HF tensors (`--like`'s): forward, in F32 (BF16 and F32 widen exactly;
+    FP8 is dequantised), so that the export path's backward and encoding give them back as stored."""
+    import torch
+
+    made: dict[str, torch.Tensor] = {}
+
+    def read(name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        if not made:
+            hf = [source.weight(t.name, torch.float32) for t in m.hf]
+            made.update(zip((t.name for t in m.mcore), m.rule.transform.forward(hf, len(m.mcore))))
+        return made[name] if rows is None else made[name][rows[0]:rows[1]]
+
+    return read
+
+
+def like_tensors(job: ExportJob, share: list[Mapping]) -> AbstractContextManager[HfTensorSource | None]:
+    """--like's tensors, open while this share makes the mappings SRC lacks; None when it has none of them."""
+    from contextlib import nullcontext
+
+    from glmconv.io.safetensors.checkpoint import shard_path
+    from glmconv.io.safetensors.reader import HfTensorSource
+
+    if job.like is None or not any(m.key in job.from_like for m in share):
+        return nullcontext(None)
+    ck = inspect_hf_checkpoint(job.like)
+    return HfTensorSource({n: shard_path(job.like, t.file) for n, t in ck.tensors.items()})
 
 
 def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int]) -> Read:
@@ -384,15 +445,15 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     outputs = [planned_outputs(m, job.dtypes, chunk_bytes) for m in share]
     writer = PlannedShardWriter(rank_dir(stage, rank), [t for ts in outputs for t in ts], job.max_shard_bytes)
 
-    def steps(like: LikeFp8 | None) -> Iterator[Step]:
+    def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step]:
         for m, planned in zip(share, outputs):
             yield from export_steps(m, planned, readers, job, chunk_bytes, stats, like,
-                                    zero_copy=zero_copy and not check_finite)
-            consumed.extend(t.name for t in m.mcore)
+                                    zero_copy=zero_copy and not check_finite, like_src=like_src)
+            consumed.extend(t.name for t in m.mcore)  # from --like: accounted for, as the audit says
 
     try:
-        with FileCopier() as copier, like_fp8(job) as like, \
-                closing(run_ahead(steps(like), threads, ahead_bytes)) as made:  # its threads end before the files
+        with FileCopier() as copier, like_fp8(job) as like, like_tensors(job, share) as like_src, \
+                closing(run_ahead(steps(like, like_src), threads, ahead_bytes)) as made:  # threads end first
             for name, data in made:
                 if isinstance(data, list):  # extents in the .distcp files: copied file to file
                     n = writer.copy(name, data, copier)
@@ -409,15 +470,19 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
 
 
 def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReaders, job: ExportJob, chunk_bytes: int,
-                 stats: Fp8Stats, like: LikeFp8 | None, *, zero_copy: bool) -> Iterator[Step]:
+                 stats: Fp8Stats, like: LikeFp8 | None, *, zero_copy: bool,
+                 like_src: HfTensorSource | None = None) -> Iterator[Step]:
     """One mapping's work for `run_ahead`: its byte route (extents, no memory), else its read-and-encode steps,
     each on its thread's own DcpReader (which keeps the one stored chunk it last loaded: steps of a mapping that
-    share a chunk on one thread read it once)."""
-    route = byte_route(m, readers.get(), job.dtypes) if zero_copy else None
-    if route is not None:
+    share a chunk on one thread read it once); a mapping SRC lacks (`job.from_like`) is made from --like's."""
+    if m.key in job.from_like:
+        assert like_src is not None
+        read = from_hf(m, like_src)
+    elif (route := byte_route(m, readers.get(), job.dtypes) if zero_copy else None) is not None:
         yield Step(0, lambda: [(t.name, route_extents(readers.get(), route[t.name])) for t in planned])
         return
-    read = stored_read(m, readers.get, job.stored_rows)
+    else:
+        read = stored_read(m, readers.get, job.stored_rows)
     for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like):
         yield Step(nbytes, make)
 
@@ -488,8 +553,9 @@ def verify_staged(job: ExportJob, stage: Path) -> None:
     """Audit the staged HF directory against its plan and, through the mapping, against the source."""
     report = audit_mod.audit(stage, against=job.src, accept_flat_prefix=True, config=job.config_path)
     objects = set(job.plan.mcore_objects())  # a trainer needs them; export reads no object, so it does not
+    liked = {t.name for key in job.from_like for t in job.plan.mapping_of_key[key].mcore}  # SRC lacks them
     audit_mod.refuse(stage, [f for f in report.findings if not _is_padding(job, f) and
-                             not (f.side == "against" and f.tensor in objects)])
+                             not (f.side == "against" and f.tensor in objects | liked)])
 
 
 def _is_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
@@ -533,7 +599,8 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
             "vision": plan.vision, "layout": plan.layout, "text_prefix": plan.text_prefix,
             "like": str(job.like) if job.like else None,
             "hf_tensors": len(plan.hf_index), "mcore_tensors": len(plan.mcore_index), "bytes_in": bytes_in(job),
-            "bytes_out": bytes_out(job), "workers": opts.workers, **origins(job), **space_plan(job, opts.space_check)}
+            "bytes_out": bytes_out(job), "workers": opts.workers, **origins(job), **from_like_summary(job),
+            **space_plan(job, opts.space_check)}
 
 
 def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
@@ -597,8 +664,18 @@ def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int,
             "bytes_out": total, "shards": shards, "workers": world,
             "vocab_padding_stripped": {n: {"stored_rows": rows, "vocab_size": plan.mcore_index[n].shape[0]}
                                        for n, rows in sorted(job.stored_rows.items())},
-            "fp8_requantized": vars(fp8) if plan.fp8 else None, **origins(job), "published": str(job.out)}
+            "fp8_requantized": vars(fp8) if plan.fp8 else None, **origins(job), **from_like_summary(job),
+            "published": str(job.out)}
 
+
+
+def from_like_summary(job: ExportJob) -> dict[str, Any]:
+    """HF tensors SRC had none of (homeless in its layout), taken unchanged from --like, and a line saying so."""
+    taken = sorted(t.name for key in job.from_like for t in job.plan.mapping_of_key[key].hf)
+    warning = (f"warning: {count(len(taken), 'HF tensor')} that the {job.plan.layout} layout has no trainer parameter "
+               f"for ({', '.join(sorted({job.plan.mapping_of_key[k].rule.role for k in job.from_like}))}) are not in "
+               f"{job.src}: taken unchanged from --like {job.like}") if taken else None
+    return {"taken_from_like": taken, "taken_from_like_warning": warning}
 
 
 def fp8_stats(results: list[ShareResult]) -> Fp8Stats:
