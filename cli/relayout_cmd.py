@@ -28,10 +28,13 @@ from glmconv_cli.sizes import SIZE
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
+@click.option("--like", "like", type=click.Path(path_type=Path), default=None,
+              help="The HF checkpoint training started from: gives the tensors MCORE_DIR's trainer has no parameter "
+              "for (the kpool compression of a Megatron-Bridge checkpoint), unchanged.")
 @click.option("--group-size", type=SIZE, default="1GB", show_default=True,
               help="Bytes per data file (bounds memory where tensors must be read and rebuilt).")
 def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_space_check: bool, as_json: bool,
-             force: bool, group_size: int) -> None:
+             force: bool, like: Path | None, group_size: int) -> None:
     """Rewrite a torch_dist checkpoint in the other Megatron layout: the same tensors bit for bit, bytes that
     only move copied file to file; export of the result equals export of MCORE_DIR."""
     if to is None:
@@ -40,7 +43,7 @@ def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_s
     from glmconv import api
 
     summary = api.relayout(mcore_dir, out_dir, to=to, force=force, group_bytes=group_size, dry_run=dry_run,
-                           progress=not as_json, space_check=not no_space_check)
+                           progress=not as_json, space_check=not no_space_check, like=like)
     warn_homeless(summary)
     if as_json:
         click.echo(json.dumps(summary, indent=2))

@@ -93,19 +93,21 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
 
 def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool = False,
              group_bytes: int = DEFAULT_GROUP_BYTES, dry_run: bool = False, progress: bool = False,
-             space_check: bool = True) -> dict[str, Any]:
+             space_check: bool = True, like: str | Path | None = None) -> dict[str, Any]:
     """Megatron torch_dist in one layout -> torch_dist in the other (`to`: `miles` or `mcore`), verified, published
     atomically: the same tensors bit for bit under the other layout's names and transforms (bytes that only move
     are copied file to file, never read), the source's args, iteration and export records kept, so that export of
     the result equals export of `mcore_dir`. `to` equal to the source's layout is refused.
 
     What the target layout has no parameter for is kept under `glmconv_kept.`, counted in `homeless` (the
-    warning in `homeless_warning`). `dry_run` returns the plan and writes nothing; `space_check` as for convert.
+    warning in `homeless_warning`). A source saved by a trainer with no parameter for them (Megatron-Bridge's) has
+    none: `like`, the HF checkpoint training started from, gives them (`taken_from_like`). `dry_run` returns the
+    plan and writes nothing; `space_check` as for convert.
     """
     from glmconv.runners.relayout import RelayoutOptions, dry_run_summary, prepare
     from glmconv.runners.relayout import relayout as run
 
-    job = prepare(mcore_dir, out_dir, to=to)
+    job = prepare(mcore_dir, out_dir, to=to, like=like)
     opts = RelayoutOptions(group_bytes=group_bytes, progress=progress, space_check=space_check)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 

@@ -218,3 +218,17 @@ def test_the_cli_says_what_it_took_from_like(converted: dict, tmp_path: Path) ->
     assert result.exit_code == 0, result.output
     assert result.stderr.startswith("warning: 2 HF tensors that the mcore layout has no trainer parameter for "
                                     "(indexer.compress_ape, indexer.compress_gate) are not in ")
+
+
+def test_a_bridge_saved_checkpoint_relayouts_to_miles_with_its_kpool_from_like(converted: dict, tiny_miles: Path,
+                                                                              tmp_path: Path) -> None:
+    src, mc, _ = converted["tiny"]
+    trained = _bridge_saved(mc, tmp_path / "trained")
+    summary = api.relayout(trained, tmp_path / "miles", to="miles", like=src)
+    got, want = mh.read_dcp(tmp_path / "miles"), mh.read_dcp(tiny_miles)
+    assert len(summary["taken_from_like"]) == 2
+    assert set(got) == {n for n in want if not n.startswith(("mtp.", "vision_model."))}
+    assert [n for n in got if not torch.equal(got[n].view(-1).view(torch.uint8), want[n].view(-1).view(torch.uint8))
+            or got[n].dtype != want[n].dtype] == []
+    with pytest.raises(CheckpointError, match="pass --like with the HF checkpoint training started from"):
+        api.relayout(trained, tmp_path / "no-like", to="miles")

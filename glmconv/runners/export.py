@@ -324,17 +324,19 @@ def from_hf(m: Mapping, source: HfTensorSource) -> Read:
     return read
 
 
-def like_tensors(job: ExportJob, share: list[Mapping]) -> AbstractContextManager[HfTensorSource | None]:
-    """--like's tensors, open while this share makes the mappings SRC lacks; None when it has none of them."""
+def like_tensors(like: Path | None, share: list[Mapping],
+                 from_like: frozenset[tuple[str, ...]]) -> AbstractContextManager[HfTensorSource | None]:
+    """--like's tensors, open while this share makes the mappings SRC lacks (export, relayout); None when it has
+    none of them."""
     from contextlib import nullcontext
 
     from glmconv.io.safetensors.checkpoint import shard_path
     from glmconv.io.safetensors.reader import HfTensorSource
 
-    if job.like is None or not any(m.key in job.from_like for m in share):
+    if like is None or not any(m.key in from_like for m in share):
         return nullcontext(None)
-    ck = inspect_hf_checkpoint(job.like)
-    return HfTensorSource({n: shard_path(job.like, t.file) for n, t in ck.tensors.items()})
+    ck = inspect_hf_checkpoint(like)
+    return HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
 
 
 def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int]) -> Read:
@@ -452,7 +454,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
             consumed.extend(t.name for t in m.mcore)  # from --like: accounted for, as the audit says
 
     try:
-        with FileCopier() as copier, like_fp8(job) as like, like_tensors(job, share) as like_src, \
+        with FileCopier() as copier, like_fp8(job) as like, like_tensors(job.like, share, job.from_like) as like_src, \
                 closing(run_ahead(steps(like, like_src), threads, ahead_bytes)) as made:  # threads end first
             for name, data in made:
                 if isinstance(data, list):  # extents in the .distcp files: copied file to file
@@ -599,7 +601,7 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
             "vision": plan.vision, "layout": plan.layout, "text_prefix": plan.text_prefix,
             "like": str(job.like) if job.like else None,
             "hf_tensors": len(plan.hf_index), "mcore_tensors": len(plan.mcore_index), "bytes_in": bytes_in(job),
-            "bytes_out": bytes_out(job), "workers": opts.workers, **origins(job), **from_like_summary(job),
+            "bytes_out": bytes_out(job), "workers": opts.workers, **origins(job), **_from_like(job),
             **space_plan(job, opts.space_check)}
 
 
@@ -664,17 +666,23 @@ def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int,
             "bytes_out": total, "shards": shards, "workers": world,
             "vocab_padding_stripped": {n: {"stored_rows": rows, "vocab_size": plan.mcore_index[n].shape[0]}
                                        for n, rows in sorted(job.stored_rows.items())},
-            "fp8_requantized": vars(fp8) if plan.fp8 else None, **origins(job), **from_like_summary(job),
+            "fp8_requantized": vars(fp8) if plan.fp8 else None, **origins(job), **_from_like(job),
             "published": str(job.out)}
 
 
 
-def from_like_summary(job: ExportJob) -> dict[str, Any]:
-    """HF tensors SRC had none of (homeless in its layout), taken unchanged from --like, and a line saying so."""
-    taken = sorted(t.name for key in job.from_like for t in job.plan.mapping_of_key[key].hf)
-    warning = (f"warning: {count(len(taken), 'HF tensor')} that the {job.plan.layout} layout has no trainer parameter "
-               f"for ({', '.join(sorted({job.plan.mapping_of_key[k].rule.role for k in job.from_like}))}) are not in "
-               f"{job.src}: taken unchanged from --like {job.like}") if taken else None
+def _from_like(job: ExportJob) -> dict[str, Any]:
+    return from_like_summary(job.plan, job.from_like, job.src, job.like)
+
+
+def from_like_summary(plan: Plan, from_like: frozenset[tuple[str, ...]], src: Path,
+                      like: Path | None) -> dict[str, Any]:
+    """HF tensors SRC had none of (homeless in its layout), taken unchanged from --like, and a line saying so
+    (export, relayout)."""
+    taken = sorted(t.name for key in from_like for t in plan.mapping_of_key[key].hf)
+    warning = (f"warning: {count(len(taken), 'HF tensor')} that the {plan.layout} layout has no trainer parameter "
+               f"for ({', '.join(sorted({plan.mapping_of_key[k].rule.role for k in from_like}))}) are not in "
+               f"{src}: taken unchanged from --like {like}") if taken else None
     return {"taken_from_like": taken, "taken_from_like_warning": warning}
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,14 +37,16 @@ from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import layouts, names
 from glmconv.rules.ops import Rename
-from glmconv.rules.table import F32
+from glmconv.rules.table import F32, KEEP
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.convert import DEFAULT_GROUP_BYTES, layout_summary
+from glmconv.runners.export import from_like_summary, like_tensors
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publish_run
 
 if TYPE_CHECKING:
     import torch
 
+    from glmconv.io.safetensors.reader import HfTensorSource
     from glmconv.io.torch_dist.reader import DcpReader
     from glmconv.io.torch_dist.writer import Chunk
 
@@ -65,6 +67,8 @@ class RelayoutJob:
     sidecars: dict[str, Path] = field(default_factory=dict)  # the HF files the source stores, sha256 checked
     padded: dict[str, int] = field(default_factory=dict)  # vocab-padded tensors: rows on disk (kept)
     training_state: int = 0  # optimizer tensors in the source, not carried
+    like: Path | None = None  # --like: where the homeless tensors a trainer's checkpoint lacks come from
+    from_like: frozenset[tuple[str, ...]] = frozenset()  # keys of those mappings
 
     @property
     def pairs(self) -> list[tuple[Mapping, Mapping]]:
@@ -99,30 +103,50 @@ class RelayoutOptions:
 
 # ---- deciding the plan -------------------------------------------------------------------------------
 
-def prepare(src: str | Path, out: str | Path, *, to: str) -> RelayoutJob:
+def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | None = None) -> RelayoutJob:
     """Check the source torch_dist checkpoint as export does (its plan, stored args, shapes, dtypes, recorded
-    sidecars) and pair its mappings with the `to` layout's; the same layout is refused."""
+    sidecars) and pair its mappings with the `to` layout's; the same layout is refused.
+
+    `like`: the HF checkpoint training started from, for a source saved by a trainer that has no parameter for
+    some tensors (the mcore layout's kpool compression): those are made from its, as convert would make them."""
     from glmconv.io.torch_dist.common_state import read_common_state, relaid_common_state
     from glmconv.io.torch_dist.metadata import inspect_torch_dist
     from glmconv.runners import export as export_mod
 
     layouts.layout(to)  # an unknown layout: one line, before anything is read
     src_p = Path(src)
-    check_overlap(Path(out), {"input": src_p})  # before reading anything
-    job = export_mod.source_job(src_p)
+    check_overlap(Path(out), {"input": src_p, "--like directory": Path(like) if like is not None else None})
+    job = export_mod.source_job(src_p, like=like)
     if job.plan.layout == to:
         raise GlmconvError(f"{src_p}: already in the {to} layout; relayout --to {to} would only copy it "
                            f"(cp -r does that)")
     ck = inspect_torch_dist(src_p)
     rows = {job.plan.mapping_of_mcore[n].key: ck.tensors[n].shape for n in job.stored_rows}
-    source = _padded(job.plan, rows)
+    source = _padded(_stored_like(job), rows)
     plan = build_plan(source.config, mtp=source.mtp, vision=source.vision, text_prefix=source.text_prefix,
                       layout=to)
     target = _padded(_like_source(plan, source), rows)
     common = relaid_common_state(read_common_state(ck.iter_dir), target.config, to)  # refused now, not after
     return RelayoutJob(src=src_p, out=Path(out), source=source, target=target, common=common,
                        manifest=_manifest(src_p), sidecars=job.sidecars, padded=dict(job.stored_rows),
-                       training_state=sum(names.is_training_state(n) for n in ck.tensors))
+                       training_state=sum(names.is_training_state(n) for n in ck.tensors), like=job.like,
+                       from_like=job.from_like)
+
+
+def _stored_like(job: Any) -> Plan:
+    """The export job's plan with the Megatron dtypes of the mappings the source lacks set as convert would set
+    them from --like's stored dtypes (`keep`): nothing is rounded on the way to the target."""
+    if not job.from_like:
+        return job.plan
+    from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
+
+    stored = {n: t.dtype for n, t in inspect_hf_checkpoint(job.like).tensors.items()}
+    dtypes = {}
+    for key in job.from_like:
+        m = job.plan.mapping_of_key[key]
+        dtype = m.rule.dtypes.megatron_dtype(KEEP, [stored[t.name] for t in m.hf])
+        dtypes.update({t.name: dtype for t in m.mcore})
+    return retyped(job.plan, dtypes)
 
 
 def _like_source(target: Plan, source: Plan) -> Plan:
@@ -213,11 +237,14 @@ class Counts:
 
 
 def pair_chunks(src_m: Mapping, tgt_m: Mapping, reader: DcpReader, chunk_bytes: int, zero_copy: bool,
-                counts: Counts) -> Iterator[Chunk]:
-    """The target tensors of one mapping, as `DcpWriter` chunks; stacked experts `chunk_bytes` at a time."""
+                counts: Counts, like_src: HfTensorSource | None = None) -> Iterator[Chunk]:
+    """The target tensors of one mapping, as `DcpWriter` chunks; stacked experts `chunk_bytes` at a time. With
+    `like_src`, the source lacks the mapping: it is made from those HF tensors."""
     from glmconv.io.torch_dist.writer import Chunk
+    from glmconv.runners.export import from_hf
 
-    layout = composed_layout(src_m, tgt_m) if zero_copy and _located(src_m, reader) else None
+    read = from_hf(src_m, like_src) if like_src is not None else reader.read
+    layout = composed_layout(src_m, tgt_m) if zero_copy and like_src is None and _located(src_m, reader) else None
     steps = tgt_m.row_steps(chunk_bytes)
     if layout is not None:
         counts.copied_mappings += 1
@@ -237,23 +264,23 @@ def pair_chunks(src_m: Mapping, tgt_m: Mapping, reader: DcpReader, chunk_bytes: 
         try:
             if steps is not None and src_m.by_rows:
                 for rows, picks in steps:
-                    (chunk,) = _computed(src_m, tgt_m, reader, picks, (rows.start, rows.stop))
+                    (chunk,) = _computed(src_m, tgt_m, read, picks, (rows.start, rows.stop))
                     yield Chunk(tgt_m.mcore[0].name, chunk, row=rows.start, shape=tgt_m.mcore[0].shape)
             else:
-                for spec, tensor in zip(tgt_m.mcore, _computed(src_m, tgt_m, reader, range(len(src_m.hf)), None)):
+                for spec, tensor in zip(tgt_m.mcore, _computed(src_m, tgt_m, read, range(len(src_m.hf)), None)):
                     yield Chunk(spec.name, tensor)
         finally:
             reader.drop_cache()
     counts.consumed.extend(t.name for t in src_m.mcore)
 
 
-def _computed(src_m: Mapping, tgt_m: Mapping, reader: DcpReader, picks: list[int] | range,
-              rows: tuple[int, int] | None) -> list[torch.Tensor]:
+def _computed(src_m: Mapping, tgt_m: Mapping, read: Callable[[str, tuple[int, int] | None], torch.Tensor],
+              picks: list[int] | range, rows: tuple[int, int] | None) -> list[torch.Tensor]:
     """Source tensors (rows `rows` of a stacked one) read, `backward` to the HF tensors `picks`, `forward` to the
     target's; each in the target's dtype (the source's: nothing is rounded)."""
     from glmconv.io.dtypes import TORCH_DTYPES
 
-    mc = [reader.read(t.name, rows) for t in src_m.mcore]
+    mc = [read(t.name, rows) for t in src_m.mcore]
     hf = src_m.rule.transform.backward(mc, [src_m.hf[i].shape for i in picks])
     out = tgt_m.rule.transform.forward(hf, len(tgt_m.mcore))
     return [t.to(TORCH_DTYPES[spec.dtype]).contiguous() for t, spec in zip(out, tgt_m.mcore)]
@@ -287,7 +314,9 @@ def verify_staged(job: RelayoutJob, stage: Path) -> None:
 
     findings = audit_mod.output_findings(job.src, stage, audit_mod.Options(layout=job.source.layout),
                                          audit_mod.Options(layout=job.target.layout))
-    audit_mod.refuse(stage, [f for f in findings if not _is_padding(job, f)])
+    lacked = {t.name for key in job.from_like for t in job.source.mapping_of_key[key].mcore}  # made from --like
+    audit_mod.refuse(stage, [f for f in findings if not _is_padding(job, f) and
+                             not (f.side == "src" and f.tensor in lacked)])
     written = {n: (t.shape, t.dtype) for n, t in inspect_torch_dist(stage).tensors.items()
                if not names.is_training_state(n)}
     want = {n: (t.shape, t.dtype) for n, t in job.target.mcore_index.items()}
@@ -318,7 +347,8 @@ def plan_summary(job: RelayoutJob) -> dict[str, Any]:
             **layout_summary(t), "mcore_tensors_in": len(job.source.mcore_index),
             "mcore_tensors": len(t.mcore_index), "mappings": len(t.mappings), "bytes_in": job.bytes_in,
             "bytes_out": job.bytes_out, "vocab_padding_kept": dict(sorted(job.padded.items())),
-            "training_state_dropped": job.training_state, "sidecars": sorted(job.sidecars)}
+            "training_state_dropped": job.training_state, "sidecars": sorted(job.sidecars),
+            **from_like_summary(job.source, job.from_like, job.src, job.like)}
 
 
 def dry_run_summary(job: RelayoutJob, opts: RelayoutOptions) -> dict[str, Any]:
@@ -362,11 +392,13 @@ class RelayoutRun(PlanRun):
         counts = Counts()
         pairs = {m.key: src for src, m in self.job.pairs}
 
-        def chunks() -> Iterator[Chunk]:
+        def chunks(like_src: HfTensorSource | None) -> Iterator[Chunk]:
             for m in share:
-                yield from pair_chunks(pairs[m.key], m, reader, self.opts.chunk_bytes, self.opts.zero_copy, counts)
+                yield from pair_chunks(pairs[m.key], m, reader, self.opts.chunk_bytes, self.opts.zero_copy, counts,
+                                       like_src if m.key in self.job.from_like else None)
 
-        self._writer.write_stream(chunks(), self.opts.group_bytes)
+        with like_tensors(self.job.like, share, self.job.from_like) as like_src:
+            self._writer.write_stream(chunks(like_src), self.opts.group_bytes)
         counts.bytes_read = reader.bytes_read
         return counts
 
