@@ -84,6 +84,16 @@ def test_relayout_equals_convert_in_the_target_layout(fixture: str, source: str,
     _assert_same_tensors(tmp_path / "out", converted(hf, target))
 
 
+@pytest.mark.parametrize("fixture", ["cut8_ckpt", "tiny_fp8_ckpt"])
+def test_there_and_back_again_is_the_source_bit_for_bit(fixture: str, request: pytest.FixtureRequest,
+                                                        converted: Callable[[Path, str], Path], tmp_path: Path) -> None:
+    source = converted(request.getfixturevalue(fixture), MILES)
+    _relayout(source, tmp_path / "mcore", MCORE)
+    _relayout(tmp_path / "mcore", tmp_path / "back", MILES)
+    _assert_same_tensors(tmp_path / "back", source)
+    assert _objects(tmp_path / "back") == _objects(source)
+
+
 def test_extra_state_objects_are_the_target_plans(tiny_ckpt: Path, converted: Callable[[Path, str], Path],
                                                   tmp_path: Path) -> None:
     _relayout(converted(tiny_ckpt, MILES), tmp_path / "out", MCORE)
