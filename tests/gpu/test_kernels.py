@@ -44,6 +44,28 @@ def test_kpool_selections_equal_reference_except_near_ties(lengths: tuple[int, .
 
 @pytest.mark.parametrize("lengths", [(8192,), PACKED], ids=["single-8192", "packed"])
 @torch.inference_mode()
+def test_token_level_indexer_equals_reference_except_near_ties(lengths: tuple[int, ...]) -> None:
+    """indexer_kpool=off at the real dims: pools of one token, no compress gate/ape, no tail, top index_topk."""
+    import dataclasses
+
+    from glmconv.kernels.bench import REAL_KPOOL, cu_seqlens, indexer_inputs, kpool_disagreements
+    from glmconv.kernels.kpool import kpool_topk
+    from glmconv.ops.kpool import kpool_topk as reference
+    from glmconv.ops.kpool import token_params
+
+    p = token_params(REAL_KPOOL)
+    x, q, w = indexer_inputs(sum(lengths), DEV, seed=7 + len(lengths))
+    w = dataclasses.replace(w, compress_gate=None, compress_ape=None)
+    cu = cu_seqlens(lengths, DEV)
+    got, want = kpool_topk(x, q, w, p, cu), reference(x, q, w, p, cu)
+    assert got.shape == want.shape == (sum(lengths), p.topk)
+    d = kpool_disagreements(x, q, w, p, cu, got, want)
+    assert d["beyond_tie"] == 0 and d["differ"] <= max(1, d["rows"] // 1000)
+    assert torch.equal(got < 0, want < 0)
+
+
+@pytest.mark.parametrize("lengths", [(8192,), PACKED], ids=["single-8192", "packed"])
+@torch.inference_mode()
 def test_kpool_on_gpu_equals_the_cpu_reference_except_near_ties(lengths: tuple[int, ...]) -> None:
     """The triton indexer on the GPU against glmconv's torch reference run on the CPU, same fp32 inputs.
 
