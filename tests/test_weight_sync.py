@@ -127,3 +127,16 @@ def test_a_padded_vocabulary_loses_its_extra_rows_and_extra_state_is_skipped(con
     out = dict(glmconv.hf_weights([(m.mcore[0].name, padded), ("output_layer._extra_state", torch.zeros(3))],
                                   plan.config))
     assert list(out) == [m.hf[0].name] and torch.equal(out[m.hf[0].name], padded[:rows])
+
+
+def test_parameters_named_in_the_mcore_layout_give_the_same_hf_tensors(converted: dict[str, Path], tiny_ckpt: Path,
+                                                                       tmp_path: Path) -> None:
+    glmconv.convert(tiny_ckpt, tmp_path / "mc", layout="mcore")
+    glmconv.export(converted["bf16"], tmp_path / "hf")
+    dtypes = {n: t.dtype for n, t in inspect_hf_checkpoint(tmp_path / "hf").tensors.items()}
+    params = _shuffled_params(tmp_path / "mc", seed=3)
+    assert any(n.startswith("glmconv_kept.") for n, _ in params)
+    got = _collect(glmconv.hf_weights(params, tmp_path / "mc" / "config.json", dtypes=dtypes, layout="mcore"))
+    assert _as_raw(got) == _raw(tmp_path / "hf")
+    with pytest.raises(glmconv.GlmconvError, match="not a Megatron parameter of this model"):
+        _collect(glmconv.hf_weights(params, tmp_path / "mc" / "config.json", dtypes=dtypes))  # read as miles
