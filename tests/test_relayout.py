@@ -318,5 +318,8 @@ def test_megatron_objects_in_a_trainers_common_state_are_carried(converted: Call
     _relayout(src, tmp_path / "out", MCORE)
     got = read_common_state(DcpReader(tmp_path / "out").iter_dir)
     backend = got["args"].attention_backend
-    assert (backend.qualname, backend.args, got["iteration"]) == ("megatron.core.transformer.enums.AttnBackend",
-                                                                  (5,), 7)
+    # a stand-in again, or the real enum where a test before this one in this process imported megatron (its
+    # import registers the real classes with torch's weights_only unpickler)
+    found = ((backend.qualname, backend.args[0]) if isinstance(backend, OpaqueValue)
+             else (f"{type(backend).__module__}.{type(backend).__qualname__}", backend.value))
+    assert (*found, got["iteration"]) == ("megatron.core.transformer.enums.AttnBackend", 5, 7)
