@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.text import printable
 
 
@@ -14,7 +15,10 @@ from glmconv.text import printable
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--layers", type=int, default=None, help="Only the first N decoder layers (a training cut, e.g. 8).")
 @click.option("--json", "as_json", is_flag=True, help="Print {flag: value} as JSON (true for a bare switch).")
-def megatron_args(config: Path, layers: int | None, as_json: bool) -> None:
+@click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=DEFAULT_LAYOUT, show_default=True,
+              help="The Megatron layout trained: mcore (megatron-core's native modules) has no MTP module, so no "
+              "--mtp-num-layers.")
+def megatron_args(config: Path, layers: int | None, as_json: bool, layout: str) -> None:
     """Print the Megatron-LM model flags for CONFIG (a config.json or a checkpoint directory holding one).
 
     KDA, DSA and mHC layer layouts are the training plugin's own settings and are not printed.
@@ -25,7 +29,7 @@ def megatron_args(config: Path, layers: int | None, as_json: bool) -> None:
     cfg = load_config(config)
     if layers is not None:
         cfg = cfg.cut(layers)
-    args = model_args(cfg)
+    args = model_args(cfg, layout)
     if as_json:
         click.echo(json.dumps(args, indent=2))
         return

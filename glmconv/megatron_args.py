@@ -43,12 +43,15 @@ _CHECKED = (("num_layers", "decoder layers"), ("hidden_size", "hidden size"), ("
             ("dense_layers", "leading dense layers"), ("vocab_size", "vocabulary"))
 
 
-def model_args(config: GlmConfig) -> dict[str, Any]:
-    """Megatron-LM flag -> value for `config` (True for a bare switch); flags that do not apply are left out."""
-    from glmconv.io.torch_dist.common_state import build_args
+def model_args(config: GlmConfig, layout: str = "miles") -> dict[str, Any]:
+    """Megatron-LM flag -> value for `config` (True for a bare switch); flags that do not apply are left out.
+
+    `layout`: the Megatron layout trained; one whose trainer has no MTP module (mcore) gets no --mtp-num-layers,
+    as its checkpoints' stored args say."""
+    from glmconv.io.torch_dist.common_state import build_args, mtp_num_layers
 
     t = config.text
-    values = vars(build_args(config))
+    values = vars(build_args(config, mtp_num_layers=mtp_num_layers(config, layout)))
     values.update(
         disable_bias_linear=not values["add_bias_linear"],
         activation_func_clamp_value=float(t.get("swiglu_limit", 10.0)),

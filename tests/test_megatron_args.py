@@ -122,3 +122,10 @@ def test_stored_args_use_megatron_lms_own_attribute_names(megatron_parser: argpa
 
     dests = {a.dest for a in megatron_parser._actions} | {"virtual_pipeline_model_parallel_size"}
     assert sorted(set(vars(build_args(load_config(REAL_CONFIG)))) - dests) == []
+
+
+def test_the_mcore_layout_trains_without_an_mtp_module() -> None:
+    cfg = load_config(REAL_CONFIG)
+    assert model_args(cfg)["--mtp-num-layers"] == 1
+    assert "--mtp-num-layers" not in model_args(cfg, "mcore")
+    assert {k: v for k, v in model_args(cfg).items() if k != "--mtp-num-layers"} == model_args(cfg, "mcore")
