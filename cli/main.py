@@ -122,14 +122,24 @@ _register()
 
 
 def main() -> None:
+    from glmconv.runners import ranks
+
+    ranks.cli_ends_the_process()
     try:
         cli(prog_name="glmconv")
-    except SystemExit:
+    except SystemExit as done:
         try:
             sys.stdout.flush()  # what is still buffered goes now, while a closed pipe can be told apart
         except BrokenPipeError:
             _reader_gone()
+        sys.stderr.flush()
+        ranks.leave_now(_code(done))  # a torchrun rank: no gloo teardown (glmconv/runners/ranks.py)
         raise
+
+
+def _code(done: SystemExit) -> int:
+    """The status `sys.exit` would give: an int as is, None 0, anything else (a message) 1."""
+    return done.code if isinstance(done.code, int) else 0 if done.code is None else 1
 
 
 if __name__ == "__main__":

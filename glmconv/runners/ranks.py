@@ -20,6 +20,9 @@ from glmconv.output import STAGING_SUFFIX
 RankFn = Callable[..., dict[str, Any]]
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _HELD: list[int] = []  # a worker's flocked staging marker
+_EXIT: dict[str, bool] = {"cli": False, "group_open": False}  # see `cli_ends_the_process` and `leave_now`
+ARRIVED_KEY = "glmconv/ranks-past-collectives"
+ARRIVAL_TIMEOUT_S = 300.0
 
 
 # ---- staging and publishing: glmconv/output.py ----------------------------------------------------------
@@ -144,16 +147,58 @@ def run_ranks(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
     """`fn(*args, rank, world, group)` under torchrun, in `workers` processes, or here; rank 0's summary."""
     env = torchrun_env()
     if env is not None:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        try:
-            return _then_barrier(fn(*args, env[0], env[1], dist.group.WORLD))
-        finally:
-            dist.destroy_process_group()
+        return _torchrun_rank(fn, args, env[0], env[1])
     if workers > 1:
         return spawn(fn, args, workers, what, stage)
     return fn(*args, 0, 1, None)
+
+
+def cli_ends_the_process() -> None:
+    """The command line calls this first: under torchrun its process then ends through `leave_now`, never
+    tearing the gloo group down (see `_torchrun_rank`)."""
+    _EXIT["cli"] = True
+
+
+def leave_now(code: int) -> None:
+    """End this process at once (output already flushed) when a torchrun rank left its gloo group open."""
+    if _EXIT["group_open"]:
+        os._exit(code)
+
+
+def _torchrun_rank(fn: RankFn, args: tuple[Any, ...], rank: int, world: int) -> dict[str, Any]:
+    """One torchrun rank. A gloo group torn down (destroy, or the interpreter's exit) while a peer tears its
+    own down aborts a rank now and then ("terminate called without an active exception"): once every rank is
+    past its last collective (counted on torchrun's store, which outlives the ranks), the command line's
+    process leaves with `os._exit` and no teardown; a Python caller's group is destroyed as before."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        result = _then_barrier(fn(*args, rank, world, dist.group.WORLD))
+        _all_past_collectives(world)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    if _EXIT["cli"]:
+        _EXIT["group_open"] = True
+    else:
+        dist.destroy_process_group()
+    return result
+
+
+def _all_past_collectives(world: int) -> None:
+    """Wait until every rank has counted itself on the store: none of them is in a gloo collective any more."""
+    import time
+
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    store.add(ARRIVED_KEY, 1)
+    deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
+    while store.add(ARRIVED_KEY, 0) < world:
+        if time.monotonic() > deadline:
+            raise GlmconvError(f"a torchrun rank did not finish within {ARRIVAL_TIMEOUT_S:.0f} s of the others")
+        time.sleep(0.01)
 
 
 def _then_barrier(result: Any) -> Any:
