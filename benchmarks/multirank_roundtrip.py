@@ -296,10 +296,10 @@ def main() -> None:
         if a.json_out:
             a.json_out.parent.mkdir(parents=True, exist_ok=True)
             a.json_out.write_text(json.dumps(result, indent=2) + "\n")
-    dist.barrier()  # every rank is past its last collective: leave without tearing gloo down, which aborts a
-    sys.stdout.flush()  # rank now and then while its peer tears its own down (as glmconv/runners/ranks.py does)
-    sys.stderr.flush()
-    os._exit(0)
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def _gathered(figures: dict[str, Any]) -> dict[str, Any]:
