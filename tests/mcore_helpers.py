@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -45,22 +44,14 @@ def spawn(fn: Callable[..., None], *args: Any, nprocs: int = 2) -> None:
 
 
 def _worker(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple[Any, ...]) -> None:
-    """`fn` on this rank; a failure is torch's spawn's to report. A rank that succeeded leaves with os._exit once
-    all are past the last barrier: gloo torn down while a peer tears its own down aborts a rank now and then
-    (what glmconv's own ranks avoid the same way, glmconv/runners/ranks.py)."""
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)
-        dist.barrier()
-    except BaseException:
+    finally:
         _teardown()
-        raise
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _teardown() -> None:
