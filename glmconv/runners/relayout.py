@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from glmconv.io.safetensors.reader import HfTensorSource
     from glmconv.io.torch_dist.reader import DcpReader
     from glmconv.io.torch_dist.writer import Chunk
+    from glmconv.runners.export import ExportJob
 
 CARRIED = ("fp8_source", "mtp", "vision", "text_prefix", "hf_tensors", "left_out", "dtype", "narrowed_f32_to_bf16",
            "widened_bf16_to_f32")  # glmconv.json records of the source kept as they are (with the dtype record)
@@ -133,7 +134,7 @@ def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | Non
                        from_like=job.from_like)
 
 
-def _stored_like(job: Any) -> Plan:
+def _stored_like(job: ExportJob) -> Plan:
     """The export job's plan with the Megatron dtypes of the mappings the source lacks set as convert would set
     them from --like's stored dtypes (`keep`): nothing is rounded on the way to the target."""
     if not job.from_like:
