@@ -19,10 +19,12 @@ from glmconv_cli.workers import WORKERS
 @click.argument("mcore_dir", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--like", "like", type=click.Path(path_type=Path), default=None,
-              help="HF checkpoint to imitate: its text prefix, per-tensor dtypes, config, tokenizer files.")
+              help="HF checkpoint to imitate: its text prefix, per-tensor dtypes, config, tokenizer files and shard files.")
 @click.option("--config", "config", type=click.Path(path_type=Path), default=None,
               help="config.json of the model (default: the one convert left in MCORE_DIR).")
-@click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--max-shard-size", type=SIZE, default=None,
+              help="Largest safetensors shard [default: with --like, its own files (names, tensors, order), where "
+              "they hold every tensor; else 5GB].")
 @click.option("--fp8", is_flag=True, help="Re-quantise the release's FP8 set (e4m3, 128x128 block scales).")
 @click.option("--workers", type=WORKERS, default="1", show_default=True,
               help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 cores "
@@ -41,9 +43,9 @@ from glmconv_cli.workers import WORKERS
 @click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
               help="Megatron layout of MCORE_DIR (default: the one glmconv.json records, else the one its names are "
               "spelled in; a contradiction is refused).")
-def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int, fp8: bool,
-           workers: int | str, read_threads: int, as_json: bool, force: bool, check_finite: bool, dry_run: bool,
-           no_space_check: bool, layout: str | None) -> None:
+def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int | None,
+           fp8: bool, workers: int | str, read_threads: int, as_json: bool, force: bool, check_finite: bool,
+           dry_run: bool, no_space_check: bool, layout: str | None) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
     say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
@@ -87,6 +89,9 @@ def _print(s: dict) -> None:
                    f"{count(f['requantized_tensors'], 'weight')}){reused}; "
                    f"{count(f['scale_adjusted_blocks'], 'scale')} moved off amax/448 to reproduce the bf16 values, "
                    f"{count(f['inexact_blocks'], 'block')} inexact")
+    if s["like_files_unfit"]:
+        click.echo(f"note: shards cut at {s['max_shard_bytes'] / 1e9:g} GB, not as --like's files: "
+                   f"{s['like_files_unfit']}")
     for part in ("mtp", "vision"):
         if not s[part]:
             click.echo(f"{part}: not in the torch_dist checkpoint, not exported")

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from glmconv.runners.audit import AuditReport
 
 DEFAULT_GROUP_BYTES = 1 << 30
-DEFAULT_SHARD_BYTES = 5 * 10**9
 
 
 def lead_process() -> bool:
@@ -63,7 +62,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
 
 
 def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | None = None,
-           config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+           config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int | None = None,
            workers: int | str = 1, force: bool = False, check_finite: bool = False, dry_run: bool = False,
            progress: bool = False, space_check: bool = True, layout: str | None = None,
            read_threads: int = 2) -> dict[str, Any]:
@@ -75,6 +74,9 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
 
     `layout`: the Megatron layout of `mcore_dir` (`miles` or `mcore`); None reads the one glmconv.json records,
     else the one its names are spelled in. Tensors kept under `glmconv_kept.` are exported like the others.
+
+    Shards: at most `max_shard_bytes` each when given; else `like`'s own files (names, which tensor in which,
+    their order and headers: an unchanged round trip is byte-identical) where they hold every tensor; else 5 GB.
 
     `dry_run` returns the plan (tensors, bytes, estimated time, free space at `out_dir`) and writes nothing. With
     `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s filesystem is refused before

@@ -71,10 +71,11 @@ def new_file(path: Path, mode: str = "wb", buffering: int = -1) -> Iterator[IO[A
         raise
 
 
-def write_new(path: Path, text: str) -> None:
-    """Write a small text file glmconv creates; an OSError (disk full, a link in the way) is one error line."""
+def write_new(path: Path, text: str | bytes) -> None:
+    """Write a small file glmconv creates (text, or bytes as they are); an OSError (disk full, a link in the way)
+    is one error line."""
     try:
-        with new_file(path, "w") as f:
+        with new_file(path, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
     except OSError as exc:
         raise GlmconvError(f"{path}: cannot write ({_why(exc, path)})") from None

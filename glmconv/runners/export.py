@@ -65,8 +65,9 @@ if TYPE_CHECKING:
 
     from glmconv.io.byte_copy import Extent
     from glmconv.io.fp8_reuse import LikeFp8
+    from glmconv.io.safetensors.like_files import LikeFiles
     from glmconv.io.safetensors.reader import HfTensorSource
-    from glmconv.io.safetensors.writer import PlannedTensor
+    from glmconv.io.safetensors.writer import PlannedTensor, Shard
     from glmconv.io.torch_dist.reader import DcpReader
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
@@ -92,6 +93,8 @@ class ExportJob:
     source_text_prefix: str | None = None  # from convert's manifest, when there is one
     source_fp8: bool | None = None
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    like_files: LikeFiles | None = None  # --like's own files, when no --max-shard-size is given and they fit
+    like_files_unfit: str | None = None  # why --like's files could not be followed (shards cut by size instead)
     sidecars: dict[str, Path] = field(default_factory=dict)  # HF files to copy: --like's, else convert's record
     dtypes_from: str = PLAN  # LIKE, CONVERTED (glmconv.json's record) or PLAN (an older glmconv's checkpoint)
     sidecars_from: str | None = None  # LIKE, CONVERTED or None
@@ -113,13 +116,30 @@ class ExportOptions:
 # ---- deciding the plan -------------------------------------------------------------------------------
 
 def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
-            fp8: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES, layout: str | None = None) -> ExportJob:
-    """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch)."""
-    if max_shard_bytes < 1:
+            fp8: bool = False, max_shard_bytes: int | None = None, layout: str | None = None) -> ExportJob:
+    """Check the torch_dist checkpoint against the plan its config implies (refuse on any mismatch).
+
+    Shards: `max_shard_bytes` when given; else --like's own files (`glmconv.io.safetensors.like_files`) where
+    they hold every tensor; else DEFAULT_SHARD_BYTES."""
+    if max_shard_bytes is not None and max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     check_overlap(Path(out), _inputs(Path(src), like, config))  # before reading anything
-    job = source_job(src, like=like, config=config, fp8=fp8, layout=layout)
-    return dataclasses.replace(job, out=Path(out), max_shard_bytes=max_shard_bytes)
+    job = dataclasses.replace(source_job(src, like=like, config=config, fp8=fp8, layout=layout), out=Path(out))
+    if max_shard_bytes is not None or job.like is None:
+        return dataclasses.replace(job, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
+    return with_like_files(job)
+
+
+def with_like_files(job: ExportJob) -> ExportJob:
+    """`job` writing --like's own files, or (where they cannot hold its tensors) saying why it cuts by size."""
+    from glmconv.io.safetensors.like_files import fit
+
+    assert job.like is not None
+    planned = [t for m in job.plan.mappings for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES)]
+    got = fit(job.like, planned)
+    if isinstance(got, str):
+        return dataclasses.replace(job, like_files_unfit=got)
+    return dataclasses.replace(job, like_files=got)
 
 
 def source_job(src: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
@@ -445,7 +465,8 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     if not share:
         return ShareResult(rank, {}, 0, [], 0, stats)
     outputs = [planned_outputs(m, job.dtypes, chunk_bytes) for m in share]
-    writer = PlannedShardWriter(rank_dir(stage, rank), [t for ts in outputs for t in ts], job.max_shard_bytes)
+    arrival = [t for ts in outputs for t in ts]
+    writer = PlannedShardWriter(rank_dir(stage, rank), arrival, own_shards(job, arrival) or job.max_shard_bytes)
 
     def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step]:
         for m, planned in zip(share, outputs):
@@ -516,10 +537,49 @@ class ThreadReaders:
             return sum(r.bytes_read for r in self._all)
 
 
+def own_shards(job: ExportJob, arrival: list[PlannedTensor]) -> list[Shard] | None:
+    """The --like files this worker writes (`file_shares` gives each file's tensors to one worker); None: none."""
+    if job.like_files is None:
+        return None
+    mine = {t.name for t in arrival}
+    return [s for s in job.like_files.shards if s.tensors[0].name in mine]
+
+
+def file_shares(job: ExportJob, n: int) -> list[list[Mapping]]:
+    """The plan split across `n` ranks so that each of --like's files is written by one of them: the mappings
+    whose HF tensors share files stay together; those groups are balanced by bytes as `shares` does."""
+    assert job.like_files is not None
+    file_of = {t.name: i for i, s in enumerate(job.like_files.shards) for t in s.tensors}
+    group = list(range(len(job.like_files.shards)))
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    files = [[file_of[t.name] for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES)] for m in job.plan.mappings]
+    for fs in files:
+        for f in fs[1:]:
+            group[root(f)] = root(fs[0])
+    together: dict[int, list[Mapping]] = {}
+    for m, fs in zip(job.plan.mappings, files):
+        together.setdefault(root(fs[0]), []).append(m)
+    buckets: list[list[Mapping]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for ms in sorted(together.values(), key=lambda ms: -sum(m.hf_bytes for m in ms)):
+        i = loads.index(min(loads))
+        buckets[i].extend(ms)
+        loads[i] += sum(m.hf_bytes for m in ms)
+    return buckets
+
+
 # ---- assembling, verifying, publishing (rank 0) ------------------------------------------------------
 
-def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
-    """Give every rank's shards their final `model-i-of-N` names and write one index; (shards, total_size)."""
+def merge_shards(stage: Path, results: list[ShareResult], like_files: LikeFiles | None = None) -> tuple[int, int]:
+    """Move every rank's shards into the stage under their final names -- --like's, or `model-i-of-N` -- and write
+    one index (--like's, which a single `model.safetensors` has none of); (shards, total_size)."""
+    if like_files is not None:
+        return _merge_like(stage, results, like_files)
     files = [(r.rank, f) for r in sorted(results, key=lambda r: r.rank) for f in sorted(set(r.weight_map.values()))]
     final = {key: SHARD_NAME.format(i, len(files)) for i, key in enumerate(files, 1)}
     for (rank, f), name in final.items():
@@ -531,6 +591,16 @@ def merge_shards(stage: Path, results: list[ShareResult]) -> tuple[int, int]:
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_new(stage / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     return len(files), total
+
+
+def _merge_like(stage: Path, results: list[ShareResult], like_files: LikeFiles) -> tuple[int, int]:
+    for r in results:
+        for f in sorted(set(r.weight_map.values())):
+            os.replace(rank_dir(stage, r.rank) / f, stage / f)
+        shutil.rmtree(rank_dir(stage, r.rank), ignore_errors=True)
+    if like_files.index is not None:
+        write_new(stage / INDEX_NAME, like_files.index)
+    return len(like_files.shards), sum(r.total_size for r in results)
 
 
 def write_sidecars(job: ExportJob, stage: Path, fp8: Fp8Stats | None = None) -> None:
@@ -601,7 +671,8 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
             "vision": plan.vision, "layout": plan.layout, "text_prefix": plan.text_prefix,
             "like": str(job.like) if job.like else None,
             "hf_tensors": len(plan.hf_index), "mcore_tensors": len(plan.mcore_index), "bytes_in": bytes_in(job),
-            "bytes_out": bytes_out(job), "workers": opts.workers, **origins(job), **_from_like(job),
+            "bytes_out": bytes_out(job), "workers": opts.workers, **shards_from(job), **origins(job),
+            **_from_like(job),
             **space_plan(job, opts.space_check)}
 
 
@@ -626,7 +697,8 @@ class ExportRun(PlanRun):
 
     def share_of(self, rank: int, world: int) -> list[Mapping]:
         order = {id(m): i for i, m in enumerate(self.job.plan.mappings)}
-        return sorted(shares(self.job.plan.mappings, world)[rank], key=lambda m: order[id(m)])
+        split = shares(self.job.plan.mappings, world) if self.job.like_files is None else file_shares(self.job, world)
+        return sorted(split[rank], key=lambda m: order[id(m)])
 
     def share_bytes(self, share: list[Mapping]) -> int:
         return sum(t.nbytes for m in share for t in planned_outputs(m, self.job.dtypes, self.opts.chunk_bytes))
@@ -646,7 +718,7 @@ class ExportRun(PlanRun):
 
     def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
         try:
-            shards, total = merge_shards(stage, results)
+            shards, total = merge_shards(stage, results, self.job.like_files)
             write_sidecars(self.job, stage, fp8_stats(results))
             verify_staged(self.job, stage)
         except OSError as exc:
@@ -663,12 +735,20 @@ def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int,
             "source_text_prefix": job.source_text_prefix,
             "source_fp8": job.source_fp8, "like": str(job.like) if job.like else None, "hf_tensors": len(plan.hf_index),
             "mcore_tensors": len(plan.mcore_index), "bytes_in": sum(r.bytes_read for r in results),
-            "bytes_out": total, "shards": shards, "workers": world,
+            "bytes_out": total, "shards": shards, **shards_from(job), "workers": world,
             "vocab_padding_stripped": {n: {"stored_rows": rows, "vocab_size": plan.mcore_index[n].shape[0]}
                                        for n, rows in sorted(job.stored_rows.items())},
             "fp8_requantized": vars(fp8) if plan.fp8 else None, **origins(job), **_from_like(job),
             "published": str(job.out)}
 
+
+
+def shards_from(job: ExportJob) -> dict[str, Any]:
+    """How the shards are cut: as --like's files, or at `max_shard_bytes` (and why not as --like's, if it was given
+    without --max-shard-size)."""
+    return {"shards_from": LIKE if job.like_files is not None else "max_shard_bytes",
+            "max_shard_bytes": None if job.like_files is not None else job.max_shard_bytes,
+            "like_files_unfit": job.like_files_unfit}
 
 
 def _from_like(job: ExportJob) -> dict[str, Any]:

@@ -23,13 +23,14 @@ import math
 import os
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Self
 
 from glmconv.errors import CheckpointError
 from glmconv.io.dtypes import DTYPE_SIZES, torch_dtype_code
 from glmconv.io.file_names import INDEX_NAME, SHARD_NAME
+from glmconv.io.safetensors.header import METADATA_KEY
 from glmconv.output import create_new, write_new
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from glmconv.io.byte_copy import Extent, FileCopier
 
 _PENDING = "shard-{:05d}.safetensors.partial"
+FORMAT_PT = {"format": "pt"}  # the `__metadata__` safetensors.torch.save_file writes
 
 # safetensors' `Dtype` enum in declaration order (its derived Ord); save_file sorts tensors by dtype,
 # highest first, then by name. Checked against safetensors 0.8 by tests/test_hf_writer.py.
@@ -180,33 +182,64 @@ def plan_shards(tensors: Iterable[PlannedTensor], max_shard_bytes: int) -> list[
     return shards
 
 
+@dataclass(frozen=True)
+class Shard:
+    """One file a `PlannedShardWriter` writes: its tensors in data order, its final name (None: `model-i-of-N`),
+    its header's `__metadata__` (None: none) and, where a source's header is reproduced exactly, those bytes."""
+
+    tensors: tuple[PlannedTensor, ...]
+    name: str | None = None
+    metadata: dict[str, str] | None = field(default_factory=lambda: dict(FORMAT_PT))
+    head: bytes | None = None  # the whole header (length prefix included), written as it is
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def size_shards(tensors: Iterable[PlannedTensor], max_shard_bytes: int) -> list[Shard]:
+    """`plan_shards`, each shard's data in safetensors' own order (widest dtype first, then by name)."""
+    return [Shard(tuple(sorted(s, key=lambda t: (-_DTYPE_RANK[t.dtype], t.name))))
+            for s in plan_shards(tensors, max_shard_bytes)]
+
+
 def shard_header(tensors: Iterable[PlannedTensor]) -> tuple[bytes, dict[str, int]]:
-    """The shard's first bytes (length prefix + padded JSON header) and each tensor's absolute file offset."""
-    order = sorted(tensors, key=lambda t: (-_DTYPE_RANK[t.dtype], t.name))
-    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    """The first bytes (length prefix + padded JSON header) of a shard of `tensors` as safetensors writes it, and
+    each tensor's absolute file offset."""
+    return shard_head(Shard(tuple(sorted(tensors, key=lambda t: (-_DTYPE_RANK[t.dtype], t.name)))))
+
+
+def shard_head(shard: Shard) -> tuple[bytes, dict[str, int]]:
+    """`shard`'s first bytes (its own `head`, else compact JSON padded with spaces to a multiple of 8, as
+    safetensors writes it) and each tensor's absolute file offset (tensors in the shard's data order)."""
+    entries: dict[str, object] = {} if shard.metadata is None else {METADATA_KEY: shard.metadata}
     rel: dict[str, int] = {}
     pos = 0
-    for t in order:
+    for t in shard.tensors:
         entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         rel[t.name] = pos
         pos += t.nbytes
-    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    head = struct.pack("<Q", len(text)) + text
+    head = shard.head
+    if head is None:
+        text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        head = struct.pack("<Q", len(text)) + text
     return head, {name: len(head) + off for name, off in rel.items()}
 
 
 class PlannedShardWriter(_Closing):
     """Writes planned tensors into safetensors shards as they come: header first, then each tensor's bytes.
 
-    `write(name, tensor)` and `copy(name, extents, copier)` take the planned tensors in plan order; anything
+    `tensors` is the order they arrive in; `shards` either the largest shard in bytes (safetensors' layout, cut
+    in arrival order) or the shards themselves (`Shard`: any membership and data order, several files open at
+    once). `write(name, tensor)` and `copy(name, extents, copier)` take the tensors in arrival order; anything
     else -- a tensor out of order, unplanned, twice, or with other bytes, dtype or shape than planned -- is a
     CheckpointError naming it, and the writer deletes every pending shard it made (so does any failed write).
-    Shards are written under pending names; `close()` checks that every planned tensor came, renames them to
-    `model-0000i-of-0000N.safetensors` and writes `model.safetensors.index.json`.
+    Shards are written under pending names; `close()` checks that every planned tensor came and gives them their
+    final names: theirs, or `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`.
     """
 
-    def __init__(self, out_dir: str | Path, tensors: Iterable[PlannedTensor], max_shard_bytes: int) -> None:
+    def __init__(self, out_dir: str | Path, tensors: Iterable[PlannedTensor], shards: int | list[Shard]) -> None:
         planned = list(tensors)
         seen: set[str] = set()
         for t in planned:
@@ -214,17 +247,18 @@ class PlannedShardWriter(_Closing):
                 raise CheckpointError(f"{t.name}: planned twice")
             seen.add(t.name)
         self.out_dir = Path(out_dir)
-        self._shards = plan_shards(planned, max_shard_bytes)
-        self._order = [t for shard in self._shards for t in shard]
-        self._shard_no = {t.name: i for i, shard in enumerate(self._shards, 1) for t in shard}
+        self._shards = size_shards(planned, shards) if isinstance(shards, int) else list(shards)
+        self._order = planned
+        self._shard_no = {t.name: i for i, shard in enumerate(self._shards, 1) for t in shard.tensors}
+        _check_cover(planned, self._shards, self._shard_no)
         self._position = {t.name: i for i, t in enumerate(self._order)}
-        self._last_of = {shard[-1].name for shard in self._shards}
+        self._left = {i: len(shard.tensors) for i, shard in enumerate(self._shards, 1)}
         self.total_size = sum(t.nbytes for t in planned)
         self._next = 0  # index into _order of the tensor expected next
-        self._fd: int | None = None
+        self._fds: dict[int, int] = {}  # open shards
         self._offsets: dict[str, int] = {}
-        self._shard_size = 0
-        self._opened = 0
+        self._opened: list[int] = []
+        self._writing = 1  # the shard of the tensor being written, for error messages
         self._closed = False
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -261,7 +295,8 @@ class PlannedShardWriter(_Closing):
         return copied
 
     def close(self) -> dict[str, str]:
-        """Check that every planned tensor was written, name the shards, write the index; the weight map."""
+        """Check that every planned tensor was written and name the shards (writing the index when they are
+        `model-i-of-N`); the weight map."""
         if self._closed:
             raise CheckpointError("PlannedShardWriter is closed")
         if self._next < len(self._order):
@@ -275,22 +310,23 @@ class PlannedShardWriter(_Closing):
             raise CheckpointError("no tensors were written")
         self._closed = True
         count = len(self._shards)
-        final = {i: SHARD_NAME.format(i, count) for i in range(1, count + 1)}
+        final = {i: s.name or SHARD_NAME.format(i, count) for i, s in enumerate(self._shards, 1)}
         try:
             for i, fname in final.items():
                 os.replace(self.out_dir / _PENDING.format(i), self.out_dir / fname)
             weight_map = {n: final[i] for n, i in sorted(self._shard_no.items())}
-            index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-            write_new(self.out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+            if all(s.name is None for s in self._shards):
+                index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+                write_new(self.out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
         except OSError as exc:
             raise CheckpointError(f"{self.out_dir}: cannot name the shards ({exc.strerror or exc})") from None
         return weight_map
 
     def abort(self) -> None:
-        """Close the open shard and delete every pending shard this writer made."""
+        """Close the open shards and delete every pending shard this writer made."""
         self._closed = True
-        self._close_fd()
-        for i in range(1, self._opened + 1):
+        self._close_all()
+        for i in self._opened:
             (self.out_dir / _PENDING.format(i)).unlink(missing_ok=True)
 
     # -- internals ------------------------------------------------------------------------------------
@@ -317,41 +353,51 @@ class PlannedShardWriter(_Closing):
 
     def _fd_for(self, t: PlannedTensor) -> int:
         """The open shard `t` belongs to; opens it (writing its header) at its first tensor."""
-        no = self._shard_no[t.name]
-        if no != self._opened:
-            self._close_fd()
+        no = self._writing = self._shard_no[t.name]
+        if no not in self._fds:
             self._open_shard(no)
-        assert self._fd is not None
-        return self._fd
+        return self._fds[no]
 
     def _open_shard(self, no: int) -> None:
-        head, self._offsets = shard_header(self._shards[no - 1])
-        self._shard_size = len(head) + sum(t.nbytes for t in self._shards[no - 1])
+        head, offsets = shard_head(self._shards[no - 1])
+        self._offsets.update(offsets)
         path = self.out_dir / _PENDING.format(no)
-        self._fd = create_new(path)
-        self._opened = no  # only now: abort() deletes shards 1..opened, never a file it did not create
-        _pwrite_all(self._fd, head, 0)
+        fd = create_new(path)
+        self._fds[no] = fd
+        self._opened.append(no)  # only now: abort() deletes the opened shards, never a file it did not create
+        _pwrite_all(fd, head, 0)
 
     def _done(self, t: PlannedTensor) -> None:
         self._next += 1
-        if t.name in self._last_of and self._fd is not None:
-            size = os.fstat(self._fd).st_size
-            if size != self._shard_size:
-                raise CheckpointError(f"{self.out_dir / _PENDING.format(self._opened)}: {size} bytes after its last "
-                                      f"tensor, planned {self._shard_size}")
-            self._close_fd()
+        no = self._shard_no[t.name]
+        self._left[no] -= 1
+        if self._left[no] == 0 and no in self._fds:
+            shard = self._shards[no - 1]
+            size, planned = os.fstat(self._fds[no]).st_size, len(shard_head(shard)[0]) + shard.nbytes
+            if size != planned:
+                raise CheckpointError(f"{self.out_dir / _PENDING.format(no)}: {size} bytes after its last "
+                                      f"tensor, planned {planned}")
+            os.close(self._fds.pop(no))
 
-    def _close_fd(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
+    def _close_all(self) -> None:
+        while self._fds:
+            _, fd = self._fds.popitem()
             os.close(fd)
 
     def _fail(self, exc: BaseException) -> NoReturn:
         self.abort()
         if isinstance(exc, OSError):
-            path = self.out_dir / _PENDING.format(max(self._opened, 1))
+            path = self.out_dir / _PENDING.format(self._writing)
             raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from None
         raise exc
+
+
+def _check_cover(planned: list[PlannedTensor], shards: list[Shard], shard_no: dict[str, int]) -> None:
+    """Every planned tensor in exactly one shard, as planned, and nothing else in any."""
+    listed = [t for s in shards for t in s.tensors]
+    if len(listed) != len(shard_no) or set(listed) != set(planned):
+        odd = sorted({t.name for t in set(listed) ^ set(planned)} or {t.name for t in listed})
+        raise CheckpointError(f"{odd[0]}: the shards do not hold the planned tensors exactly once")
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, pos: int) -> None:
