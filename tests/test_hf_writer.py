@@ -17,7 +17,14 @@ from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.file_names import INDEX_NAME
 from glmconv.io.safetensors.header import read_header
-from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, ShardWriter, plan_shards, shard_header
+from glmconv.io.safetensors.writer import (
+    PlannedShardWriter,
+    PlannedTensor,
+    Shard,
+    ShardWriter,
+    plan_shards,
+    shard_header,
+)
 
 CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -210,3 +217,34 @@ def test_a_name_planned_twice_is_refused_before_anything_is_written(tmp_path: Pa
     with pytest.raises(CheckpointError, match=r"^a: planned twice$"):
         PlannedShardWriter(tmp_path / "out", [PlannedTensor("a", "F32", (1,))] * 2, 100)
     assert not (tmp_path / "out").exists()
+
+
+# ---- shards given whole: any membership, data order and names (export --like) ----------------------------
+
+def test_given_shards_keep_their_membership_data_order_and_names(tmp_path: Path) -> None:
+    a, b, c = torch.ones(2), torch.full((3,), 2.0), torch.full((1,), 3.0)
+    planned = {n: PlannedTensor(n, "F32", tuple(t.shape)) for n, t in {"a": a, "b": b, "c": c}.items()}
+    shards = [Shard((planned["c"], planned["a"]), "first.safetensors"), Shard((planned["b"],), "second.safetensors")]
+    with PlannedShardWriter(tmp_path, planned.values(), shards) as w:  # a arrives, then b (second file), then c
+        for name, t in {"a": a, "b": b, "c": c}.items():
+            w.write(name, t)
+    first = read_header(tmp_path / "first.safetensors")
+    assert [(e.name, e.begin) for e in first.entries.values()] == [("c", 0), ("a", 4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first.safetensors", "second.safetensors"]  # no index
+    with safe_open(str(tmp_path / "first.safetensors"), framework="pt") as f:
+        assert (_bits(f.get_tensor("a")), _bits(f.get_tensor("c"))) == (_bits(a), _bits(c))
+
+
+def test_a_given_header_is_written_as_it_is(tmp_path: Path) -> None:
+    t = PlannedTensor("a", "F32", (2,))
+    text = b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'  # spaced, unpadded: not ours
+    head = struct.pack("<Q", len(text)) + text
+    with PlannedShardWriter(tmp_path, [t], [Shard((t,), "model.safetensors", None, head)]) as w:
+        w.write("a", torch.ones(2))
+    assert (tmp_path / "model.safetensors").read_bytes() == head + _bits(torch.ones(2))
+
+
+def test_shards_that_do_not_hold_every_planned_tensor_are_refused(tmp_path: Path) -> None:
+    a, b = PlannedTensor("a", "F32", (1,)), PlannedTensor("b", "F32", (1,))
+    with pytest.raises(CheckpointError, match=r"^b: the shards do not hold the planned tensors exactly once$"):
+        PlannedShardWriter(tmp_path / "out", [a, b], [Shard((a,), "x.safetensors")])
