@@ -12,7 +12,7 @@ from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.rules.table import DTYPE_CHOICES, KEEP
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SIZE
-from glmconv_cli.workers import WORKERS
+from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
 
 @click.command("convert")
@@ -23,14 +23,9 @@ from glmconv_cli.workers import WORKERS
 @click.option("--no-space-check", "no_space_check", is_flag=True,
               help="Do not refuse an output larger than the free space at OUT_DIR (checked before writing).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
-@click.option("--workers", type=WORKERS, default="1", show_default=True,
-              help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 cores "
-              "(FP8 source) or 2 cores, at most 8 (under torchrun, one per rank instead).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where FP8 weights are dequantised and cast to BF16 (the same bits everywhere); auto: the GPU "
-              "when one is visible and a worker has at least 1 GiB of FP8 codes.")
-@click.option("--read-threads", type=click.IntRange(0, 64), default=2, show_default=True,
-              help="Threads per worker reading and dequantising ahead of its writer (0: one step at a time).")
+@workers_option("FP8 source")
+@device_option("cast to BF16")
+@read_threads_option("reading and dequantising ahead of its writer")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Carry the MTP layer (mtp.layers.0.*).")

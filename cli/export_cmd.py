@@ -12,7 +12,7 @@ from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.text import count, printable, show
 from glmconv_cli.convert_cmd import plan_lines, warn_homeless
 from glmconv_cli.sizes import SIZE
-from glmconv_cli.workers import WORKERS
+from glmconv_cli.workers import read_threads_option, workers_option
 
 
 @click.command("export")
@@ -26,12 +26,9 @@ from glmconv_cli.workers import WORKERS
               help="Largest safetensors shard [default: with --like, its own files (names, tensors, order), where "
               "they hold every tensor; else 5GB].")
 @click.option("--fp8", is_flag=True, help="Re-quantise the release's FP8 set (e4m3, 128x128 block scales).")
-@click.option("--workers", type=WORKERS, default="1", show_default=True,
-              help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 cores "
-              "(with --fp8) or 2 cores, at most 8 (under torchrun, one per rank instead).")
-@click.option("--read-threads", type=click.IntRange(0, 64), default=2, show_default=True,
-              help="Threads per worker reading, transforming and FP8-encoding ahead of its writer (0: one step at "
-              "a time); every choice writes the same shards.")
+@workers_option("with --fp8")
+@read_threads_option("reading, transforming and FP8-encoding ahead of its writer", "; every choice writes the same "
+                     "shards")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")

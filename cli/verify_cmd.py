@@ -12,6 +12,7 @@ import click
 from glmconv.progress import PLAN, say
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
+from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
 ROWS = 20  # mismatches in the table (--json lists up to glmconv.runners.verify.LISTED)
 
@@ -20,7 +21,10 @@ ROWS = 20  # mismatches in the table (--json lists up to glmconv.runners.verify.
 @click.argument("hf_dir", type=click.Path(path_type=Path))
 @click.argument("mcore_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
-def verify(hf_dir: Path, mcore_dir: Path, as_json: bool) -> None:
+@workers_option("FP8 source")
+@read_threads_option("reading, dequantising and comparing ahead", "; every choice finds the same mismatches")
+@device_option("compared")
+def verify(hf_dir: Path, mcore_dir: Path, as_json: bool, workers: int | str, read_threads: int, device: str) -> None:
     """Compare every tensor of HF_DIR with its mapped counterpart in MCORE_DIR, streaming, bit for bit.
 
     FP8 weights are dequantised by the reference formula first. Exit 0 when every tensor is equal, 1 when any
@@ -29,7 +33,10 @@ def verify(hf_dir: Path, mcore_dir: Path, as_json: bool) -> None:
     say("verify", PLAN, f"reading and checking {hf_dir} and {mcore_dir}", enabled=not as_json)
     from glmconv import api
 
-    summary = api.verify(hf_dir, mcore_dir, progress=not as_json)
+    summary = api.verify(hf_dir, mcore_dir, progress=not as_json, workers=workers, read_threads=read_threads,
+                         device=device)
+    if not api.lead_process():  # torchrun: rank 0 alone prints, once
+        return
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:

@@ -1,6 +1,10 @@
-"""`--workers N|auto` on the command line: a count from 1 to 256, or `auto` (glmconv/runners/workers.py)."""
+"""The options of how a command spreads its work, one definition for every command that has them: `--workers
+N|auto` (a count from 1 to 256, or `auto`: glmconv/runners/workers.py), `--read-threads`, `--device`."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -22,3 +26,23 @@ class Workers(click.ParamType):
 
 
 WORKERS = Workers()
+
+
+def workers_option(fp8_when: str) -> Callable[[Any], Any]:
+    """`--workers`; `fp8_when`: when the auto rule counts FP8 work (the FP8 source, or --fp8)."""
+    return click.option("--workers", type=WORKERS, default="1", show_default=True,
+                        help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 "
+                        f"cores ({fp8_when}) or 2 cores, at most 8 (under torchrun, one per rank instead).")
+
+
+def read_threads_option(work: str, same: str = "") -> Callable[[Any], Any]:
+    """`--read-threads`; `work`: what the threads do ahead of the worker's writer, `same`: what stays the same."""
+    return click.option("--read-threads", type=click.IntRange(0, 64), default=2, show_default=True,
+                        help=f"Threads per worker {work} (0: one step at a time){same}.")
+
+
+def device_option(what: str) -> Callable[[Any], Any]:
+    """`--device`: where FP8 weights are dequantised; `what`: after which they are cast or compared."""
+    return click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+                        help=f"Where FP8 weights are dequantised and {what} (the same bits everywhere); auto: the "
+                        "GPU when one is visible and a worker has at least 1 GiB of FP8 codes.")

@@ -114,18 +114,26 @@ def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 
-def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False) -> dict[str, Any]:
+def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False, workers: int | str = 1,
+           read_threads: int = 2, device: str = "auto") -> dict[str, Any]:
     """Every tensor of `hf_dir` against its mapped counterpart in `mcore_dir`, bit for bit, one mapping at a time.
 
     BF16/F32 kept dtypes must be equal bit for bit, FP8 weights dequantised by the reference formula must equal
     the Megatron BF16 tensor; the summary's `equal` is the verdict (the CLI's exit 1 when False), with the first
     and the worst mismatch (names on both sides, values that differ, max abs diff). Both checkpoints are checked
     first as convert and export check them (a stored `args` of another model is refused).
-    """
-    from glmconv.runners.verify import prepare
-    from glmconv.runners.verify import verify as run
 
-    return run(prepare(hf_dir, mcore_dir), progress=progress)
+    `workers`, `read_threads` and `device` as convert's (the same mismatches, first and worst, whatever they are).
+    """
+    from glmconv.runners.convert import fp8_bytes
+    from glmconv.runners.verify import VerifyOptions, prepare
+    from glmconv.runners.verify import verify as run
+    from glmconv.runners.workers import worker_count
+
+    job = prepare(hf_dir, mcore_dir)
+    opts = VerifyOptions(workers=worker_count(workers, job.hf.bytes_in, fp8_bytes(job.hf.plan.mappings)),
+                         threads=read_threads, device=device, progress=progress)
+    return run(job, opts)
 
 
 def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: GlmConfig | str | Path | None = None,

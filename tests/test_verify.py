@@ -40,6 +40,10 @@ def _mapping(hf: Path, role: str) -> Mapping:
 def _nudge_hf(src: Path, dst: Path, name: str, index: int) -> None:
     """A copy of `src` whose tensor `name` has its `index`-th value changed (the low byte of the element)."""
     shutil.copytree(src, dst)
+    _nudge_in_place(dst, name, index)
+
+
+def _nudge_in_place(dst: Path, name: str, index: int) -> None:
     entry = inspect_hf_checkpoint(dst).tensors[name]
     path = shard_path(dst, entry.file)
     header = read_header(path)
@@ -117,3 +121,28 @@ def test_stored_args_of_another_model_are_refused(converted: dict[str, tuple[Pat
 def test_a_checkpoint_of_another_model_is_refused(converted: dict[str, tuple[Path, Path]]) -> None:
     res = CliRunner().invoke(cli, ["verify", str(converted["cut8"][0]), str(converted["tiny"][1])])
     assert res.exit_code == 2 and res.output.startswith("error: ")
+
+
+def test_the_findings_are_the_same_whatever_the_workers_and_threads(converted: dict[str, tuple[Path, Path]],
+                                                                   tmp_path: Path) -> None:
+    hf, mc = converted["tiny-fp8"]
+    shutil.copytree(hf, tmp_path / "hf")
+    experts, dense, embed = (_mapping(hf, r) for r in (R.MOE_EXPERTS_FC1, R.DENSE_FC2, R.EMBED))
+    for name, index in ((experts.hf[-1].name, 7), (dense.hf[0].name, 0), (embed.hf[0].name, 3)):
+        _nudge_in_place(tmp_path / "hf", name, index)
+    runs = {(w, t): glmconv.verify(tmp_path / "hf", mc, workers=w, read_threads=t) for w, t in
+            ((1, 0), (1, 1), (1, 4), (2, 2))}
+    for s in runs.values():
+        s.pop("elapsed_s")
+    serial = runs[(1, 0)]
+    assert [s for s in runs.values() if s != serial] == []
+    assert serial["mismatches"] == 3 and serial["first_mismatch"]["hf"] == [embed.hf[0].name]
+    assert [m["hf"] for m in serial["listed"]] == [[embed.hf[0].name], [dense.hf[0].name], [experts.hf[-1].name]]
+
+
+def test_the_cli_takes_workers_read_threads_and_device(converted: dict[str, tuple[Path, Path]]) -> None:
+    hf, mc = converted["tiny"]
+    res = CliRunner().invoke(cli, ["verify", str(hf), str(mc), "--workers", "1", "--read-threads", "3", "--device",
+                                   "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["equal"] is True

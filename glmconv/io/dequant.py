@@ -158,3 +158,17 @@ def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
     if tuple(scale_inv.shape) != want:
         raise Fp8FormatError(f"block scales of a {list(fp8.shape)} FP8 weight must be {list(want)}, "
                              f"got {list(scale_inv.shape)}")
+
+
+@contextmanager
+def share_dequantizer(requested: str, fp8_bytes: int, threads: int,
+                      rank: int = 0) -> Iterator[tuple[str, CpuDequantizer | CudaDequantizer]]:
+    """One worker's dequantiser (convert, verify): the device its `fp8_bytes` call for, CPU slabs on `threads`
+    threads (torch's own kernels then on one: the slabs are the threads), closed after; (device, dequantiser)."""
+    device = resolve_device(requested, fp8_bytes)
+    dequantize = make_dequantizer(device, threads, rank)
+    try:
+        with torch_threads(1 if device == "cpu" and threads > 1 else None):
+            yield device, dequantize
+    finally:
+        dequantize.close()

@@ -367,22 +367,17 @@ class ConvertRun(PlanRun):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
-        from glmconv.io.dequant import make_dequantizer, resolve_device, torch_threads
+        from glmconv.io.dequant import share_dequantizer
         from glmconv.io.torch_dist.writer import DcpWriter
 
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
         o = self.opts
-        device = resolve_device(o.device, fp8_bytes(share))
-        fp8_threads = o.fp8_threads or fp8_thread_count(self.world)
-        dequantize = make_dequantizer(device, fp8_threads, rank)
-        try:
-            with torch_threads(1 if device == "cpu" and fp8_threads > 1 else None):  # the slabs are the threads
-                result = run_share(self.job, share, self._writer, prog, group_bytes=o.group_bytes,
-                                   chunk_bytes=o.chunk_bytes, check_finite=o.check_finite, threads=o.threads,
-                                   ahead_bytes=o.ahead_bytes, dequantize=dequantize)
-            return dataclasses.replace(result, device=device)
-        finally:
-            dequantize.close()
+        with share_dequantizer(o.device, fp8_bytes(share), o.fp8_threads or fp8_thread_count(self.world),
+                               rank) as (device, dequantize):
+            result = run_share(self.job, share, self._writer, prog, group_bytes=o.group_bytes,
+                               chunk_bytes=o.chunk_bytes, check_finite=o.check_finite, threads=o.threads,
+                               ahead_bytes=o.ahead_bytes, dequantize=dequantize)
+        return dataclasses.replace(result, device=device)
 
     def check(self, results: list[ShareResult]) -> None:
         check_once((n for r in results for n in r.consumed), self.job.plan.hf_index, "consumed")

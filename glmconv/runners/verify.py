@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from glmconv.errors import CheckpointError
 from glmconv.plan import Mapping, Plan
 from glmconv.runners import convert, export
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES
+from glmconv.runners.ahead import DEFAULT_THREADS, Step, run_ahead
+from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, shares
 
 if TYPE_CHECKING:
     import torch
@@ -71,43 +73,118 @@ def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     return VerifyJob(hf=hf, mcore=mc, pairs=pairs, left_out=left)
 
 
-def verify(job: VerifyJob, *, progress: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
-    """Compare every pair; the summary says whether all are equal, with the first and the worst mismatch."""
-    from glmconv.io.safetensors.reader import HfTensorSource
-    from glmconv.io.torch_dist.reader import DcpReader
-    from glmconv.progress import Progress
+@dataclass(frozen=True)
+class VerifyOptions:
+    workers: int = 1  # processes on this machine (under torchrun, one per rank)
+    threads: int = DEFAULT_THREADS  # reading and comparing ahead of the tally, per worker (0: one step at a time)
+    device: str = "auto"  # where FP8 is dequantised, as convert's --device
+    progress: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
+
+def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> dict[str, Any]:
+    """Compare every pair; the summary says whether all are equal, with the first and the worst mismatch (the
+    same whatever the workers and threads: mismatches are put back in the pairs' order)."""
+    from glmconv.io.dequant import resolve_device
+    from glmconv.runners.ranks import run_ranks
+
+    if opts.device == "cuda":
+        resolve_device(opts.device, convert.fp8_bytes([hf_m for hf_m, _ in job.pairs]))  # no GPU: refused now
     start = time.monotonic()
-    found: list[Mismatch] = []
-    total = sum(mc.mcore_bytes for _, mc in job.pairs)
-    with HfTensorSource(job.hf.files) as source, Progress("verify", total, len(job.pairs), enabled=progress) as prog:
-        reader = DcpReader(job.mcore.src)
-        for hf_m, mc_m in job.pairs:
-            found.extend(compare_mapping(hf_m, mc_m, source, reader, job.mcore.stored_rows, chunk_bytes))
-            reader.drop_cache()
-            prog.advance(mc_m.mcore_bytes)
+    found = run_ranks(verify_rank, (job, opts), opts.workers, "verify")["found"]
     return summary(job, found, time.monotonic() - start)
 
 
-def compare_mapping(hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, reader: DcpReader,
-                    stored_rows: dict[str, int], chunk_bytes: int) -> Iterator[Mismatch]:
-    """One mapping, step by step (stacked experts a window at a time), both ways."""
-    from glmconv.io.dtypes import TORCH_DTYPES
+def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
+    """One rank's share of the pairs; every rank returns all mismatches, in the pairs' order."""
+    from glmconv.errors import GlmconvError
+    from glmconv.runners.ranks import gather, progress, try_
 
-    dtype = TORCH_DTYPES[mc_m.mcore[0].dtype]
-    transform = hf_m.rule.transform
+    mine = pair_share(job, rank, world)
+    label = f"verify [{rank}/{world}]" if world > 1 else "verify"
+    total = sum(job.pairs[i][1].mcore_bytes for i in mine)
+    with progress(label, total, len(mine), opts.progress and rank == 0, "mappings") as prog:
+        outcome = try_(lambda: compare_share(job, mine, prog, opts, rank, world))
+    results = gather(group, outcome, world)
+    error = next((r for r in results if isinstance(r, str)), None)
+    if error:
+        raise GlmconvError(error)
+    tagged = sorted((t for r in results for t in r), key=lambda t: t[0])  # stable: steps keep their order
+    return {"found": [m for _, m in tagged]}
+
+
+def pair_share(job: VerifyJob, rank: int, world: int) -> list[int]:
+    """Indices of this rank's pairs, in order, balanced by bytes as convert's shares are."""
+    index = {id(hf_m): i for i, (hf_m, _) in enumerate(job.pairs)}
+    return sorted(index[id(m)] for m in shares([hf_m for hf_m, _ in job.pairs], world)[rank])
+
+
+def compare_share(job: VerifyJob, mine: list[int], prog: Any, opts: VerifyOptions, rank: int,
+                  world: int) -> list[tuple[int, Mismatch]]:
+    """Compare pairs `mine` on `opts.threads` threads (each with its own DcpReader), FP8 dequantised where
+    convert would dequantise it; mismatches tagged with their pair's index."""
+    from glmconv.io.dequant import share_dequantizer
+    from glmconv.io.safetensors.reader import HfTensorSource
+
+    readers = export.ThreadReaders(job.mcore.src, check_finite=False)
+    fp8 = convert.fp8_bytes([job.pairs[i][0] for i in mine])
+    found: list[tuple[int, Mismatch]] = []
+
+    def steps(source: HfTensorSource) -> Iterator[Step]:
+        for i in mine:
+            yield from compare_steps(i, *job.pairs[i], source, readers, job.mcore.stored_rows, opts.chunk_bytes)
+
+    with share_dequantizer(opts.device, fp8, convert.fp8_thread_count(world), rank) as (_, dequantize), \
+            HfTensorSource(job.hf.files, dequantize=dequantize) as source, \
+            closing(run_ahead(steps(source), opts.threads)) as made:  # its threads end before the files
+        for i, nbytes, last, mismatches in made:
+            found.extend((i, m) for m in mismatches)
+            prog.advance(nbytes, int(last))
+    return found
+
+
+def compare_steps(i: int, hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, readers: export.ThreadReaders,
+                  stored_rows: dict[str, int], chunk_bytes: int) -> Iterator[Step]:
+    """Pair `i` as `run_ahead` steps, each reading on its thread's reader and comparing both ways; a step makes
+    one chunk: (i, Megatron bytes compared, whether it ends the pair, its mismatches)."""
     steps = hf_m.row_steps(chunk_bytes)
     if steps is None:
-        hf = [source.weight(t.name, dtype) for t in hf_m.hf]
-        stored = [reader.read(t.name, (0, t.shape[0]) if t.name in stored_rows else None) for t in mc_m.mcore]
-        back = transform.backward(stored, [t.shape for t in hf_m.hf])
-        yield from _step(hf_m, range(len(hf_m.hf)), hf, transform.forward(hf, len(stored)), stored, back, None)
+        yield Step(0, lambda: [(i, mc_m.mcore_bytes, True, list(compare_whole(hf_m, mc_m, source, readers.get(),
+                                                                              stored_rows)))])
         return
-    for rows, picks in steps:
-        hf = [source.weight(hf_m.hf[i].name, dtype) for i in picks]
-        stored = [reader.read(mc_m.mcore[0].name, (rows.start, rows.stop))]
-        back = transform.backward(stored, [])
-        yield from _step(hf_m, picks, hf, transform.forward(hf, 1), stored, back, (rows.start, rows.stop))
+    total, n = mc_m.mcore_bytes, max(mc_m.mcore[0].shape[0], 1)
+    for k, (rows, picks) in enumerate(steps):
+        nbytes, last = total * rows.stop // n - total * rows.start // n, k == len(steps) - 1
+        yield Step(0, lambda rows=rows, picks=picks, nbytes=nbytes, last=last: [
+            (i, nbytes, last, list(compare_rows(hf_m, mc_m, source, readers.get(), rows, picks)))])
+
+
+def compare_whole(hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, reader: DcpReader,
+                  stored_rows: dict[str, int]) -> Iterator[Mismatch]:
+    """A mapping read whole, both ways."""
+    dtype = _dtype(mc_m)
+    transform = hf_m.rule.transform
+    hf = [source.weight(t.name, dtype) for t in hf_m.hf]
+    stored = [reader.read(t.name, (0, t.shape[0]) if t.name in stored_rows else None) for t in mc_m.mcore]
+    back = transform.backward(stored, [t.shape for t in hf_m.hf])
+    yield from _step(hf_m, range(len(hf_m.hf)), hf, transform.forward(hf, len(stored)), stored, back, None)
+
+
+def compare_rows(hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, reader: DcpReader, rows: range,
+                 picks: list[int]) -> Iterator[Mismatch]:
+    """A window of stacked experts, both ways."""
+    dtype = _dtype(mc_m)
+    transform = hf_m.rule.transform
+    hf = [source.weight(hf_m.hf[i].name, dtype) for i in picks]
+    stored = [reader.read(mc_m.mcore[0].name, (rows.start, rows.stop))]
+    back = transform.backward(stored, [])
+    yield from _step(hf_m, picks, hf, transform.forward(hf, 1), stored, back, (rows.start, rows.stop))
+
+
+def _dtype(mc_m: Mapping) -> torch.dtype:
+    from glmconv.io.dtypes import TORCH_DTYPES
+
+    return TORCH_DTYPES[mc_m.mcore[0].dtype]
 
 
 def _step(m: Mapping, picks: range | list[int], hf: list[torch.Tensor], mine: list[torch.Tensor],
