@@ -12,7 +12,9 @@ For every size in BENCH_SIZES (default 1GB,4GB; BF16) and BENCH_FP8_SIZES (defau
    `convert`;
 4. when the CLI has `export`: rounds of `cp -r OUT X` and `glmconv export OUT EXP` on the converted checkpoint;
 5. when it has `relayout`: rounds of `glmconv relayout OUT REL --to mcore` (bytes only move: file to file), against
-   the same `cp -r OUT X`.
+   the same `cp -r OUT X`;
+6. when it has `verify`: rounds of `glmconv verify SRC OUT` (every value of both, compared), against the
+   single-process convert of the same SRC (`vs convert`: convert's seconds over verify's, 1.0 = as fast).
 
 Every command runs as a child process: wall time is perf_counter around it; peak memory is the largest sum of
 RSS over the process tree, sampled every 50 ms with psutil (also RSS minus file-backed shared pages, since
@@ -246,6 +248,9 @@ def run_case(size: int, fp8: bool, base: Path, opts: dict[str, Any]) -> dict[str
             evict(src)
             c.step("convert-cold", [*GLMCONV, "convert", str(src), str(cold), "--json"], src, rnd)
             rm(cold)
+    if opts["verify"] and out1.is_dir():
+        for rnd in range(opts["repeat"]):
+            c.step("verify", [*GLMCONV, "verify", str(src), str(out1), "--json"], src, rnd)
     if opts["profile"] and not fp8 and not opts.get("profiled"):
         opts["profiled"] = True
         c.row["profile"] = profile_convert(src, base / f"prof-{label}", c.logs)
@@ -354,11 +359,14 @@ def summarize(row: dict[str, Any]) -> None:
         elif name in ("export", "relayout"):
             s["ratio_vs_cp"] = _ratio(ref("cp-mcore"), s["seconds_min"])
             s["ratio_vs_cp_median"] = _ratio(ref("cp-mcore", key="seconds_median"), s["seconds_median"])
+        elif name == "verify":
+            s["ratio_vs_convert"] = _ratio(ref("convert"), s["seconds_min"])
+            s["ratio_vs_convert_median"] = _ratio(ref("convert", key="seconds_median"), s["seconds_median"])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = ("case", "step", "rounds", "fastest s", "median s", "GB/s", "ratio vs cp", "ratio (median)",
-            "vs cp+sync", "CPU s", "others (cores)", "peak RSS tree", "RSS - shared", "input cached")
+            "vs cp+sync", "vs convert (median)", "CPU s", "others (cores)", "peak RSS tree", "RSS - shared", "input cached")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         for name, s in row["steps"].items():
@@ -367,11 +375,17 @@ def table(rows: list[dict[str, Any]]) -> str:
                 continue
             cells = [row["case"], name, str(len(s["runs"])), f"{s['seconds_min']:.2f}", f"{s['seconds_median']:.2f}",
                      _fmt(s.get("gb_per_s")), _fmt(s.get("ratio_vs_cp")), _fmt(s.get("ratio_vs_cp_median")),
-                     _fmt(s.get("ratio_vs_cp_sync")), f"{s['cpu_seconds_median']:.1f}", _fmt(s["others_cores_median"]),
+                     _fmt(s.get("ratio_vs_cp_sync")), _vs_convert(s), f"{s['cpu_seconds_median']:.1f}", _fmt(s["others_cores_median"]),
                      f"{s['peak_rss_bytes'] / 2**30:.2f} GiB", f"{s['peak_rss_minus_shared_bytes'] / 2**30:.2f} GiB",
                      _fmt(s.get("input_resident_before"))]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _vs_convert(s: dict[str, Any]) -> str:
+    if s.get("ratio_vs_convert") is None:
+        return ""
+    return f"{_fmt(s['ratio_vs_convert'])} ({_fmt(s.get('ratio_vs_convert_median'))})"
 
 
 def models(rows: list[dict[str, Any]]) -> str:
@@ -398,7 +412,7 @@ def main() -> int:
         "workers": env_int("BENCH_WORKERS", 2), "repeat": max(1, env_int("BENCH_REPEAT", 3)),
         "cold": os.environ.get("BENCH_COLD", "1") == "1", "profile": os.environ.get("BENCH_PROFILE", "0") == "1",
         "keep": os.environ.get("BENCH_KEEP", "0") == "1", "export": has_command("export"),
-        "relayout": has_command("relayout"),
+        "relayout": has_command("relayout"), "verify": has_command("verify"),
         "quiet": (float(os.environ.get("BENCH_QUIET_S", "20")), float(os.environ.get("BENCH_QUIET_CORES", "0.5")))}
     results: dict[str, Any] = {"machine": machine(base), "options": dict(opts),
                                "env": {k: v for k, v in os.environ.items() if k.startswith("BENCH_")}, "cases": []}

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make bench`: time glmconv convert (single process and --workers 2) against `cp -r` on bench fixtures.
+# `make bench`: time glmconv convert (single process and --workers 2) against `cp -r` on bench fixtures, export and
+# relayout against `cp -r` of the converted checkpoint, and verify against convert of the same source.
 # Sizes: BENCH_SIZES (default 1GB,4GB, BF16) and BENCH_FP8_SIZES (default 1GB); data under BENCH_DIR
 # (default bench-data, git-ignored), deleted as it goes unless BENCH_KEEP=1; results in BENCH_DIR/results.json.
 # Needs about 4x the largest size free on that disk. See benchmarks/bench_convert.py for every knob.

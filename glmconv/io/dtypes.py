@@ -35,6 +35,8 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
 
 
 _CODES: dict[str, str] = {name: code for code, (_, name) in _TABLE.items() if name is not None}
+DTYPE_NAMES: frozenset[str] = frozenset(_CODES)
+"""The torch dtype attributes (`bfloat16`) of the table: the dtypes a checkpoint may hold."""
 
 
 def torch_dtype_code(dtype: Any) -> str:

@@ -20,7 +20,7 @@ from glmconv.io.file_names import (
     TRACKER_NAME,
 )
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.torch_dist.safe_unpickle import safe_load
+from glmconv.io.torch_dist.safe_unpickle import is_stand_in, safe_load
 
 TORCH_DIST = "torch_dist"
 
@@ -78,7 +78,7 @@ def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
     _check_backend(iter_dir)
     meta_path = require_file(iter_dir, DCP_METADATA_NAME,
                              f"{iter_dir.name}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")
-    metadata = safe_load(meta_path)
+    metadata = safe_load(meta_path, stand_ins=True)  # names, shapes, dtypes, files: no torch needed
     tensors, objects = _entries(metadata, meta_path)
     _check_storage(metadata, iter_dir)
     common = COMMON_PT_NAME if optional_file(iter_dir, COMMON_PT_NAME) is not None else next(
@@ -97,16 +97,14 @@ def _check_backend(iter_dir: Path) -> None:
 
 
 def _entries(metadata: Any, meta_path: Path) -> tuple[dict[str, DcpTensor], list[str]]:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+    if not is_stand_in(metadata, "Metadata") or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CheckpointError(f"{meta_path.name}: not a DCP Metadata object")
     tensors: dict[str, DcpTensor] = {}
     objects: list[str] = []
     for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
+        if is_stand_in(md, "TensorStorageMetadata"):
             tensors[key] = DcpTensor(key, tuple(int(d) for d in md.size), torch_dtype_code(md.properties.dtype))
-        elif isinstance(md, BytesStorageMetadata):
+        elif is_stand_in(md, "BytesStorageMetadata"):
             objects.append(key)
         else:
             raise CheckpointError(f"{meta_path.name}: entry {key} has unknown storage type {type(md).__name__}")
@@ -116,7 +114,7 @@ def _entries(metadata: Any, meta_path: Path) -> tuple[dict[str, DcpTensor], list
 def _check_storage(metadata: Any, iter_dir: Path) -> None:
     """Every data file the metadata points to exists inside the directory and is long enough."""
     needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
         rel = str(getattr(info, "relative_path", ""))
         inside(iter_dir, rel, f"{DCP_METADATA_NAME}: data file")
         needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))

@@ -34,7 +34,7 @@ from glmconv.io.file_names import DCP_METADATA_NAME
 from glmconv.io.finite import require_finite
 from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
-from glmconv.io.torch_dist.safe_unpickle import safe_load
+from glmconv.io.torch_dist.safe_unpickle import is_stand_in, safe_load
 
 if TYPE_CHECKING:
     import torch
@@ -432,16 +432,20 @@ def read_metadata(ckpt_dir: str | Path) -> Any:
 
 
 def read_bytes_entry(ckpt_dir: str | Path, key: str) -> bytes:
-    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
+    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state); the metadata is read as
+    `StandIn`s, so this needs no torch."""
     d = Path(ckpt_dir)
-    md = read_metadata(d)
-    info = (md.storage_data or {}).get(MetadataIndex(key))
-    if not isinstance(md.state_dict_metadata.get(key), BytesStorageMetadata) or not isinstance(info, _StorageInfo):
+    path = d / DCP_METADATA_NAME
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; not a torch_dist checkpoint")
+    md = safe_load(path, stand_ins=True)
+    entries = getattr(md, "state_dict_metadata", None) if is_stand_in(md, "Metadata") else None
+    info = next((v for k, v in (getattr(md, "storage_data", None) or {}).items()
+                 if getattr(k, "fqn", None) == key and getattr(k, "offset", None) is None), None)
+    if not isinstance(entries, dict) or not is_stand_in(entries.get(key), "BytesStorageMetadata") or \
+            not is_stand_in(info, "_StorageInfo"):
         raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
-    if Path(info.relative_path).name != info.relative_path or info.transform_descriptors:
+    if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
         raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
     try:
         with open(d / info.relative_path, "rb") as f:
