@@ -245,3 +245,36 @@ def test_checkpoint_written_by_glmconv_dcp_writer_reads_through_the_allow_list(t
     ck = inspect_torch_dist(tmp_path / "ck")
     assert {n: (t.shape, t.dtype) for n, t in ck.tensors.items()} == {"a.weight": ((4, 3), "BF16"), "b": ((2,), "F32")}
     assert sorted(ck.objects) == [COMMON_KEY, "x._extra_state/shard_0_1"] and ck.common_state == COMMON_KEY
+
+
+# ---- read without torch: the same answers -------------------------------------------------------------
+
+def _saved(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_a_common_state_reads_the_same_without_torch_as_with_it() -> None:
+    from glmconv.fixtures import preset_config
+    from glmconv.io.torch_dist.common_state import _with_torch, _without_torch, build_common_state
+
+    data = _saved([build_common_state(parse_config(preset_config("tiny")), iteration=7)])
+    (plain,), (strict,) = _without_torch(data), _with_torch(data, "state")
+    assert plain == strict and plain["iteration"] == 7 and vars(plain["args"]) == vars(strict["args"])
+
+
+def test_a_common_state_holding_a_tensor_is_left_to_torch() -> None:
+    from glmconv.io.torch_dist.common_state import _without_torch, load_common_state
+
+    data = _saved([{"iteration": 3, "rng": torch.arange(3)}])
+    assert _without_torch(data) is None
+    assert load_common_state(data, source="state")["rng"].tolist() == [0, 1, 2]
+
+
+def test_metadata_stand_ins_give_the_tensors_the_real_classes_give(tmp_path: Path) -> None:
+    root = _small(tmp_path / "ck")
+    real = safe_load(root / "release" / DCP_METADATA_NAME)
+    expected = {k: (tuple(md.size), torch_dtype_code(md.properties.dtype))
+                for k, md in real.state_dict_metadata.items() if hasattr(md, "size")}
+    assert {n: (t.shape, t.dtype) for n, t in inspect_torch_dist(root).tensors.items()} == expected

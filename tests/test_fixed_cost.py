@@ -1,4 +1,5 @@
-"""Issue 14, fixed cost: the commands that need no tensor import no torch (its import alone is 1-6 s)."""
+"""Issues 14 and 27, fixed cost: the commands that need no tensor import no torch (its import alone is 1-6 s):
+every --help, audit-names, and the dry runs of convert, export and relayout."""
 
 from __future__ import annotations
 
@@ -27,10 +28,35 @@ def imports_torch(*args: str) -> tuple[int, bool]:
     return int(last[1]), last[3] == "True"
 
 
-@pytest.mark.parametrize("args", [["--help"], ["convert", "--help"], ["audit-names", str(CONFIG)]],
-                         ids=["help", "convert-help", "audit-names-config"])
-def test_help_and_a_config_audit_import_no_torch(args: list[str]) -> None:
-    assert imports_torch(*args) == (0, False)
+EVERY_HELP = """
+import sys
+import click
+from glmconv_cli.main import cli
+
+def paths(cmd, prefix):
+    yield prefix
+    if isinstance(cmd, click.Group):
+        for name, sub in sorted(cmd.commands.items()):
+            yield from paths(sub, [*prefix, name])
+
+for path in paths(cli, []):
+    try:
+        cli.main([*path, "--help"], standalone_mode=False, prog_name="glmconv")
+    except SystemExit:
+        pass
+    print(" ".join(["glmconv", *path]), "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_every_help_imports_no_torch() -> None:
+    res = subprocess.run([sys.executable, "-c", EVERY_HELP], capture_output=True, text=True, timeout=120)
+    seen = dict(line.rsplit(" ", 1) for line in res.stderr.strip().splitlines())
+    assert {"glmconv", "glmconv convert", "glmconv export", "glmconv verify", "glmconv fixture make"} <= set(seen)
+    assert [cmd for cmd, torch in seen.items() if torch != "False"] == []
+
+
+def test_a_config_audit_imports_no_torch() -> None:
+    assert imports_torch("audit-names", str(CONFIG)) == (0, False)
 
 
 def test_audit_of_an_hf_directory_imports_no_torch(tiny_fp8_ckpt: Path) -> None:
@@ -41,3 +67,25 @@ def test_a_dry_run_with_auto_workers_and_device_imports_no_torch(tiny_fp8_ckpt: 
     args = ["convert", str(tiny_fp8_ckpt), str(tmp_path / "out"), "--dry-run", "--workers", "auto", "--json"]
     assert imports_torch(*args) == (0, False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_mc(tiny_fp8_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from glmconv.runners import convert
+
+    out = tmp_path_factory.mktemp("fixed") / "mc"
+    convert.convert(convert.prepare(tiny_fp8_ckpt, out), convert.RunOptions(progress=False))
+    return out
+
+
+def test_an_export_dry_run_imports_no_torch(tiny_fp8_ckpt: Path, tiny_mc: Path, tmp_path: Path) -> None:
+    args = ["export", str(tiny_mc), str(tmp_path / "out"), "--dry-run", "--fp8", "--like", str(tiny_fp8_ckpt)]
+    assert imports_torch(*args) == (0, False)
+
+
+def test_a_relayout_dry_run_imports_no_torch(tiny_mc: Path, tmp_path: Path) -> None:
+    assert imports_torch("relayout", str(tiny_mc), str(tmp_path / "out"), "--to", "mcore", "--dry-run") == (0, False)
+
+
+def test_audit_of_a_torch_dist_checkpoint_imports_no_torch(tiny_mc: Path) -> None:
+    assert imports_torch("audit-names", str(tiny_mc)) == (0, False)
