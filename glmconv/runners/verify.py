@@ -207,12 +207,23 @@ def differ(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     if a.shape != b.shape or a.dtype != b.dtype:
         return max(a.numel(), b.numel(), 1), float("inf")
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    neq = a.contiguous().view(ints) != b.contiguous().view(ints)
+    a_bits, b_bits = a.contiguous().view(ints), b.contiguous().view(ints)
+    if torch.equal(_words(a_bits), _words(b_bits)):  # the common case, at memory speed (a bool mask's sum: 10x slower)
+        return 0, 0.0
+    neq = a_bits != b_bits
     n = int(neq.sum())
     if n == 0:
         return 0, 0.0
     diff = (a[neq].double() - b[neq].double()).abs()
     return n, float(torch.nan_to_num(diff, nan=float("inf")).max())
+
+
+def _words(bits: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 8-byte words where they divide evenly: fewer, wider elements to compare."""
+    import torch
+
+    flat = bits.reshape(-1).view(torch.uint8)
+    return flat.view(torch.int64) if flat.numel() % 8 == 0 else flat
 
 
 def summary(job: VerifyJob, found: list[Mismatch], elapsed: float) -> dict[str, Any]:
