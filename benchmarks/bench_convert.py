@@ -366,7 +366,8 @@ def summarize(row: dict[str, Any]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = ("case", "step", "rounds", "fastest s", "median s", "GB/s", "ratio vs cp", "ratio (median)",
-            "vs cp+sync", "vs convert (median)", "CPU s", "others (cores)", "peak RSS tree", "RSS - shared", "input cached")
+            "vs cp+sync", "vs convert (median)", "CPU s", "others (cores)", "peak RSS tree", "RSS - shared",
+            "input cached")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         for name, s in row["steps"].items():
@@ -375,7 +376,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 continue
             cells = [row["case"], name, str(len(s["runs"])), f"{s['seconds_min']:.2f}", f"{s['seconds_median']:.2f}",
                      _fmt(s.get("gb_per_s")), _fmt(s.get("ratio_vs_cp")), _fmt(s.get("ratio_vs_cp_median")),
-                     _fmt(s.get("ratio_vs_cp_sync")), _vs_convert(s), f"{s['cpu_seconds_median']:.1f}", _fmt(s["others_cores_median"]),
+                     _fmt(s.get("ratio_vs_cp_sync")), _vs_convert(s), f"{s['cpu_seconds_median']:.1f}",
+                     _fmt(s["others_cores_median"]),
                      f"{s['peak_rss_bytes'] / 2**30:.2f} GiB", f"{s['peak_rss_minus_shared_bytes'] / 2**30:.2f} GiB",
                      _fmt(s.get("input_resident_before"))]
             lines.append("| " + " | ".join(cells) + " |")

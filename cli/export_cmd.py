@@ -19,7 +19,8 @@ from glmconv_cli.workers import read_threads_option, workers_option
 @click.argument("mcore_dir", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--like", "like", type=click.Path(path_type=Path), default=None,
-              help="HF checkpoint to imitate: its text prefix, per-tensor dtypes, config, tokenizer files and shard files.")
+              help="HF checkpoint to imitate: its text prefix, per-tensor dtypes, config, tokenizer files and shard "
+              "files.")
 @click.option("--config", "config", type=click.Path(path_type=Path), default=None,
               help="config.json of the model (default: the one convert left in MCORE_DIR).")
 @click.option("--max-shard-size", type=SIZE, default=None,

@@ -242,7 +242,7 @@ def _without_torch(data: bytes) -> Any:
             if len(pickles) != 1:
                 return None
             return _PlainUnpickler(io.BytesIO(z.read(pickles[0]))).load()
-    except Exception:  # noqa: BLE001 - anything unusual: torch.load gives its verdict, as it always did
+    except Exception:  # anything unusual: torch.load gives its verdict, as it always did
         return None
 
 
