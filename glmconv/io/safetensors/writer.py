@@ -11,9 +11,11 @@ compact JSON header (`__metadata__` = {"format": "pt"} first, then one entry per
 to a multiple of 8, then the data. Like safetensors, the header (and the data) list tensors by dtype --
 widest first, in safetensors' own `Dtype` order -- then by name; the shard *membership* follows the plan's
 order (a new shard starts where the next tensor would overflow `max_shard_bytes`, and a tensor larger than
-the limit gets a shard of its own, as `ShardWriter` does). Tensors must arrive in the plan's order, each
-once and with exactly its planned bytes; each is written at its planned offset (`pwrite`, or a kernel copy
-after a seek), so arrival order and header order may differ without buffering anything.
+the limit gets a shard of its own, as `ShardWriter` does). Or the caller gives the shards whole (`Shard`: any
+membership, data order, names and header bytes, as `export --like` reproduces a source's files). Tensors must
+arrive in the plan's order, each once and with exactly its planned bytes; each is written at its planned offset
+(`pwrite`, or a kernel copy after a seek), so arrival order, shard and header order may differ without
+buffering anything (a shard stays open until its last tensor is in).
 """
 
 from __future__ import annotations
