@@ -146,3 +146,12 @@ def test_the_cli_takes_workers_read_threads_and_device(converted: dict[str, tupl
                                    "cpu", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["equal"] is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_one_error_line(converted: dict[str, tuple[Path, Path]]) -> None:
+    hf, mc = converted["tiny-fp8"]
+    res = CliRunner().invoke(cli, ["verify", str(hf), str(mc), "--device", "cuda"])
+    assert res.exit_code == 2
+    assert res.stderr == ("error: --device cuda: no CUDA device is visible (torch.cuda.is_available() is False); "
+                          "use --device cpu or auto\n")
