@@ -56,7 +56,7 @@ from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publish_run, shares
+from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, balanced, check_once, publish_run, shares
 from glmconv.text import count
 from glmconv.weight_sync import Fp8Stats, Read, mapping_hf, mapping_hf_steps
 
@@ -547,7 +547,7 @@ def own_shards(job: ExportJob, arrival: list[PlannedTensor]) -> list[Shard] | No
 
 def file_shares(job: ExportJob, n: int) -> list[list[Mapping]]:
     """The plan split across `n` ranks so that each of --like's files is written by one of them: the mappings
-    whose HF tensors share files stay together; those groups are balanced by bytes as `shares` does."""
+    whose HF tensors share files stay together; those groups are balanced by bytes (`balanced`)."""
     assert job.like_files is not None
     file_of = {t.name: i for i, s in enumerate(job.like_files.shards) for t in s.tensors}
     group = list(range(len(job.like_files.shards)))
@@ -564,13 +564,7 @@ def file_shares(job: ExportJob, n: int) -> list[list[Mapping]]:
     together: dict[int, list[Mapping]] = {}
     for m, fs in zip(job.plan.mappings, files):
         together.setdefault(root(fs[0]), []).append(m)
-    buckets: list[list[Mapping]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for ms in sorted(together.values(), key=lambda ms: -sum(m.hf_bytes for m in ms)):
-        i = loads.index(min(loads))
-        buckets[i].extend(ms)
-        loads[i] += sum(m.hf_bytes for m in ms)
-    return buckets
+    return balanced(list(together.values()), n)
 
 
 # ---- assembling, verifying, publishing (rank 0) ------------------------------------------------------

@@ -88,12 +88,18 @@ def publish_run(run: PlanRun, out: Path, inputs: dict[str, Path | None], force: 
 
 def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:
     """Split the plan across `n` ranks, balanced by source bytes (largest first onto the lightest rank)."""
+    return balanced([[m] for m in mappings], n)
+
+
+def balanced(groups: list[list[Mapping]], n: int) -> list[list[Mapping]]:
+    """Groups of mappings that go to one rank together, across `n` ranks: largest first (by source bytes) onto
+    the lightest rank."""
     buckets: list[list[Mapping]] = [[] for _ in range(n)]
     loads = [0] * n
-    for m in sorted(mappings, key=lambda m: -m.hf_bytes):
+    for group in sorted(groups, key=lambda g: -sum(m.hf_bytes for m in g)):
         i = loads.index(min(loads))
-        buckets[i].append(m)
-        loads[i] += m.hf_bytes
+        buckets[i].extend(group)
+        loads[i] += sum(m.hf_bytes for m in group)
     return buckets
 
 
