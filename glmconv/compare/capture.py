@@ -201,6 +201,7 @@ class _Run:
             side.judge(rec, switches)
             side.records.append(rec)
             return
+        before = _selection_state(side.precise if side.precise is not None else side.model)  # for the attribution
         x_in = so.x if self.isolated else side.x
         ids = self.replay.ids(sub_block, layer, so.aux)
         yt, aux_t = _call(side.model, sub_block, layer, x_in, self.batch.cu_seqlens, ids)
@@ -210,7 +211,6 @@ class _Run:
         if side.twin is not None and sub_block == ATTENTION:
             rec.update(_kernel_error(side.twin, layer, x_in, self.batch, yt, aux_t, ids))
         xr_in = so.x_ref if self.isolated else side.x_ref
-        before = _selection_state(side.precise)
         ytr, aux_tr = yt, aux_t
         if side.precise is not None:
             ytr, aux_tr = _call(side.precise, sub_block, layer, xr_in if xr_in is not None else x_in.float(),
@@ -250,7 +250,8 @@ class _Run:
         def evaluate(on: frozenset[str]) -> float:
             conv = train.with_overrides([f"{s.split('=')[0]}=serve" for s in switches if s not in on])
             model = base.variant(conv, patch=getattr(base, "weight_patch", None))
-            model.adopt_selection(state)
+            if state is not None:
+                model.adopt_selection(state)
             y, _ = _call(model, sub_block, layer, so.x_ref, self.batch.cu_seqlens, ids)
             return metrics.rel_err(y, so.y_ref)
 
