@@ -292,15 +292,9 @@ def _selection_state(model: Model | None) -> Any:
 
 
 def _switches(serve: _Serve, side: Side, layer: int, sub_block: str) -> list[str]:
-    """`KEY=VALUE` of the side's train switches that differ from serve's and act at this sub-block (the indexer
-    switches too at a DSA attention)."""
-    from glmconv.models.conventions import SELECTION, acting_at
+    from glmconv.models.conventions import acting_at_sub_block
 
-    sites = [sub_block] + ([SELECTION] if sub_block == ATTENTION and serve.model.attn_types[layer] == "dsa" else [])
-    out: list[str] = []
-    for site in sites:
-        out += [s for s in acting_at(serve.conventions, side.conventions, site) if s not in out]
-    return out
+    return acting_at_sub_block(serve.conventions, side.conventions, sub_block, serve.model.attn_types[layer] == "dsa")
 
 
 def _noise(rec: dict[str, Any], t: tuple, s: tuple, tr: tuple, sr: tuple, serve_ref: bool, train_ref: bool) -> None:

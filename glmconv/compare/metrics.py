@@ -121,7 +121,8 @@ def scalars(layers: list[dict[str, Any]], logits: dict[str, Any]) -> dict[str, f
     """The report's single-number metrics, the ones `--fail-on` can bound (None: not measured in this run).
 
     `excess.max`: the largest rel err over the run's measured noise (verdict.excess); `ref_rel_err.max`: the
-    largest difference of weights and conventions alone; `divergences` is added by the report (the verdict's count).
+    largest difference of weights and conventions alone; `divergences`: the sub-blocks
+    the verdict names (the report adds differing embedding and head weights).
     """
     lp = logits["logprob_abs_diff"]
     experts = [r["expert_overlap"] for r in layers if "expert_overlap" in r]
@@ -129,7 +130,7 @@ def scalars(layers: list[dict[str, Any]], logits: dict[str, Any]) -> dict[str, f
     errs = [r["rel_err"] for r in layers]
     noise = {f"{key}.max": _nanmax([r[key] for r in layers if key in r])
              for key in ("excess", "ref_rel_err", "topk_excess", "expert_excess")}
-    return {**{k: v for k, v in noise.items() if v is not None},
+    return {**noise, "divergences": float(sum(bool(r.get("diverged")) for r in layers)),
             "logprob_abs_diff.mean": lp["mean"], "logprob_abs_diff.p99": lp["p99"], "logprob_abs_diff.max": lp["max"],
             "kl": logits["kl"], "top1_agreement": logits["top1_agreement"],
             "top1_disagreement": 1.0 - logits["top1_agreement"],

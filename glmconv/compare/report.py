@@ -35,10 +35,10 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
     top-k differs from serve's (overlap < 1), with what explains it; `passed`: the gate (the verdict, or the
     `--fail-on` bounds when any are given; with `--self-test` every planted defect must be named too).
     """
-    clean = cap.sides[0]
+    clean = cap.sides[0] if cap.sides else _judged(cap, opts, conventions)
     values = metrics.scalars(cap.layers, cap.logits)
     first = _first(clean.judge.first, cap, opts)
-    values["divergences"] = float(clean.judge.diverged + len(_global_defects(cap, opts)))
+    values["divergences"] = (values["divergences"] or 0.0) + len(_global_defects(cap, opts))
     bounds = metrics.check_bounds(opts.bounds, values)
     self_test = [_self_test_row(side) for side in cap.sides[1:]]
     passed = not any(b["broken"] for b in bounds) if opts.bounds else first is None
@@ -61,6 +61,15 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
         **({"self_test": self_test} if opts.self_test else {}),
         "passed": passed and all(r["named"] for r in self_test), "elapsed_s": round(cap.elapsed_s, 3),
     }
+
+
+def _judged(cap: Capture, opts: ParityOptions, conventions: dict[str, Any]) -> Side:
+    """A capture of records alone (a test double's, or one read back): judged here as capture would have."""
+    from glmconv.compare import _judge
+    from glmconv.compare.capture import Side
+    from glmconv.compare.verdict import judge_records
+
+    return Side("clean", None, judge=judge_records(cap.layers, conventions, _judge(opts)))  # type: ignore[arg-type]
 
 
 def _global_defects(cap: Capture, opts: ParityOptions) -> list[dict[str, Any]]:

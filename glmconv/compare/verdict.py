@@ -63,7 +63,7 @@ def reasons(rec: dict[str, Any], floors: Floors, check_weights: bool = True) -> 
     if not rec["rel_err"] <= max(floors.stream, floors.margin * rec.get("noise", 0.0)):
         out.append("rel err beyond noise")
     for name, key in SELECTIONS:
-        if key not in rec:
+        if key not in rec or rec.get("replayed") == name:  # a replayed selection is not what the train side ran
             continue
         if not 1.0 - rec.get(f"{name}_ref_overlap", rec[key]) <= floors.selection:
             out.append(f"reference {name}")
@@ -108,3 +108,13 @@ class Judge:
         if self.propagated and self.first is not None:
             return UPSTREAM
         return NUMERICS
+
+
+def judge_records(records: list[dict[str, Any]], conventions: dict[str, dict[str, str]], judge: Judge) -> Judge:
+    """Judge already measured records (forward order) with `judge`: a report built from records alone."""
+    from glmconv.models.conventions import acting_at_sub_block
+
+    serve, train = conventions.get("serve", {}), conventions.get("train", {})
+    for rec in records:
+        judge(rec, acting_at_sub_block(serve, train, rec["sub_block"], rec.get("attn_type") == "dsa"))
+    return judge
