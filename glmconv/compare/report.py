@@ -385,6 +385,9 @@ def self_test_lines(report: dict[str, Any]) -> list[str]:
         return []
     named = sum(r["named"] for r in rows)
     out = [f"self-test: {named} of {len(rows)} planted defects named at their layer and sub-block"]
+    if report["first_divergence"] is not None:
+        out.append("  (the clean pair itself diverges: a defect planted after its first divergence cannot be told "
+                   "apart; run the self-test on an aligned pair)")
     for r in rows:
         out.append(f"  {'named ' if r['named'] else 'MISSED'} {r['defect']}: planted at {_planted(r)}; "
                    f"{_found(r['first_divergence'])}")
