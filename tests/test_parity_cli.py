@@ -461,7 +461,7 @@ def test_default_fixture_agrees_to_fp32_noise_with_aligned_conventions(made_by_c
 
 
 def test_proj_rms_is_rounding_sized_on_a_unit_init_fixture(made_by_cli: Any) -> None:
-    """At --init unit's stream RMS ~1 the two eps forms differ by ~4e-6 relative: below the 1e-4 threshold."""
+    """At --init unit's stream RMS ~1 the two eps forms differ by ~4e-6 relative: below the 1e-5 floor."""
     hf, mc = made_by_cli("unit")
     r = _parity(hf, mc, tokens=128, sequences=2, train_conventions="serve", overrides=("proj_rms=megatron",))
     assert r["first_divergence"] is None and 0 < r["summary"]["max_rel_err"] < 1e-5
