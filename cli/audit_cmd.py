@@ -49,7 +49,7 @@ def audit_names(src: str, against: str | None, as_json: bool, config: str | None
         _emit(src, emit, as_json, fp8=bool(fp8), mtp=mtp is not False, vision=vision is not False, layers=layers,
               config=config, layout=layout)
         return
-    report = api.audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
+    report = api.audit_report(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
                        accept_flat_prefix=accept_flat_prefix, config=config, layout=layout)
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=1))

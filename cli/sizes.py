@@ -11,12 +11,12 @@ from decimal import Decimal, InvalidOperation
 
 import click
 
+from glmconv.arguments import MAX_SIZE, SEED_RANGE
 from glmconv.text import show
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
 _SIZE = re.compile(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
-MAX_SIZE = 2**50  # 1 PiB: more than any checkpoint file; anything above is a typo
 _EXPECTED = "expected a size such as 5GB, 512MiB or 1000000"
 
 
@@ -55,4 +55,4 @@ class SizeType(click.ParamType):
 SIZE = SizeType()
 
 # A seed as torch.Generator.manual_seed takes it: anything else is a usage error, not an OverflowError.
-SEED = click.IntRange(-(2**63), 2**64 - 1)
+SEED = click.IntRange(*SEED_RANGE)
