@@ -270,6 +270,7 @@ def _parity_arguments(hf_dir: object, mcore_dir: object, tokens: object, sequenc
 
     from glmconv.compare import ParityOptions
     from glmconv.errors import GlmconvError
+    from glmconv.mistakes import check_pair, check_same_model
 
     A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
     A.optional(A.path, "--prompt-file", prompt_file), A.optional(A.path, "--report-dir", report_dir)
@@ -279,6 +280,8 @@ def _parity_arguments(hf_dir: object, mcore_dir: object, tokens: object, sequenc
     if unknown:
         raise GlmconvError(f"glmconv.parity(): unknown keyword {unknown[0]!r} (the options are: "
                            f"{', '.join(sorted(known))})")
+    check_pair("parity", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
+    check_same_model(hf_dir, mcore_dir)
 
 
 _PARITY_OWN = ("hf_dir", "mcore_dir", "tokens", "sequences", "prompt_file", "bounds", "threshold")
