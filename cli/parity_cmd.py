@@ -11,7 +11,7 @@ from glmconv.compare import DEFAULT_THRESHOLDS, DEFAULT_TOKENS
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
-from glmconv_cli.sizes import SEED
+from glmconv_cli.sizes import SEED, SEED_HELP
 
 
 @click.command("parity")
@@ -23,11 +23,13 @@ from glmconv_cli.sizes import SEED
                    "list(s) of ids; several sequences run as one packed batch.")
 @click.option("--sequences", type=int, default=None,
               help="Split the random tokens into K packed sequences (default 1).")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random tokens.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help=f"Seed of the random tokens ({SEED_HELP}).")
 @click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
                    "metrics then compare heads only) gets the serve side's input.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Precision both models compute in: fp32 (rounding differences below the default threshold) or "
+                   "bf16 (as training and serving run; its threshold is looser).")
 @click.option("--device", default="cpu", show_default=True, help="torch device for both models (cpu, cuda, cuda:1).")
 @click.option("--train-conventions", type=click.Choice(["default", "serve"]), default="default", show_default=True,
               help="The train side's starting conventions: Megatron's defaults for MCORE_DIR's layout (mcore: "

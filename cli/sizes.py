@@ -54,5 +54,21 @@ class SizeType(click.ParamType):
 
 SIZE = SizeType()
 
-# A seed as torch.Generator.manual_seed takes it: anything else is a usage error, not an OverflowError.
-SEED = click.IntRange(*SEED_RANGE)
+class SeedType(click.ParamType):
+    """A seed as torch.Generator.manual_seed takes it: anything else is a usage error, not an OverflowError. The
+    range is said in words (SEED_HELP), not as click's 20-digit bounds that break across help lines."""
+
+    name = "integer"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            number = value if isinstance(value, int) and not isinstance(value, bool) else int(str(value).strip())
+        except ValueError:
+            self.fail(f"{show(str(value))}: expected a whole number", param, ctx)
+        if not SEED_RANGE[0] <= number <= SEED_RANGE[1]:
+            self.fail(f"{number}: expected a seed from -2**63 to 2**64-1", param, ctx)
+        return number
+
+
+SEED = SeedType()
+SEED_HELP = "any whole number from -2**63 to 2**64-1"
