@@ -66,7 +66,7 @@ class SeedType(click.ParamType):
         except ValueError:
             self.fail(f"{show(str(value))}: expected a whole number", param, ctx)
         if not SEED_RANGE[0] <= number <= SEED_RANGE[1]:
-            self.fail(f"{number}: expected a seed from -2**63 to 2**64-1", param, ctx)
+            self.fail(f"{show(str(number))}: expected a seed from -2**63 to 2**64-1", param, ctx)
         return number
 
 

@@ -56,7 +56,7 @@ def command_lines() -> list[str]:
 def _run_glmconv(command: str) -> tuple[int, str]:
     args = shlex.split(command)
     assert args[0] == "glmconv", command
-    res = CliRunner().invoke(cli, args[1:])
+    res = CliRunner(env={"COLUMNS": "500"}).invoke(cli, args[1:])  # the README shows lines unwrapped
     return res.exit_code, res.stdout
 
 
