@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from glmconv.arguments import DEVICE_CHOICES, READ_THREADS
 from glmconv.progress import PLAN, say
 from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.rules.table import DTYPE_CHOICES, KEEP
@@ -26,10 +27,10 @@ from glmconv_cli.workers import WORKERS
 @click.option("--workers", type=WORKERS, default="1", show_default=True,
               help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 cores "
               "(FP8 source) or 2 cores, at most 8 (under torchrun, one per rank instead).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="Where FP8 weights are dequantised and cast to BF16 (the same bits everywhere); auto: the GPU "
               "when one is visible and a worker has at least 1 GiB of FP8 codes.")
-@click.option("--read-threads", type=click.IntRange(0, 64), default=2, show_default=True,
+@click.option("--read-threads", type=click.IntRange(*READ_THREADS), default=2, show_default=True,
               help="Threads per worker reading and dequantising ahead of its writer (0: one step at a time).")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
@@ -49,7 +50,12 @@ from glmconv_cli.workers import WORKERS
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int | str,
             device: str, read_threads: int, force: bool, mtp: bool, vision: bool, group_size: int,
             check_finite: bool, dtype: str, layout: str) -> None:
-    """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
+    """Convert an HF checkpoint (BF16, F32 or the FP8 release) into a Megatron-core torch_dist checkpoint.
+
+    Exit codes: 0 converted (or planned, with --dry-run), 2 bad input (one `error:` line naming the file or
+    tensor; nothing is published), 3 internal error (a bug: please report it), 130/143 interrupted (staging
+    removed).
+    """
     say("convert", PLAN, f"reading and auditing {hf_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from glmconv.arguments import READ_THREADS
 from glmconv.progress import PLAN, say
 from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.text import count, printable, show
@@ -27,7 +28,7 @@ from glmconv_cli.workers import WORKERS
 @click.option("--workers", type=WORKERS, default="1", show_default=True,
               help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 cores "
               "(with --fp8) or 2 cores, at most 8 (under torchrun, one per rank instead).")
-@click.option("--read-threads", type=click.IntRange(0, 64), default=2, show_default=True,
+@click.option("--read-threads", type=click.IntRange(*READ_THREADS), default=2, show_default=True,
               help="Threads per worker reading, transforming and FP8-encoding ahead of its writer (0: one step at "
               "a time); every choice writes the same shards.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
@@ -44,7 +45,12 @@ from glmconv_cli.workers import WORKERS
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int, fp8: bool,
            workers: int | str, read_threads: int, as_json: bool, force: bool, check_finite: bool, dry_run: bool,
            no_space_check: bool, layout: str | None) -> None:
-    """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
+    """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index.
+
+    Exit codes: 0 exported (or planned, with --dry-run), 2 bad input (one `error:` line naming the file or
+    tensor; nothing is published), 3 internal error (a bug: please report it), 130/143 interrupted (staging
+    removed).
+    """
     say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 

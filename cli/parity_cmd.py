@@ -13,7 +13,7 @@ from glmconv.compare.verdict import MARGIN, STREAM_FLOOR
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
-from glmconv_cli.sizes import SEED
+from glmconv_cli.sizes import SEED, SEED_HELP
 
 
 @click.command("parity")
@@ -25,7 +25,7 @@ from glmconv_cli.sizes import SEED
                    "list(s) of ids; several sequences run as one packed batch.")
 @click.option("--sequences", type=int, default=None,
               help="Split the random tokens into K packed sequences (default 1).")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random tokens.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help=f"Seed of the random tokens ({SEED_HELP}).")
 @click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
                    "metrics then compare heads only) gets the serve side's input.")

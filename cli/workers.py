@@ -1,24 +1,20 @@
-"""`--workers N|auto` on the command line: a count from 1 to 256, or `auto` (glmconv/runners/workers.py)."""
+"""`--workers N|auto` on the command line: checked by glmconv.arguments.workers, as the Python API checks it."""
 
 from __future__ import annotations
 
 import click
 
-from glmconv.text import show
-
-MAX_WORKERS = 256
+from glmconv import arguments
 
 
 class Workers(click.ParamType):
     name = "N|auto"
 
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
-        if isinstance(value, int) or value == "auto":
-            return value
-        text = str(value)
-        if text.strip().isdigit() and 1 <= int(text) <= MAX_WORKERS:
-            return int(text)
-        self.fail(f"{show(text)}: expected a count from 1 to {MAX_WORKERS}, or auto", param, ctx)
+        try:
+            return arguments.workers(value)
+        except arguments.ArgumentError as exc:
+            self.fail(exc.detail, param, ctx)
 
 
 WORKERS = Workers()

@@ -384,7 +384,8 @@ MCORE_CASES = [
     Case("common-state-missing", "export", "mc", lambda m, t: edit_metadata(m, drop_common_state),
          r"release: common state missing: no common\.pt and no " + _q(COMMON_STATE_KEY) + r" entry in \.metadata"),
     Case("mcore-config-missing", "export", "mc", lambda m, t: (m / CONFIG_NAME).unlink(),
-         r"src: torch_dist checkpoint has no config\.json next to it; pass --config CONFIG$"),
+         r"src: torch_dist checkpoint has no config\.json next to it \(convert writes one there\): copy the "
+         r"model's config\.json into .*src, or pass --config CONFIG$"),
     Case("mcore-config-vs-checkpoint-layers", "export", "mc", lambda m, t: cut_config_layers(m, 3),  # args first
          r"release: the stored Megatron args say 4 decoder layers \(num_layers\) but the config says 3: this "
          r"checkpoint is another model than its config\.json$"),

@@ -512,7 +512,9 @@ def test_cli_bad_convention_override_exit_2(tiny_ckpt: Path, tiny_mc: Path) -> N
 
 def test_cli_refuses_checkpoints_of_different_models(tiny_ckpt: Path, cut8_mc: Path) -> None:
     res = CliRunner().invoke(cli, ["parity", str(tiny_ckpt), str(cut8_mc)])
-    assert res.exit_code == 2 and "describes a different model" in res.output, res.output
+    assert res.exit_code == 2 and res.stderr.strip() == (
+        f"error: {cut8_mc} is not a conversion of {tiny_ckpt}: another model (first_k_dense_replace: 3 in {cut8_mc}, "
+        f"2 in {tiny_ckpt}; num_hidden_layers: 8 in {cut8_mc}, 4 in {tiny_ckpt}; 4 other keys)"), res.output
 
 
 # ---- replay: selection disagreement told from numerical error ------------------------------------------------

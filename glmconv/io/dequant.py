@@ -17,13 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from glmconv.arguments import DEVICE_CHOICES
 from glmconv.errors import GlmconvError
 from glmconv.io.fp8 import FP8_BLOCK, dequantize_fp8_blocks
 
 if TYPE_CHECKING:
     import torch
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = DEVICE_CHOICES
 SLAB_ROWS = 2 * FP8_BLOCK  # rows per CPU slab: fp32 temporaries of a few MB stay in cache
 AUTO_CUDA_BYTES = 1 << 30  # auto picks the GPU for a worker with at least this many bytes of FP8 codes
 

@@ -127,10 +127,15 @@ def _check_storage(metadata: Any, iter_dir: Path) -> None:
             raise CheckpointError(f"{rel}: truncated: metadata needs {end} bytes, file has {os.path.getsize(path)}")
 
 
-def config_path(root: Path, iter_dir: Path) -> Path:
-    """Where convert leaves a torch_dist checkpoint's config.json: beside the tracker or in the iteration dir."""
+def config_path(root: Path, iter_dir: Path, option: str | None = None) -> Path:
+    """Where convert leaves a torch_dist checkpoint's config.json: beside the tracker or in the iteration dir.
+
+    `option`: the command's option that names one instead (`--config`), offered in the error; None where the
+    command has none (parity, relayout), so no hint names an option that does not exist."""
     for folder in (root, iter_dir, iter_dir.parent):
         found = optional_file(folder, CONFIG_NAME)
         if found is not None:
             return found
-    raise CheckpointError(f"{root}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
+    instead = f", or pass {option} CONFIG" if option else ""
+    raise CheckpointError(f"{root}: torch_dist checkpoint has no {CONFIG_NAME} next to it (convert writes one there): "
+                          f"copy the model's {CONFIG_NAME} into {root}{instead}")
