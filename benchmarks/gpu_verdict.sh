@@ -6,6 +6,7 @@
 # Usage: bash benchmarks/gpu_verdict.sh STEP...
 #   whl | z3: install the carried .whl / .whl-z3 wheels (two calls: 64 MiB per call; scripts/stage-wheels.sh)
 #   make: fixture make + convert into $WORK and the prompt file
+#   tests: tests/gpu/test_parity_verdict_cuda.py (tiny fixtures carried in out/gpu, made with --init unit)
 #   run NAME [parity args...]: one parity run (report in $RES/NAME, wall time and exit code in $RES/times.txt)
 #   old NAME [parity args...]: the same with the tree in bench-data/old (the baseline a ratio is taken against)
 #   pack: $RES into $OUT/verdict.tgz (the device returns at most 8 files)
@@ -48,6 +49,9 @@ case $step in
 import json, random
 r = random.Random(0)
 print('\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (3072, 1024)))" > "$WORK/prompt.jsonl" ;;
+  tests) PYTHONPATH=$SITE:$PWD:/tmp/glmconv-cli GLMCONV_GPU_FIXTURES=$PWD/out/gpu python3 -m pytest -q \
+           -p no:cacheprovider tests/gpu/test_parity_verdict_cuda.py > "$RES/gpu-tests.txt" 2>&1
+         echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 5 "$RES/gpu-tests.txt" ;;
   run) parity "$PWD" /tmp/glmconv-cli "$@" ;;
   old) parity "$PWD/bench-data/old" /tmp/glmconv-cli-old "$@" ;;
   pack) tar -czf "$OUT/verdict.tgz" -C "$RES" . && cat "$RES/times.txt" ;;
