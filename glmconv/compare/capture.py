@@ -169,11 +169,11 @@ class _Run:
     def embed(self) -> None:
         s, ids = self.serve, self.batch.ids
         s.x = s.model.embed(ids)
-        s.x_ref = s.precise.embed(ids) if s.precise is not None else s.x
+        s.x_ref = s.x.float() if s.precise is not None else s.x  # what the twin's embed gives: the rows, cast
         xt = self.clean.model.embed(ids)
-        for side in self.out.sides:
+        for side in self.out.sides:  # every side embeds with the clean side's table (defects plant in layers)
             side.x = xt if not self.isolated else None
-            side.x_ref = side.precise.embed(ids) if side.precise is not None and not self.isolated else side.x
+            side.x_ref = xt.float() if side.precise is not None and not self.isolated else side.x
         if _has_weights(s.model, self.clean.model):
             self.out.weights_checked = True
             d = weight_diff.tensor_diff(s.x[:, 0], xt[:, 0], ("weight",))
