@@ -24,9 +24,9 @@ COMMON=(--device cuda --stream-layers --prompt-file "$WORK/prompt.jsonl" --json)
 parity() {  # parity TREE CLI NAME ARGS...: time one run of that tree's glmconv parity
   local tree=$1 cli=$2 name=$3; shift 3
   rm -rf "${RES:?}/$name"
-  PYTHONPATH=$SITE:$tree:$cli /usr/bin/time -f "$name wall %e s, peak RSS %M KB" -a -o "$RES/times.txt" \
-    python3 -m glmconv parity "$WORK/hf" "$WORK/mc" "${COMMON[@]}" --report-dir "$RES/$name" "$@" \
-    > "$RES/$name.json" 2> "$RES/$name.err"
+  (cd "$tree" && PYTHONPATH=$SITE:$tree:$cli /usr/bin/time -f "$name wall %e s, peak RSS %M KB" -a \
+    -o "$RES/times.txt" python3 -m glmconv parity "$WORK/hf" "$WORK/mc" "${COMMON[@]}" --report-dir "$RES/$name" "$@" \
+    > "$RES/$name.json" 2> "$RES/$name.err")
   echo "$name rc=$?" >> "$RES/times.txt"
   tail -n 3 "$RES/$name.err"
 }
