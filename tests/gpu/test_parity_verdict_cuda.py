@@ -1,6 +1,10 @@
 """The calibrated verdict on CUDA with the kernels on the train side: an aligned pair passes in both dtypes and
 modes with its fp32 reference twins equal bit for bit (the reference path is deterministic there too), and every
-planted defect of the catalog is named. Skips cleanly without CUDA; fixtures as in test_parity_cuda.py."""
+planted defect of the catalog is named. Skips cleanly without CUDA. The fixture is the default (realistic) tiny:
+at --init unit the proj-RMS eps form and the SwiGLU clamp change nothing, so two catalog entries would be invisible
+(the unit fixtures of test_parity_cuda.py avoid CPU-vs-CUDA tie breaks, which never arise here: both sides and
+their twins run on the one device). GLMCONV_GPU_FIXTURES=DIR hands in DIR/hf-tiny-realistic and its conversion
+DIR/mc-tiny-realistic pre-made (the generator needs transformers' Glm5Next classes)."""
 
 from __future__ import annotations
 
@@ -17,12 +21,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     given = os.environ.get("GLMCONV_GPU_FIXTURES")
     if given:
-        return Path(given) / "hf-tiny", Path(given) / "mc-tiny"
+        return Path(given) / "hf-tiny-realistic", Path(given) / "mc-tiny-realistic"
     from glmconv.fixtures.generate import make_fixture
     from glmconv.runners.convert import RunOptions, convert, prepare
 
     d = tmp_path_factory.mktemp("gpu-verdict")
-    make_fixture(d / "hf-tiny", "tiny", seed=0, init="unit")
+    make_fixture(d / "hf-tiny", "tiny", seed=0)
     convert(prepare(d / "hf-tiny", d / "mc-tiny"), RunOptions(progress=False))
     return d / "hf-tiny", d / "mc-tiny"
 
