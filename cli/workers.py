@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from glmconv.text import show
+from glmconv.text import decimal, show
 
 MAX_WORKERS = 256
 
@@ -16,8 +16,9 @@ class Workers(click.ParamType):
         if isinstance(value, int) or value == "auto":
             return value
         text = str(value)
-        if text.strip().isdigit() and 1 <= int(text) <= MAX_WORKERS:
-            return int(text)
+        n = decimal(text.strip())
+        if n is not None and 1 <= n <= MAX_WORKERS:
+            return n
         self.fail(f"{show(text)}: expected a count from 1 to {MAX_WORKERS}, or auto", param, ctx)
 
 

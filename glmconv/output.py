@@ -47,6 +47,7 @@ STAGING_SUFFIX = ".glmconv-staging"
 OLD_SUFFIX = ".glmconv-old"
 MARKER = ".glmconv-run"
 WRITTEN_BY = "glmconv"
+PATH_ROOM = 256  # bytes the deepest file glmconv writes under OUT adds to OUT's path (staging, ranks, shards)
 MARKER_MAX_BYTES = 1 << 16  # a marker or manifest is a few hundred bytes; anything larger is not ours
 STALE_WAIT_S = 10.0  # how long a leftover staging directory's workers get to die (they follow their parent)
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -161,7 +162,38 @@ def resolve_out(out: Path) -> Path:
     real = real_path(out, "output directory")
     if real.parent == real:
         raise GlmconvError(f"{out}: cannot write the output over the filesystem root; name a directory below it")
+    _check_length(out, real)
     return real
+
+
+def _check_length(out: Path, real: Path) -> None:
+    """Refuse an OUT whose own name, or the names glmconv makes beside and below it, the filesystem cannot hold."""
+    name_max, path_max = _limits(real)
+    longest = max(len(s) for s in (STAGING_SUFFIX, OLD_SUFFIX, LOCK_SUFFIX))
+    long_part = next((p for p in real.parts if len(os.fsencode(p)) > name_max), None)
+    if long_part is not None or len(os.fsencode(real.name)) + longest > name_max:
+        raise GlmconvError(f"{printable_head(out)}: a path component is longer than the filesystem's {name_max} bytes "
+                           f"(glmconv adds up to {longest} to OUT's name); choose a shorter OUT")
+    if len(os.fsencode(real)) + longest + PATH_ROOM > path_max:
+        raise GlmconvError(f"{printable_head(out)}: the path is {len(os.fsencode(real)):,} bytes; the files glmconv "
+                           f"writes below it need it under {path_max - longest - PATH_ROOM:,}; choose a shorter OUT")
+
+
+def printable_head(path: Path, keep: int = 80) -> str:
+    """A long path shortened for one error line: its first `keep` characters, then how much was left out."""
+    text = str(path)
+    return text if len(text) <= keep else f"{text[:keep]}... ({len(text):,} characters)"
+
+
+def _limits(real: Path) -> tuple[int, int]:
+    """NAME_MAX and PATH_MAX where OUT would be (its nearest existing ancestor), POSIX's usual values if unknown."""
+    here = real
+    while not os.path.isdir(here) and here.parent != here:  # isdir: False for a name too long, never raises
+        here = here.parent
+    try:
+        return os.pathconf(here, "PC_NAME_MAX"), os.pathconf(here, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
 
 
 def check_overlap(out: Path, inputs: dict[str, Path | None]) -> Path:
