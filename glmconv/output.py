@@ -11,10 +11,13 @@ Policy (docs/errors.md, "Output directory and interruption"):
 * An existing OUT is replaced (only with --force, and only at publish) when it is empty or when glmconv
   published it: it holds a `glmconv.json` whose `written_by` is glmconv. Anything else is the user's.
 * A directory glmconv will later delete (staging `OUT.glmconv-staging`, backup `OUT.glmconv-old`) gets the
-  run marker `.glmconv-run` first, created with O_EXCL, holding pid, host and a run id. A leftover path of
-  that name is removed only when it is a real directory holding a marker and no live process holds the
-  marker's flock (the run and its workers hold it shared for their lifetime); an empty one (a run killed
-  right after mkdir) is removed with rmdir; anything else is refused, named.
+  run marker first, a file beside it (`OUT.glmconv-staging.glmconv-run`) created with O_EXCL, holding pid,
+  host and a run id: beside, never inside, so that the directory renamed into OUT's place carries no trace
+  of the run whenever the run is killed. A leftover path of that name is removed only when it is a real
+  directory whose marker is glmconv's and no live process holds the marker's flock (the run and its workers
+  hold it shared for their lifetime); an empty one (a run killed right after mkdir) is removed with rmdir;
+  anything else is refused, named. A marker left without its directory (a run killed right after creating it,
+  or right after publishing) is removed once unused.
 * Every file glmconv creates is opened O_CREAT|O_EXCL|O_NOFOLLOW (`create_new`): never through a symlink,
   never over an existing file. The lock file, which a killed run leaves behind, is opened O_NOFOLLOW and
   taken over only when it is plainly glmconv's (glmconv/lock.py).
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from glmconv import interrupt
 from glmconv.errors import GlmconvError
 from glmconv.io.file_names import MANIFEST_NAME
 from glmconv.lock import LOCK_SUFFIX
@@ -303,7 +307,7 @@ class Stage:
 
     @property
     def marker(self) -> Path:
-        return self.path / MARKER
+        return marker_of(self.path)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -311,26 +315,29 @@ class Stage:
             os.close(fd)
 
 
+def marker_of(d: Path) -> Path:
+    """Where the run marker of a directory glmconv will delete lies: beside it (`D.glmconv-run`)."""
+    return d.with_name(d.name + MARKER)
+
+
 def open_stage(real_out: Path) -> Stage:
     """A fresh `OUT.glmconv-staging`, its marker written first; a leftover one is removed only if ours."""
     path = sibling(real_out, STAGING_SUFFIX)
     remove_ours(path, "staging")
+    run = uuid.uuid4().hex
+    fd = _write_marker(path, "staging", run)
     try:
         os.mkdir(path, 0o755)
     except OSError as exc:
+        os.close(fd)
+        marker_of(path).unlink(missing_ok=True)
         raise GlmconvError(f"{path}: cannot create the staging directory ({exc.strerror or exc})") from None
-    run = uuid.uuid4().hex
-    try:
-        fd = _write_marker(path, "staging", run)
-    except GlmconvError:
-        os.rmdir(path)
-        raise
     return Stage(path, run, fd)
 
 
 def _write_marker(d: Path, state: str, run: str) -> int:
-    """Create `d/.glmconv-run` (O_EXCL), flock it shared and keep it open: the directory is ours and in use."""
-    path = d / MARKER
+    """Create `d`'s marker (O_EXCL), flock it shared and keep it open: the directory is ours and in use."""
+    path = marker_of(d)
     body = json.dumps({"written_by": WRITTEN_BY, "state": state, "run": run, "pid": os.getpid(),
                        "host": socket.gethostname(), "started": time.time()}) + "\n"
     try:
@@ -360,11 +367,11 @@ def join_stage(path: Path, run: str) -> int:
     this run's (a rerun replaced it after this worker's parent died) is refused: the worker writes nothing.
     """
     try:
-        fd = os.open(path / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(marker_of(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise GlmconvError(f"{path}: staging directory is gone ({exc.strerror or exc}); nothing written") from None
     fcntl.flock(fd, fcntl.LOCK_SH)
-    data = _small_json(path / MARKER)
+    data = _small_json(marker_of(path))
     if not isinstance(data, dict) or data.get("run") != run:
         os.close(fd)
         raise GlmconvError(f"{path}: staging directory belongs to another run; nothing written")
@@ -376,27 +383,52 @@ def remove_ours(path: Path, what: str, keep: bool = False) -> None:
 
     With `keep`, only the checks: the caller moves the directory instead.
     """
+    marker = marker_of(path)
     if not os.path.lexists(path):
+        _drop_marker(marker, path)
         return
     if path.is_symlink() or not path.is_dir():
         kind = "a symlink" if path.is_symlink() else "not a directory"
         raise GlmconvError(f"{path}: in the way of glmconv's {what} directory and not made by glmconv ({kind}); "
                            f"remove it yourself")
-    data = _small_json(path / MARKER)
+    data = _small_json(marker)
     if not isinstance(data, dict) and not keep and _rmdir_if_empty(path):
         return  # a run killed between mkdir and its marker: an empty directory loses nothing
     if not isinstance(data, dict) or data.get("written_by") != WRITTEN_BY:
         raise GlmconvError(f"{path}: in the way of glmconv's {what} directory and not made by glmconv (no "
                            f"{MARKER} marker); remove or rename it yourself")
-    if not _wait_unused(path / MARKER):
-        raise GlmconvError(f"{path}: left by glmconv pid {data.get('pid')} on {data.get('host')}, which still "
-                           f"uses it; wait for that process to end")
+    _refuse_if_used(marker, path, data)
     if keep:
         return
     try:
         shutil.rmtree(path)
     except OSError as exc:
         raise GlmconvError(f"{path}: cannot remove the leftover {what} directory ({exc.strerror or exc})") from None
+    marker.unlink(missing_ok=True)
+
+
+def _refuse_if_used(marker: Path, path: Path, data: dict[str, Any]) -> None:
+    if not _wait_unused(marker):
+        raise GlmconvError(f"{path}: left by glmconv pid {data.get('pid')} on {data.get('host')}, which still "
+                           f"uses it; wait for that process to end")
+
+
+def _drop_marker(marker: Path, path: Path) -> None:
+    """Remove a marker whose directory is gone (killed right after creating it, or right after publishing),
+    once no process uses it; a file of that name glmconv did not write is left alone (an empty one is the
+    marker of a run killed between creating and writing it: it holds nothing to lose)."""
+    data = _small_json(marker)
+    if isinstance(data, dict) and data.get("written_by") == WRITTEN_BY or _empty_file(marker):
+        _refuse_if_used(marker, path, data if isinstance(data, dict) else {})
+        marker.unlink(missing_ok=True)
+
+
+def _empty_file(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
 
 
 def _rmdir_if_empty(path: Path) -> bool:
@@ -431,10 +463,12 @@ def _wait_unused(marker: Path) -> bool:
 def discard(stage: Stage) -> None:
     """Remove this run's staging directory (best effort: failing here must not hide the real error)."""
     stage.close()
+    data = _small_json(stage.marker)
+    if not isinstance(data, dict) or data.get("run") != stage.run:
+        return
     if os.path.lexists(stage.path) and not stage.path.is_symlink():
-        data = _small_json(stage.marker)
-        if isinstance(data, dict) and data.get("run") == stage.run:
-            shutil.rmtree(stage.path, ignore_errors=True)
+        shutil.rmtree(stage.path, ignore_errors=True)
+    stage.marker.unlink(missing_ok=True)
 
 
 # ---- publishing --------------------------------------------------------------------------------------
@@ -444,8 +478,14 @@ def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
 
     An empty OUT is replaced by one rename (rename(2) may replace an empty directory). A non-empty one is
     checked again, marked as ours, moved to `OUT.glmconv-old`, then deleted once the new OUT is in place;
-    if the new one cannot be moved in, the old one is moved back.
+    if the new one cannot be moved in, the old one is moved back. SIGINT/SIGTERM from here on are too late
+    (`interrupt.completing`): the run either publishes and succeeds or fails with the previous OUT intact.
     """
+    with interrupt.completing():
+        _publish(stage, out, real, force)
+
+
+def _publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
     check_target(out, real, force)
     try:
         sync_tree(stage.path)  # on disk before the name says so: a crash never leaves a complete-looking OUT torn
@@ -462,7 +502,7 @@ def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
                            ) from None
     finally:
         stage.close()
-    (real / MARKER).unlink(missing_ok=True)
+    stage.marker.unlink(missing_ok=True)
     if old is not None:
         discard(old)
 
@@ -494,6 +534,7 @@ def recover(real: Path) -> None:
     """
     old = sibling(real, OLD_SUFFIX)
     if not os.path.lexists(old):
+        _drop_marker(marker_of(old), old)
         return
     if os.path.lexists(real):
         remove_ours(old, "backup")
@@ -503,7 +544,7 @@ def recover(real: Path) -> None:
         os.rename(old, real)
     except OSError as exc:
         raise GlmconvError(f"{old}: cannot move the previous OUT back ({exc.strerror or exc})") from None
-    (real / MARKER).unlink(missing_ok=True)
+    marker_of(old).unlink(missing_ok=True)
 
 
 def _set_aside(real: Path, run: str) -> Stage:
@@ -513,12 +554,12 @@ def _set_aside(real: Path, run: str) -> Stage:
     leftover = real / MARKER
     if os.path.lexists(leftover) and isinstance(_small_json(leftover), dict):
         leftover.unlink()  # a crashed publish left its marker in this (published) OUT
-    old = Stage(old_path, run, _write_marker(real, "old", run))
+    old = Stage(old_path, run, _write_marker(old_path, "old", run))
     try:
         os.rename(real, old_path)
     except OSError:
         old.close()
-        leftover.unlink(missing_ok=True)
+        old.marker.unlink(missing_ok=True)
         raise
     return old
 
@@ -526,4 +567,4 @@ def _set_aside(real: Path, run: str) -> Stage:
 def _put_back(old: Stage, real: Path) -> None:
     old.close()
     os.rename(old.path, real)
-    (real / MARKER).unlink(missing_ok=True)
+    old.marker.unlink(missing_ok=True)

@@ -43,7 +43,7 @@ def _fields(obj: Any) -> Iterator[tuple[str, Any]]:
 def places(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
     """Every place in the metadata's object graph a value sits: attributes, list items, dict values, dict keys."""
     if isinstance(obj, dict):
-        for i, (k, v) in enumerate(obj.items()):
+        for i, v in enumerate(obj.values()):
             yield (*path, ("key", i))
             yield (*path, ("value", i))
             yield from places(v, (*path, ("value", i)))

@@ -133,8 +133,7 @@ def _run_staged(out: Path, real: Path, force: bool, fn: RankFn, args: tuple[Any,
         if stage is not None:
             if on_publish is not None:
                 on_publish()
-            with interrupt.deferred():
-                output.publish(stage, out, real, force)
+            output.publish(stage, out, real, force)
         return summary
     except BaseException:
         if stage is not None:

@@ -29,7 +29,8 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 })
-ENUMS: frozenset[tuple[str, str]] = frozenset({(_DCP_METADATA, "_MEM_FORMAT_ENCODING"), (_DCP_PLANNER, "WriteItemType")})
+ENUMS: frozenset[tuple[str, str]] = frozenset({(_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+                                               (_DCP_PLANNER, "WriteItemType")})
 _GETATTR = frozenset({("builtins", "getattr"), ("__builtin__", "getattr")})  # protocol 2 names it __builtin__
 
 
@@ -53,7 +54,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise CheckpointError(f"{self._source}: refusing to unpickle a persistent reference")
 
     def _enum_member(self, cls: Any, name: Any) -> Any:
-        """`getattr(cls, name)` as 3.11's `pickle_by_enum_name` writes it: a member of an allow-listed enum only."""
+        """`getattr(cls, name)` as 3.11's `pickle_by_enum_name` writes it: an allow-listed enum's member only."""
         where = (getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)) if isinstance(cls, type) else None
         members = getattr(cls, "__members__", {}) if where in ENUMS else {}
         if isinstance(name, str) and name in members:
