@@ -55,7 +55,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def _enum_member(self, cls: Any, name: Any) -> Any:
         """`getattr(cls, name)` as 3.11's `pickle_by_enum_name` writes it: an allow-listed enum's member only."""
-        where = (getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)) if isinstance(cls, type) else None
+        where = (cls.__module__, cls.__qualname__) if isinstance(cls, type) else None
         members = getattr(cls, "__members__", {}) if where in ENUMS else {}
         if isinstance(name, str) and name in members:
             return members[name]
