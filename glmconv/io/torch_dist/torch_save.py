@@ -83,6 +83,7 @@ class _FdSink(io.RawIOBase):
         self._pending = bytearray()
         self.written = 0
         self.substituted = 0
+        self.error: CheckpointError | None = None  # what the copy raised: torch turns it into its own error
 
     def writable(self) -> bool:
         return True
@@ -95,7 +96,11 @@ class _FdSink(io.RawIOBase):
         n = view.nbytes
         if self._placeholder is not None and n == self._placeholder[1] and n and _address(view) == self._placeholder[0]:
             self._flush_pending()
-            self._copier.copy(self._placeholder[2], self._fd)
+            try:
+                self._copier.copy(self._placeholder[2], self._fd)
+            except CheckpointError as exc:  # e.g. a source file truncated meanwhile: the input is named
+                self.error = exc
+                raise
             self.substituted += 1
         elif n < _SMALL:
             self._pending += view
@@ -139,8 +144,13 @@ def save_tensor(fd: int, tensor: torch.Tensor | FileTensor, copier: FileCopier) 
     else:
         sink = _FdSink(fd, copier, None)
         data = tensor.detach().contiguous()
-    with no_crc32():
-        torch.save(data, sink)
+    try:
+        with no_crc32():
+            torch.save(data, sink)
+    except Exception:
+        if sink.error is not None:
+            raise sink.error from None  # the copy's own error, not torch's "unexpected pos" about the output
+        raise
     sink.flush()
     if isinstance(tensor, FileTensor) and tensor.nbytes and sink.substituted != 1:
         # torch changed how it writes storages: refuse rather than write the placeholder's garbage
