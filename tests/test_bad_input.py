@@ -379,11 +379,11 @@ HF_CASES = [
          r"\(and 1 more"),
     Case("nan-weight-check-finite", "convert", "tiny",
          lambda s, t: (edit_tensor(s, DOWN0, set_first(float("nan"), (3, 17))), ["--check-finite"])[1],
-         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): non-finite value nan at index \[3, 17\] "
-         r"\(1 non-finite value in the tensor\); --check-finite refuses NaN/Inf weights"),
-    Case("nan-fp8-code-check-finite", "convert", "tiny-fp8",
-         lambda s, t: (edit_tensor(s, DOWN0, fp8_nan_code), ["--check-finite"])[1],
-         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): non-finite value nan at index \[2, 9\]"),
+         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): 1 non-finite value \(NaN/Inf\), the first nan "
+         r"in block \[0, 0\] at index \[3, 17\]; glmconv refuses NaN/Inf weights$"),
+    Case("nan-fp8-code", "convert", "tiny-fp8", lambda s, t: edit_tensor(s, DOWN0, fp8_nan_code),
+         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): 1 non-finite value \(NaN/Inf\), the first FP8 "
+         r"code 0x7F in block \[0, 0\] at index \[2, 9\]; glmconv refuses NaN/Inf weights$"),
     Case("empty-directory", "convert", "tiny", _empty, r"src: empty directory$"),
     Case("symlink-loop-shard", "convert", "tiny", _symlink_loop(_shard(2)),
          _q(f"{INDEX_NAME}: shard '{_shard(2)}' is a symlink loop")),
@@ -417,7 +417,8 @@ MCORE_CASES = [
     Case("inf-weight-check-finite", "export", "mc",
          lambda m, t: (rewrite_torch_dist(m, t / "edited", set_mcore(EXPERTS_FC2, float("inf"), (5, 3, 7))),
                        shutil.rmtree(m), (t / "edited").rename(m), ["--check-finite"])[3],
-         _q(f"{EXPERTS_FC2} (") + r".*release\): non-finite value inf at index \[5, 3, 7\]"),
+         _q(f"{EXPERTS_FC2} (") + r".*release\): 1 non-finite value \(NaN/Inf\), the first inf in block \[5, 0, 0\] "
+         r"at index \[5, 3, 7\]"),
     Case("empty-directory", "export", "mc", _empty,
          _q(f"src: not a torch_dist checkpoint (no {TRACKER_NAME} or metadata.json)")),
     Case("tracker-non-ascii-digit", "export", "mc", lambda m, t: (m / TRACKER_NAME).write_text("\u00b2"),
@@ -626,4 +627,5 @@ def test_existing_output_is_untouched_when_input_is_bad(tiny_ckpt: Path, tmp_pat
     assert invoke(["convert", str(src), str(out), "--json"]).exit_code == 0
     edit_tensor(src, DOWN0, set_first(float("inf"), (0, 0)))
     assert_refused(["convert", str(src), str(out), "--force", "--check-finite"], [src], out,
-                   _q(f"{DOWN0} (") + r".*non-finite value inf at index \[0, 0\]")
+                   _q(f"{DOWN0} (") + r".*1 non-finite value \(NaN/Inf\), the first inf in block \[0, 0\] at index "
+                   r"\[0, 0\]")
