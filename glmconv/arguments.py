@@ -41,8 +41,8 @@ def workers(value: object) -> int | str:
     """`--workers`: a count from 1 to MAX_WORKERS (an int, or its digits as text) or `auto`."""
     if value == AUTO:
         return AUTO
-    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
-        value = int(value)
+    if isinstance(value, str) and decimal(value.strip()) is not None:
+        value = decimal(value.strip())
     if _is_int(value) and 1 <= value <= MAX_WORKERS:  # type: ignore[operator]
         return value  # type: ignore[return-value]
     raise ArgumentError("--workers", value, f"expected a count from 1 to {MAX_WORKERS}, or auto")

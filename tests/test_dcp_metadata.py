@@ -245,3 +245,67 @@ def test_checkpoint_written_by_glmconv_dcp_writer_reads_through_the_allow_list(t
     ck = inspect_torch_dist(tmp_path / "ck")
     assert {n: (t.shape, t.dtype) for n, t in ck.tensors.items()} == {"a.weight": ((4, 3), "BF16"), "b": ((2,), "F32")}
     assert sorted(ck.objects) == [COMMON_KEY, "x._extra_state/shard_0_1"] and ck.common_state == COMMON_KEY
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles every Enum member as Python 3.11.0-3.11.x's `pickle_by_enum_name` does: getattr(cls, name)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj._name_)
+        return NotImplemented
+
+
+def _pickled_by_enum_name(obj: Any, protocol: int) -> bytes:
+    buf = io.BytesIO()
+    _EnumsByName(buf, protocol=protocol).dump(obj)
+    return buf.getvalue()
+
+
+def _metadata_with_plans(tmp_path: Path) -> Any:
+    """A real `.metadata` carrying both enums DCP pickles: TensorProperties' memory format and WriteItemType."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, WriteItem, WriteItemType
+
+    md = safe_load(_small(tmp_path / "ck") / "release" / DCP_METADATA_NAME)
+    md.all_local_plans = [SavePlan([WriteItem(MetadataIndex(COMMON_KEY), WriteItemType.BYTE_IO,
+                                              bytes_io_data=BytesIOWriteData(10))])]
+    return md
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_metadata_pickled_by_a_python_3_11_patch_release_loads(protocol: int, tmp_path: Path) -> None:
+    """Issue 25: 3.11.2 pickles enum members through builtins.getattr; glmconv's own `.metadata` was refused."""
+    md = _metadata_with_plans(tmp_path)
+    path = tmp_path / "ck" / "release" / DCP_METADATA_NAME
+    path.write_bytes(_pickled_by_enum_name(md, protocol))
+    assert b"getattr" in path.read_bytes()
+    loaded = safe_load(path)
+    assert loaded.state_dict_metadata == md.state_dict_metadata
+    assert loaded.all_local_plans == md.all_local_plans
+    assert set(inspect_torch_dist(tmp_path / "ck").tensors) == {"a.weight", "b", "i"}
+
+
+@pytest.mark.parametrize("target, attr", [
+    ("Metadata", "__init__"), ("TensorProperties", "create_from_tensor"), ("_MEM_FORMAT_ENCODING", "__class__"),
+    ("_MEM_FORMAT_ENCODING", "_member_map_"), ("_MEM_FORMAT_ENCODING", 1)])
+def test_getattr_reaches_nothing_but_an_allow_listed_enum_member(target: str, attr: Any, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint.metadata as dcp_md
+
+    class Reach:
+        def __reduce__(self) -> Any:
+            return getattr, (getattr(dcp_md, target), attr)
+
+    p = tmp_path / "m.pkl"
+    p.write_bytes(pickle.dumps({"x": Reach()}, protocol=4))
+    with pytest.raises(CheckpointError, match=r"m\.pkl: refusing to unpickle builtins\.getattr of "):
+        safe_load(p)
+
+
+def test_getattr_of_a_module_function_is_refused_without_running(tmp_path: Path) -> None:
+    p = tmp_path / "m.pkl"
+    p.write_bytes(b"\x80\x04cbuiltins\ngetattr\ncos\nsystem\n\x94")
+    with pytest.raises(CheckpointError, match=r"refusing to unpickle (posix|os)\.system"):
+        safe_load(p)

@@ -147,10 +147,10 @@ def make_dequantizer(device: str, threads: int, rank: int = 0) -> CpuDequantizer
 
 
 def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
-    """The reference's checks on the whole weight: dtypes and the scale grid."""
+    """The reference's checks on the whole weight: dtypes, the scale grid, NaN codes."""
     import torch
 
-    from glmconv.io.fp8 import Fp8FormatError, scale_shape
+    from glmconv.io.fp8 import Fp8FormatError, refuse_nan_codes, scale_shape
 
     if fp8.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise Fp8FormatError(f"expected a float8_e4m3fn weight and F32 block scales, got {fp8.dtype} and "
@@ -159,3 +159,4 @@ def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
     if tuple(scale_inv.shape) != want:
         raise Fp8FormatError(f"block scales of a {list(fp8.shape)} FP8 weight must be {list(want)}, "
                              f"got {list(scale_inv.shape)}")
+    refuse_nan_codes(fp8)  # on the whole weight: a slab would count and place only its own rows

@@ -20,7 +20,8 @@ from glmconv.io.file_names import (
     TRACKER_NAME,
 )
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.torch_dist.safe_unpickle import safe_load
+from glmconv.io.torch_dist.metadata_check import load_metadata
+from glmconv.text import decimal
 
 TORCH_DIST = "torch_dist"
 
@@ -63,8 +64,8 @@ def resolve_iter_dir(path: str | Path) -> tuple[Path, str]:
         text = fh.read(64).decode("utf-8", "replace").strip()
     if text == RELEASE:
         sub = RELEASE
-    elif text.isdigit():
-        sub = f"iter_{int(text):07d}"
+    elif decimal(text) is not None:
+        sub = f"iter_{decimal(text):07d}"
     else:
         raise CheckpointError(f"{TRACKER_NAME}: expected an iteration number or 'release', got {text[:40]!r}")
     if not inside(p, sub).is_dir():
@@ -78,7 +79,7 @@ def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
     _check_backend(iter_dir)
     meta_path = require_file(iter_dir, DCP_METADATA_NAME,
                              f"{iter_dir.name}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")
-    metadata = safe_load(meta_path)
+    metadata = load_metadata(meta_path)
     tensors, objects = _entries(metadata, meta_path)
     _check_storage(metadata, iter_dir)
     common = COMMON_PT_NAME if optional_file(iter_dir, COMMON_PT_NAME) is not None else next(
@@ -97,10 +98,8 @@ def _check_backend(iter_dir: Path) -> None:
 
 
 def _entries(metadata: Any, meta_path: Path) -> tuple[dict[str, DcpTensor], list[str]]:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise CheckpointError(f"{meta_path.name}: not a DCP Metadata object")
     tensors: dict[str, DcpTensor] = {}
     objects: list[str] = []
     for key, md in metadata.state_dict_metadata.items():

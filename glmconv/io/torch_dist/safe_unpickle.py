@@ -1,7 +1,9 @@
 """A restricted unpickler for DCP `.metadata` files: only torch's checkpoint-metadata classes may load.
 
 The allow-list is what torch 2.13's `torch.distributed.checkpoint.save` and megatron-core 0.19's
-torch_dist saver reference (listed with a recording unpickler in tests/test_dcp_metadata.py).
+torch_dist saver reference (listed with a recording unpickler in tests/test_dcp_metadata.py). Enum members
+pickle by value on most Pythons and as `getattr(EnumClass, "NAME")` on some 3.11 patch releases: that
+`getattr` is answered for members of the allow-listed enums only, never as the builtin.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 })
+ENUMS: frozenset[tuple[str, str]] = frozenset({(_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+                                               (_DCP_PLANNER, "WriteItemType")})
+_GETATTR = frozenset({("builtins", "getattr"), ("__builtin__", "getattr")})  # protocol 2 names it __builtin__
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -41,10 +46,21 @@ class RestrictedUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and name in _torch_dtype_names():
             return super().find_class(module, name)
+        if (module, name) in _GETATTR:
+            return self._enum_member
         raise CheckpointError(f"{self._source}: refusing to unpickle {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError(f"{self._source}: refusing to unpickle a persistent reference")
+
+    def _enum_member(self, cls: Any, name: Any) -> Any:
+        """`getattr(cls, name)` as 3.11's `pickle_by_enum_name` writes it: an allow-listed enum's member only."""
+        where = (cls.__module__, cls.__qualname__) if isinstance(cls, type) else None
+        members = getattr(cls, "__members__", {}) if where in ENUMS else {}
+        if isinstance(name, str) and name in members:
+            return members[name]
+        what = f"{where[0]}.{where[1]}" if where else type(cls).__name__
+        raise CheckpointError(f"{self._source}: refusing to unpickle builtins.getattr of {what}.{name!s:.40}")
 
 
 def _torch_dtype_names() -> frozenset[str]:
