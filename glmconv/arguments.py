@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from glmconv.errors import GlmconvError
-from glmconv.text import show
+from glmconv.text import decimal, show
 
 AUTO = "auto"
 MAX_WORKERS = 256
