@@ -3,12 +3,15 @@ PY ?= python3.11
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+FLA_GUARD := $(VENV)/.fla-guard
 SHELL := /bin/bash
 
-.PHONY: env demo test lint fuzz gate bench gpu-wheels clean
+.PHONY: env install demo test lint fuzz gate bench gpu-wheels clean
 
-env: $(STAMP)
+env: $(STAMP) $(FLA_GUARD)
 
+# fla's kernels need a GPU: glmconv-fla-guard.pth hides fla where triton has no driver, so transformers' own
+# Glm5Next runs its torch KDA on a CPU (glmconv/fla_guard.py).
 # torch 2.13.0 comes from local disk (CPU wheel); megatron-core 0.19.2 declares python>=3.12 but its
 # cp311 wheel works, so it is installed with --ignore-requires-python (on 3.12+ `pip install -e .[megatron]`).
 $(STAMP): setup.cfg setup.py requirements-dev.txt
@@ -23,6 +26,17 @@ $(STAMP): setup.cfg setup.py requirements-dev.txt
 	$(VPY) -m pip install -q -r requirements-dev.txt
 	$(VPY) -m pip install -q --no-deps --ignore-requires-python -e .
 	touch $(STAMP)
+
+$(FLA_GUARD): $(STAMP) glmconv/fla_guard.py
+	$(VPY) -c 'from glmconv.fla_guard import write_pth; print("wrote", write_pth())'
+	touch $(FLA_GUARD)
+
+# `glmconv` on PATH: a link to the venv's entry point in $(BINDIR) (default ~/.local/bin; BINDIR=/usr/local/bin).
+BINDIR ?= $(HOME)/.local/bin
+install: env
+	mkdir -p $(BINDIR)
+	ln -sf $(abspath $(VENV)/bin/glmconv) $(BINDIR)/glmconv
+	@command -v glmconv >/dev/null || echo "note: $(BINDIR) is not on PATH; add it, or run $(abspath $(VENV)/bin/glmconv)"
 
 demo: env
 	bash scripts/demo.sh

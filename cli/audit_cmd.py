@@ -24,12 +24,15 @@ ROWS_PER_KIND = 20
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--config", "config", type=click.Path(path_type=str), default=None,
               help="config.json for torch_dist checkpoints (default: the config.json next to them).")
-@click.option("--fp8/--no-fp8", default=None, help="Expect the FP8 release layout (default: detect; emit: off).")
+@click.option("--fp8/--no-fp8", default=None,
+              help="Expect the FP8 release layout, or a BF16 one. Default: whatever SRC holds; with --emit "
+                   "(nothing to look at), BF16.")
 @click.option("--mtp/--no-mtp", default=None,
-              help="Expect the MTP layer (default: detect; emit: on). With --against it describes DST: SRC is "
-                   "audited as it is and the part left out is not compared.")
+              help="Expect the MTP layer, or none. Default: whatever SRC holds; with --emit, the MTP layer. With "
+                   "--against it describes DST: SRC is audited as it is and the part left out is not compared.")
 @click.option("--vision/--no-vision", default=None,
-              help="Expect the vision tower (default: detect; emit: on). With --against, as --mtp.")
+              help="Expect the vision tower, or none. Default: whatever SRC holds; with --emit, the tower. With "
+                   "--against, as --mtp.")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Cut the config to N layers; a deeper checkpoint is audited on its first N (no MTP).")
 @click.option("--accept-flat-prefix", is_flag=True, help="Accept text tensors under the flat `model.` prefix.")
@@ -49,7 +52,7 @@ def audit_names(src: str, against: str | None, as_json: bool, config: str | None
         _emit(src, emit, as_json, fp8=bool(fp8), mtp=mtp is not False, vision=vision is not False, layers=layers,
               config=config, layout=layout)
         return
-    report = api.audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
+    report = api.audit_report(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
                        accept_flat_prefix=accept_flat_prefix, config=config, layout=layout)
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=1))

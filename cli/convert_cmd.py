@@ -44,7 +44,12 @@ from glmconv_cli.workers import device_option, read_threads_option, workers_opti
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int | str,
             device: str, read_threads: int, force: bool, mtp: bool, vision: bool, group_size: int,
             check_finite: bool, dtype: str, layout: str) -> None:
-    """Convert an HF checkpoint (BF16 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
+    """Convert an HF checkpoint (BF16, F32 or the FP8 release) into a Megatron-core torch_dist checkpoint.
+
+    Exit codes: 0 converted (or planned, with --dry-run), 2 bad input (one `error:` line naming the file or
+    tensor; nothing is published), 3 internal error (a bug: please report it), 130/143 interrupted (staging
+    removed).
+    """
     say("convert", PLAN, f"reading and auditing {hf_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 

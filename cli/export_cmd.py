@@ -44,7 +44,12 @@ from glmconv_cli.workers import read_threads_option, workers_option
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int | None,
            fp8: bool, workers: int | str, read_threads: int, as_json: bool, force: bool, check_finite: bool,
            dry_run: bool, no_space_check: bool, layout: str | None) -> None:
-    """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
+    """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index.
+
+    Exit codes: 0 exported (or planned, with --dry-run), 2 bad input (one `error:` line naming the file or
+    tensor; nothing is published), 3 internal error (a bug: please report it), 130/143 interrupted (staging
+    removed).
+    """
     say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
     from glmconv import api
 

@@ -11,7 +11,7 @@ import click
 from glmconv.fixtures.inits import DEFAULT_INIT, INIT_HELP, INITS
 from glmconv.fixtures.presets import PRESETS, REAL_CUTS
 from glmconv.text import count, printable
-from glmconv_cli.sizes import SEED, SIZE
+from glmconv_cli.sizes import SEED, SEED_HELP, SIZE
 
 
 @click.group()
@@ -32,7 +32,8 @@ def fixture() -> None:
 @click.option("--shard-size", type=SIZE, default=None, help="Maximum bytes per shard (default: a third of the total; "
               "bench: a quarter, at most 2GB).")
 @click.option("--fp8", is_flag=True, help="Store the release's FP8 set as e4m3 with 128x128 block scales.")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="Same seed, byte-identical files.")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help=f"Seed of every value ({SEED_HELP}): the same seed gives byte-identical files.")
 @click.option("--init", type=click.Choice(INITS), default=DEFAULT_INIT, show_default=True, help=INIT_HELP)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--no-space-check", "no_space_check", is_flag=True,

@@ -125,6 +125,7 @@ def main() -> None:
     from glmconv.runners import ranks
 
     ranks.cli_ends_the_process()
+    interrupt.cli_process()  # once published, a late SIGINT/SIGTERM is ignored until the process exits
     try:
         cli(prog_name="glmconv")
     except SystemExit as done:

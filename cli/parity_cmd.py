@@ -7,11 +7,13 @@ from pathlib import Path
 
 import click
 
-from glmconv.compare import DEFAULT_THRESHOLDS, DEFAULT_TOKENS
+from glmconv.compare import DEFAULT_TOKENS
+from glmconv.compare.defects import NAMES as DEFECT_NAMES
+from glmconv.compare.verdict import MARGIN, STREAM_FLOOR
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
-from glmconv_cli.sizes import SEED
+from glmconv_cli.sizes import SEED, SEED_HELP
 
 
 @click.command("parity")
@@ -23,11 +25,13 @@ from glmconv_cli.sizes import SEED
                    "list(s) of ids; several sequences run as one packed batch.")
 @click.option("--sequences", type=int, default=None,
               help="Split the random tokens into K packed sequences (default 1).")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random tokens.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help=f"Seed of the random tokens ({SEED_HELP}).")
 @click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
                    "metrics then compare heads only) gets the serve side's input.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Weights and activations of both models (bf16 keeps in fp32 what the reference keeps in fp32); "
+                   "each side is also run as its fp32 torch-reference twin, which measures the run's own noise.")
 @click.option("--device", default="cpu", show_default=True, help="torch device for both models (cpu, cuda, cuda:1).")
 @click.option("--train-conventions", type=click.Choice(["default", "serve"]), default="default", show_default=True,
               help="The train side's starting conventions: Megatron's defaults for MCORE_DIR's layout (mcore: "
@@ -37,11 +41,18 @@ from glmconv_cli.sizes import SEED
                    + "; ".join(f"{key}={'|'.join(values)}" for key, values in CHOICES.items())
                    + f". KEY={SERVE_ALIAS} sets one to serve's value, a bare '{SERVE_ALIAS}' all of them.")
 @click.option("--threshold", type=float, default=None,
-              help="Rel err that names the first divergence (default "
-                   + ", ".join(f"{v:g} for {k}" for k, v in DEFAULT_THRESHOLDS.items()) + ").")
+              help=f"The floor: the smallest stream rel err (on the fp32 references, or beyond {MARGIN:g}x the "
+                   f"measured noise) named as a divergence (default {STREAM_FLOOR:g}).")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC>VALUE",
-              help="Exit 1 when broken (repeatable): METRIC>VALUE or METRIC<VALUE, e.g. 'logprob_abs_diff.max>1e-4', "
-                   "'top1_agreement<0.99', 'kl>1e-6', 'max_rel_err>1e-4', 'expert_overlap_min<1'.")
+              help="Gate on these bounds instead of the verdict (repeatable; add 'divergences>0' to keep the "
+                   "verdict too): METRIC>VALUE or METRIC<VALUE, e.g. 'excess.max>4' (rel err over the measured "
+                   "noise), 'ref_rel_err.max>1e-4', 'logprob_abs_diff.max>1e-4', 'top1_agreement<0.99', 'kl>1e-6'.")
+@click.option("--self-test", is_flag=True,
+              help="Also plant each defect of the catalog in memory (conversion defects and convention slips) and "
+                   "report whether the verdict names each at its layer and sub-block: proof, on your own "
+                   "checkpoint, that the gate catches them. Exit 1 when one is missed.")
+@click.option("--defects", default=None, metavar="NAME,...",
+              help="With --self-test: only these catalog defects (" + ", ".join(DEFECT_NAMES) + ").")
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
               help="Write report.json, report.md and error_per_layer.png here (the PNG needs matplotlib: "
                    "pip install 'glmconv[report]').")
@@ -67,8 +78,14 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
            seed: int, mode: str, dtype: str, device: str, train_conventions: str, overrides: tuple[str, ...],
            threshold: float | None, fail_on: tuple[str, ...], report_dir: Path | None, as_json: bool,
            allow_different_weights: bool, kernels: str, stream_layers: bool, replay: str,
-           replay_file: Path | None) -> None:
-    """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block."""
+           replay_file: Path | None, self_test: bool, defects: str | None) -> None:
+    """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block.
+
+    Exit 0 when the verdict names no divergence (or, with --fail-on, no bound breaks), 1 when it does, 2 on a
+    usage or input error. The verdict: a sub-block diverges when its weights differ, when train and serve differ
+    on the fp32 references (weights and conventions alone) beyond --threshold, or when the observed error
+    exceeds twice the noise the run measured on that input (its dtype, its kernels).
+    """
     from glmconv import api
     from glmconv.compare.report import to_json
 
@@ -76,7 +93,8 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
                         fail_on=fail_on, threshold=threshold, report_dir=report_dir, seed=seed, mode=mode,
                         dtype=dtype, device=device, train_conventions=train_conventions, overrides=overrides,
                         progress=not as_json, allow_different_weights=allow_different_weights, kernels=kernels,
-                        stream_layers=stream_layers, replay=replay, replay_file=replay_file)
+                        stream_layers=stream_layers, replay=replay, replay_file=replay_file, self_test=self_test,
+                        defects=defects)
     paths = [Path(p) for p in report.get("report_files", [])]
     if as_json:
         click.echo(to_json(report))
@@ -85,9 +103,20 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
     for note in report.get("report_skipped", []):
         click.echo(printable(f"note: {note}"), err=True)
     if not report["passed"]:
-        broken = [b["bound"] for b in report["bounds"] if b["broken"]]
-        click.echo(printable(f"parity failed: {count(len(broken), 'bound')} broken: {', '.join(broken)}"), err=True)
+        click.echo(printable(f"parity failed: {failure(report)}"), err=True)
         sys.exit(1)
+
+
+def failure(report: dict) -> str:
+    """What failed the gate, in one line."""
+    from glmconv.compare.report import divergence_line
+
+    broken = [b["bound"] for b in report["bounds"] if b["broken"]]
+    missed = [r["defect"] for r in report.get("self_test", []) if not r["named"]]
+    parts = [f"{count(len(broken), 'bound')} broken: {', '.join(broken)}"] if broken else []
+    parts += [divergence_line(report)] if report["gate"] == "verdict" and report["first_divergence"] else []
+    parts += [f"self-test missed {', '.join(missed)}"] if missed else []
+    return "; ".join(parts)
 
 
 def _print(report: dict, paths: list[Path]) -> None:

@@ -11,12 +11,12 @@ from decimal import Decimal, InvalidOperation
 
 import click
 
+from glmconv.arguments import MAX_SIZE, SEED_RANGE
 from glmconv.text import show
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
 _SIZE = re.compile(r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
-MAX_SIZE = 2**50  # 1 PiB: more than any checkpoint file; anything above is a typo
 _EXPECTED = "expected a size such as 5GB, 512MiB or 1000000"
 
 
@@ -54,5 +54,21 @@ class SizeType(click.ParamType):
 
 SIZE = SizeType()
 
-# A seed as torch.Generator.manual_seed takes it: anything else is a usage error, not an OverflowError.
-SEED = click.IntRange(-(2**63), 2**64 - 1)
+class SeedType(click.ParamType):
+    """A seed as torch.Generator.manual_seed takes it: anything else is a usage error, not an OverflowError. The
+    range is said in words (SEED_HELP), not as click's 20-digit bounds that break across help lines."""
+
+    name = "integer"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            number = value if isinstance(value, int) and not isinstance(value, bool) else int(str(value).strip())
+        except ValueError:
+            self.fail(f"{show(str(value))}: expected a whole number", param, ctx)
+        if not SEED_RANGE[0] <= number <= SEED_RANGE[1]:
+            self.fail(f"{show(str(number))}: expected a seed from -2**63 to 2**64-1", param, ctx)
+        return number
+
+
+SEED = SeedType()
+SEED_HELP = "any whole number from -2**63 to 2**64-1"

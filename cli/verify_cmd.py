@@ -51,11 +51,17 @@ def _print(s: dict[str, Any]) -> None:
     done = (f"{count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes'] / 1e9:.3f} GB) against "
             f"{count(s['hf_tensors'], 'HF tensor')} in {s['elapsed_s']:.1f}s")
     if s["equal"]:
-        console.print(f"[bold green]verify: equal bit for bit: {done}[/]", markup=True)
+        rounded = s["rounded_f32_to_bf16"]
+        how = (f"equal after rounding {count(rounded, 'HF tensor')} stored F32 to the BF16 that MCORE_DIR holds "
+               "(convert --dtype bf16), every other value bit for bit" if rounded else "equal bit for bit")
+        console.print(f"[bold green]verify: {how}: {done}[/]", markup=True)
     else:
         worst = s["worst_mismatch"]
         console.print(f"[bold red]verify: {count(s['mismatches'], 'mismatch', 'mismatches')}: {done}; worst max abs "
                       f"diff {worst['max_abs_diff']:.6g} at {', '.join(worst['hf'] or worst['mcore'])}[/]", markup=True)
+    if s["rounded_f32_to_bf16"] and not s["equal"]:
+        console.print(f"{count(s['rounded_f32_to_bf16'], 'HF tensor')} stored F32 compared after rounding to the BF16 "
+                      "that MCORE_DIR holds (convert --dtype bf16)", markup=False)
     for part in s["left_out"]:
         console.print(f"{part}: not in the torch_dist checkpoint, not compared", markup=False)
 

@@ -1,5 +1,6 @@
 """The options of how a command spreads its work, one definition for every command that has them: `--workers
-N|auto` (a count from 1 to 256, or `auto`: glmconv/runners/workers.py), `--read-threads`, `--device`."""
+N|auto`, `--read-threads`, `--device`; their ranges and choices are glmconv.arguments', as the Python API checks
+them."""
 
 from __future__ import annotations
 
@@ -8,21 +9,17 @@ from typing import Any
 
 import click
 
-from glmconv.text import show
-
-MAX_WORKERS = 256
+from glmconv import arguments
 
 
 class Workers(click.ParamType):
     name = "N|auto"
 
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
-        if isinstance(value, int) or value == "auto":
-            return value
-        text = str(value)
-        if text.strip().isdigit() and 1 <= int(text) <= MAX_WORKERS:
-            return int(text)
-        self.fail(f"{show(text)}: expected a count from 1 to {MAX_WORKERS}, or auto", param, ctx)
+        try:
+            return arguments.workers(value)
+        except arguments.ArgumentError as exc:
+            self.fail(exc.detail, param, ctx)
 
 
 WORKERS = Workers()
@@ -37,12 +34,12 @@ def workers_option(fp8_when: str) -> Callable[[Any], Any]:
 
 def read_threads_option(work: str, same: str = "") -> Callable[[Any], Any]:
     """`--read-threads`; `work`: what the threads do ahead of the worker's writer, `same`: what stays the same."""
-    return click.option("--read-threads", type=click.IntRange(0, 64), default=2, show_default=True,
+    return click.option("--read-threads", type=click.IntRange(*arguments.READ_THREADS), default=2, show_default=True,
                         help=f"Threads per worker {work} (0: one step at a time){same}.")
 
 
 def device_option(what: str) -> Callable[[Any], Any]:
     """`--device`: where FP8 weights are dequantised; `what`: after which they are cast or compared."""
-    return click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+    return click.option("--device", type=click.Choice(arguments.DEVICE_CHOICES), default="auto", show_default=True,
                         help=f"Where FP8 weights are dequantised and {what} (the same bits everywhere); auto: the "
                         "GPU when one is visible and a worker has at least 1 GiB of FP8 codes.")

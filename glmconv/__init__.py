@@ -4,7 +4,7 @@
 
     glmconv.convert("hf/", "mcore/")                      # HF (BF16 or FP8) -> torch_dist
     glmconv.export("mcore/", "hf2/", like="hf/")          # torch_dist -> HF, bit-exact for BF16
-    assert glmconv.audit("hf2/", against="mcore/").ok     # every tensor, both ways, through the mapping
+    assert glmconv.audit("hf2/", against="mcore/")["ok"]  # every tensor, both ways, through the mapping
     assert glmconv.verify("hf/", "mcore/")["equal"]       # every value, bit for bit, through the mapping
     report = glmconv.parity("hf/", "mcore/", fail_on=("logprob_abs_diff.max>1e-4",))
     for name, tensor in glmconv.hf_weights(params, "mcore/config.json"):  # a trainer's (name, tensor) pairs

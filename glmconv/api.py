@@ -1,8 +1,9 @@
 """The functions a Python user calls; the command line is a thin layer over exactly these.
 
 Each takes paths and plain options and returns the summary the CLI prints with `--json`; a user-caused problem
-raises `GlmconvError` (one line, naming the file or tensor). Heavy imports (torch) happen inside the calls, so
-`import glmconv` stays cheap.
+raises `GlmconvError` (one line, naming the file or tensor), an option's value out of range or an unknown keyword
+included: every option is checked by glmconv.arguments, as the CLI checks it. Heavy imports (torch) happen
+inside the calls, so `import glmconv` stays cheap.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glmconv import arguments as A
+from glmconv.arguments import keywords_checked
+
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Iterable, Iterator, Sequence
 
     import torch
 
@@ -19,6 +23,12 @@ if TYPE_CHECKING:
     from glmconv.runners.audit import AuditReport
 
 DEFAULT_GROUP_BYTES = 1 << 30
+
+
+def _flags(**flags: object) -> None:
+    """Each yes/no option is a bool."""
+    for name, value in flags.items():
+        A.flag("--" + name.replace("_", "-"), value)
 
 
 def lead_process() -> bool:
@@ -30,6 +40,7 @@ def lead_process() -> bool:
     return env is None or env[0] == 0
 
 
+@keywords_checked
 def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, force: bool = False,
             mtp: bool = True, vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
             dry_run: bool = False, progress: bool = False, space_check: bool = True,
@@ -50,10 +61,19 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
     are dequantised, `cpu`, `cuda` or `auto` (glmconv/io/dequant.py; the same bits everywhere); `read_threads`:
     threads reading and dequantising ahead of each worker's writer (0: one step at a time).
     """
+    from glmconv.io.dequant import DEVICES
+    from glmconv.rules.layouts import LAYOUT_CHOICES
+    from glmconv.rules.table import DTYPE_CHOICES
     from glmconv.runners.convert import RunOptions, dry_run_summary, fp8_bytes, prepare
     from glmconv.runners.convert import convert as run
     from glmconv.runners.workers import worker_count
 
+    A.path("HF_DIR", hf_dir), A.path("OUT_DIR", out_dir)
+    workers, read_threads = A.workers(workers), A.read_threads(read_threads)
+    A.size("--group-size", group_bytes), A.choice("--dtype", dtype, DTYPE_CHOICES)
+    A.choice("--device", device, DEVICES), A.choice("--layout", layout, LAYOUT_CHOICES)
+    _flags(force=force, mtp=mtp, vision=vision, check_finite=check_finite, dry_run=dry_run, progress=progress,
+           space_check=space_check)
     job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
     opts = RunOptions(workers=worker_count(workers, job.bytes_in, fp8_bytes(job.plan.mappings)),
                       group_bytes=group_bytes, progress=progress, check_finite=check_finite, space_check=space_check,
@@ -61,6 +81,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 
+@keywords_checked
 def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | None = None,
            config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int | None = None,
            workers: int | str = 1, force: bool = False, check_finite: bool = False, dry_run: bool = False,
@@ -82,10 +103,17 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s filesystem is refused before
     anything is written (glmconv/space.py).
     """
+    from glmconv.rules.layouts import LAYOUT_CHOICES
     from glmconv.runners.export import ExportOptions, bytes_in, dry_run_summary, fp8_work_bytes, prepare
     from glmconv.runners.export import export as run
     from glmconv.runners.workers import worker_count
 
+    A.path("MCORE_DIR", mcore_dir), A.path("OUT_DIR", out_dir)
+    A.optional(A.path, "--like", like), A.optional(A.path, "--config", config)
+    workers, read_threads = A.workers(workers), A.read_threads(read_threads)
+    A.optional(A.size, "--max-shard-size", max_shard_bytes), A.optional(A.choice, "--layout", layout, LAYOUT_CHOICES)
+    _flags(fp8=fp8, force=force, check_finite=check_finite, dry_run=dry_run, progress=progress,
+           space_check=space_check)
     job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
                   layout=layout)
     opts = ExportOptions(workers=worker_count(workers, bytes_in(job), fp8_work_bytes(job)), progress=progress,
@@ -93,6 +121,7 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 
+@keywords_checked
 def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool = False,
              group_bytes: int = DEFAULT_GROUP_BYTES, dry_run: bool = False, progress: bool = False,
              space_check: bool = True, like: str | Path | None = None) -> dict[str, Any]:
@@ -106,14 +135,19 @@ def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool
     none: `like`, the HF checkpoint training started from, gives them (`taken_from_like`). `dry_run` returns the
     plan and writes nothing; `space_check` as for convert.
     """
+    from glmconv.rules.layouts import LAYOUT_CHOICES
     from glmconv.runners.relayout import RelayoutOptions, dry_run_summary, prepare
     from glmconv.runners.relayout import relayout as run
 
+    A.path("MCORE_DIR", mcore_dir), A.path("OUT_DIR", out_dir), A.optional(A.path, "--like", like)
+    A.choice("--to", to, LAYOUT_CHOICES), A.size("--group-size", group_bytes)
+    _flags(force=force, dry_run=dry_run, progress=progress, space_check=space_check)
     job = prepare(mcore_dir, out_dir, to=to, like=like)
     opts = RelayoutOptions(group_bytes=group_bytes, progress=progress, space_check=space_check)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 
+@keywords_checked
 def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False, workers: int | str = 1,
            read_threads: int = 2, device: str = "auto") -> dict[str, Any]:
     """Every tensor of `hf_dir` against its mapped counterpart in `mcore_dir`, bit for bit, one mapping at a time.
@@ -130,12 +164,16 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
     from glmconv.runners.verify import verify as run
     from glmconv.runners.workers import worker_count
 
+    A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
+    workers, read_threads = A.workers(workers), A.read_threads(read_threads)
+    A.choice("--device", device, A.DEVICE_CHOICES), _flags(progress=progress)
     job = prepare(hf_dir, mcore_dir)
     opts = VerifyOptions(workers=worker_count(workers, job.hf.bytes_in, fp8_bytes(job.hf.plan.mappings)),
                          threads=read_threads, device=device, progress=progress)
     return run(job, opts)
 
 
+@keywords_checked
 def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: GlmConfig | str | Path | None = None,
                *, fp8: bool = False, dtypes: dict[str, str] | None = None,
                layout: str = "miles") -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,39 +187,61 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
     shapes and groups left incomplete raise `GlmconvError`. `layout`: whose torch_dist names in-memory `params`
     carry (`miles` or `mcore`; a directory says its own).
     """
+    from glmconv.rules.layouts import LAYOUT_CHOICES
     from glmconv.weight_sync import hf_weights as run
 
+    _flags(fp8=fp8), A.choice("--layout", layout, LAYOUT_CHOICES)
     return run(params, config, fp8=fp8, dtypes=dtypes, layout=layout)
 
 
+@keywords_checked
 def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None, mtp: bool | None = None,
           vision: bool | None = None, layers: int | None = None, accept_flat_prefix: bool = False,
-          config: str | Path | None = None, layout: str | None = None) -> AuditReport:
+          config: str | Path | None = None, layout: str | None = None) -> dict[str, Any]:
     """Every tensor of `src` (config, HF or torch_dist) against the plan, and against `against` both ways.
 
-    `layout`: the Megatron layout torch_dist sides are audited in (None: the one their names are spelled in;
-    a glmconv.json record they contradict is a finding); two sides in different layouts meet through the mapping.
-
-    The report's `ok` is False when there are findings (the CLI's exit 1); unreadable input raises.
+    Returns what `audit-names --json` prints: `ok` (False when there are findings: the CLI's exit 1), the
+    `findings` (kind, side, tensor, file, expected, found), `counts` and each side's `plans`; unreadable input
+    raises. `layout`: the Megatron layout torch_dist sides are audited in (None: the one their names are spelled
+    in; a glmconv.json record they contradict is a finding); two sides in different layouts meet through the
+    mapping.
     """
+    return audit_report(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
+                        accept_flat_prefix=accept_flat_prefix, config=config, layout=layout).as_json()
+
+
+@keywords_checked
+def audit_report(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None,
+                 mtp: bool | None = None, vision: bool | None = None, layers: int | None = None,
+                 accept_flat_prefix: bool = False, config: str | Path | None = None,
+                 layout: str | None = None) -> AuditReport:
+    """`audit` as an object (`.ok`, `.findings`, `.summary()`): what the CLI prints its table from."""
+    from glmconv.rules.layouts import LAYOUT_CHOICES
     from glmconv.runners.audit import audit as run
 
+    A.path("SRC", src), A.optional(A.path, "--against", against), A.optional(A.path, "--config", config)
+    for name, value in (("fp8", fp8), ("mtp", mtp), ("vision", vision)):
+        A.optional(A.flag, f"--{name}", value)
+    A.optional(A.int_in, "--layers", layers, 1), _flags(accept_flat_prefix=accept_flat_prefix)
+    A.optional(A.choice, "--layout", layout, LAYOUT_CHOICES)
     return run(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers, accept_flat_prefix=accept_flat_prefix,
                config=config, layout=layout)
 
 
+@keywords_checked
 def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = None, sequences: int | None = None,
-           prompt_file: str | Path | None = None, fail_on: tuple[str, ...] = (), threshold: float | None = None,
+           prompt_file: str | Path | None = None, fail_on: str | Sequence[str] = (), threshold: float | None = None,
            report_dir: str | Path | None = None, **options: Any) -> dict[str, Any]:
     """Layerwise train-vs-serve report of `hf_dir` and its conversion `mcore_dir`; `report["passed"]` is the verdict.
 
     `report["wall_s"]` is the whole call (reading, building both models, the passes); `report["elapsed_s"]` the
     forward passes of both models alone.
 
-    `fail_on`: bounds such as "logprob_abs_diff.max>1e-4"; `report_dir`: also write report.json, report.md and
-    error_per_layer.png there (listed in `report["report_files"]`; without matplotlib the PNG is skipped and
-    `report["report_skipped"]` says so); `options`: the other `glmconv.compare.ParityOptions` fields (seed, mode,
-    dtype, device, train_conventions, overrides, kernels, ...).
+    `fail_on`: one bound such as "logprob_abs_diff.max>1e-4", or a sequence of them; `report_dir`: also write
+    report.json, report.md and error_per_layer.png there (listed in `report["report_files"]`; without matplotlib
+    the PNG is skipped and `report["report_skipped"]` says so); `options`: the other
+    `glmconv.compare.ParityOptions` fields (seed, mode, dtype, device, train_conventions, overrides, kernels,
+    ...); any other keyword is refused.
     """
     import time
 
@@ -192,7 +252,8 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     from glmconv.output import claim_report_dir
 
     start = time.monotonic()
-    bounds = tuple(parse_bound(b) for b in fail_on)  # bad syntax fails before any model is built
+    _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, report_dir, options)
+    bounds = tuple(parse_bound(b) for b in A.fail_on(fail_on))  # bad syntax fails before any model is built
     if prompt_file is not None and (tokens is not None or sequences is not None):
         raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
     if threshold is not None and not threshold > 0:
@@ -212,3 +273,27 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     if report_dir is not None:
         report["report_files"] = [str(p) for p in write_report(report, report_dir, inputs)]
     return report
+
+
+def _parity_arguments(hf_dir: object, mcore_dir: object, tokens: object, sequences: object, prompt_file: object,
+                      report_dir: object, options: dict[str, Any]) -> None:
+    """parity's paths, counts and option names, checked before anything is read."""
+    import dataclasses
+
+    from glmconv.compare import ParityOptions
+    from glmconv.errors import GlmconvError
+    from glmconv.mistakes import check_pair, check_same_model
+
+    A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
+    A.optional(A.path, "--prompt-file", prompt_file), A.optional(A.path, "--report-dir", report_dir)
+    A.optional(A.int_in, "--tokens", tokens), A.optional(A.int_in, "--sequences", sequences)  # ranges: inputs.py
+    known = {f.name for f in dataclasses.fields(ParityOptions)} - set(_PARITY_OWN)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise GlmconvError(f"glmconv.parity(): unknown keyword {unknown[0]!r} (the options are: "
+                           f"{', '.join(sorted(known))})")
+    check_pair("parity", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
+    check_same_model(hf_dir, mcore_dir)
+
+
+_PARITY_OWN = ("hf_dir", "mcore_dir", "tokens", "sequences", "prompt_file", "bounds", "threshold")

@@ -16,6 +16,7 @@ from types import FrameType
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[int] = []
+_state = {"depth": 0, "completing": False, "cli": False}  # see `catching`, `completing`, `cli_process`
 
 
 class Interrupted(BaseException):
@@ -31,6 +32,8 @@ class Interrupted(BaseException):
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
+    if _state["completing"]:
+        return  # the run is publishing or has published: too late to interrupt it (see `completing`)
     if not _received:
         _received.append(signum)
         raise Interrupted(signum)
@@ -51,12 +54,21 @@ def catching() -> Iterator[None]:
         yield
         return
     _received.clear()
+    _state["completing"] = False
     before = {s: signal.signal(s, _handler) for s in SIGNALS}
+    _state["depth"] += 1
     try:
         yield
     finally:
-        for s, h in before.items():
-            signal.signal(s, h)
+        _state["depth"] -= 1
+        late = _state["completing"] and _state["cli"] and not _state["depth"]
+        for s, h in before.items():  # the command line, once published, ignores them until the process exits
+            signal.signal(s, signal.SIG_IGN if late else h)
+
+
+def cli_process() -> None:
+    """The command line calls this first: a published run then ignores SIGINT/SIGTERM until its process exits."""
+    _state["cli"] = True
 
 
 def as_interrupt(exc: BaseException) -> BaseException:
@@ -70,18 +82,24 @@ def as_interrupt(exc: BaseException) -> BaseException:
 
 
 @contextmanager
-def deferred() -> Iterator[None]:
-    """SIGINT/SIGTERM held back for the block: publishing is two renames that must not be split.
+def completing() -> Iterator[None]:
+    """From here on the run completes: SIGINT/SIGTERM are dropped until the command ends (`catching` exits).
 
-    A signal that arrives meanwhile is dropped: the run has completed, too late to interrupt it.
+    Publishing is a few renames that must not be split, and once OUT is in place an `interrupted` line (exit
+    130/143) would report a failure that did not happen. Python runs signal handlers in the main thread
+    whichever thread the kernel delivered the signal to, so this holds with reader, sync and pool threads alive
+    (a signal mask set here would cover the main thread only). Outside `catching` the handlers are restored
+    when the block ends.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    _state["completing"] = True
+    before = {s: signal.signal(s, _handler) for s in SIGNALS} if not _state["depth"] else {}
     try:
         yield
     finally:
-        while signal.sigtimedwait(SIGNALS, 0) is not None:
-            pass
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+        for s, h in before.items():
+            signal.signal(s, h)
+        if before:
+            _state["completing"] = False

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from glmconv.errors import GlmconvError
+from glmconv.text import decimal
 
 LOCK_SUFFIX = ".glmconv-lock"
 
@@ -143,4 +144,4 @@ def _read_pid(fd: int) -> int | None:
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    return decimal(text)

@@ -11,10 +11,13 @@ Policy (docs/errors.md, "Output directory and interruption"):
 * An existing OUT is replaced (only with --force, and only at publish) when it is empty or when glmconv
   published it: it holds a `glmconv.json` whose `written_by` is glmconv. Anything else is the user's.
 * A directory glmconv will later delete (staging `OUT.glmconv-staging`, backup `OUT.glmconv-old`) gets the
-  run marker `.glmconv-run` first, created with O_EXCL, holding pid, host and a run id. A leftover path of
-  that name is removed only when it is a real directory holding a marker and no live process holds the
-  marker's flock (the run and its workers hold it shared for their lifetime); an empty one (a run killed
-  right after mkdir) is removed with rmdir; anything else is refused, named.
+  run marker first, a file beside it (`OUT.glmconv-staging.glmconv-run`) created with O_EXCL, holding pid,
+  host and a run id: beside, never inside, so that the directory renamed into OUT's place carries no trace
+  of the run whenever the run is killed. A leftover path of that name is removed only when it is a real
+  directory whose marker is glmconv's and no live process holds the marker's flock (the run and its workers
+  hold it shared for their lifetime); an empty one (a run killed right after mkdir) is removed with rmdir;
+  anything else is refused, named. A marker left without its directory (a run killed right after creating it,
+  or right after publishing) is removed once unused.
 * Every file glmconv creates is opened O_CREAT|O_EXCL|O_NOFOLLOW (`create_new`): never through a symlink,
   never over an existing file. The lock file, which a killed run leaves behind, is opened O_NOFOLLOW and
   taken over only when it is plainly glmconv's (glmconv/lock.py).
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from glmconv import interrupt
 from glmconv.errors import GlmconvError
 from glmconv.io.file_names import MANIFEST_NAME
 from glmconv.lock import LOCK_SUFFIX
@@ -47,6 +51,7 @@ STAGING_SUFFIX = ".glmconv-staging"
 OLD_SUFFIX = ".glmconv-old"
 MARKER = ".glmconv-run"
 WRITTEN_BY = "glmconv"
+PATH_ROOM = 256  # bytes the deepest file glmconv writes under OUT adds to OUT's path (staging, ranks, shards)
 MARKER_MAX_BYTES = 1 << 16  # a marker or manifest is a few hundred bytes; anything larger is not ours
 STALE_WAIT_S = 10.0  # how long a leftover staging directory's workers get to die (they follow their parent)
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -162,7 +167,38 @@ def resolve_out(out: Path) -> Path:
     real = real_path(out, "output directory")
     if real.parent == real:
         raise GlmconvError(f"{out}: cannot write the output over the filesystem root; name a directory below it")
+    _check_length(out, real)
     return real
+
+
+def _check_length(out: Path, real: Path) -> None:
+    """Refuse an OUT whose own name, or the names glmconv makes beside and below it, the filesystem cannot hold."""
+    name_max, path_max = _limits(real)
+    longest = max(len(s) for s in (STAGING_SUFFIX, OLD_SUFFIX, LOCK_SUFFIX))
+    long_part = next((p for p in real.parts if len(os.fsencode(p)) > name_max), None)
+    if long_part is not None or len(os.fsencode(real.name)) + longest > name_max:
+        raise GlmconvError(f"{printable_head(out)}: a path component is longer than the filesystem's {name_max} bytes "
+                           f"(glmconv adds up to {longest} to OUT's name); choose a shorter OUT")
+    if len(os.fsencode(real)) + longest + PATH_ROOM > path_max:
+        raise GlmconvError(f"{printable_head(out)}: the path is {len(os.fsencode(real)):,} bytes; the files glmconv "
+                           f"writes below it need it under {path_max - longest - PATH_ROOM:,}; choose a shorter OUT")
+
+
+def printable_head(path: Path, keep: int = 80) -> str:
+    """A long path shortened for one error line: its first `keep` characters, then how much was left out."""
+    text = str(path)
+    return text if len(text) <= keep else f"{text[:keep]}... ({len(text):,} characters)"
+
+
+def _limits(real: Path) -> tuple[int, int]:
+    """NAME_MAX and PATH_MAX where OUT would be (its nearest existing ancestor), POSIX's usual values if unknown."""
+    here = real
+    while not os.path.isdir(here) and here.parent != here:  # isdir: False for a name too long, never raises
+        here = here.parent
+    try:
+        return os.pathconf(here, "PC_NAME_MAX"), os.pathconf(here, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
 
 
 def check_overlap(out: Path, inputs: dict[str, Path | None]) -> Path:
@@ -272,7 +308,7 @@ class Stage:
 
     @property
     def marker(self) -> Path:
-        return self.path / MARKER
+        return marker_of(self.path)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -280,26 +316,29 @@ class Stage:
             os.close(fd)
 
 
+def marker_of(d: Path) -> Path:
+    """Where the run marker of a directory glmconv will delete lies: beside it (`D.glmconv-run`)."""
+    return d.with_name(d.name + MARKER)
+
+
 def open_stage(real_out: Path) -> Stage:
     """A fresh `OUT.glmconv-staging`, its marker written first; a leftover one is removed only if ours."""
     path = sibling(real_out, STAGING_SUFFIX)
     remove_ours(path, "staging")
+    run = uuid.uuid4().hex
+    fd = _write_marker(path, "staging", run)
     try:
         os.mkdir(path, 0o755)
     except OSError as exc:
+        os.close(fd)
+        marker_of(path).unlink(missing_ok=True)
         raise GlmconvError(f"{path}: cannot create the staging directory ({exc.strerror or exc})") from None
-    run = uuid.uuid4().hex
-    try:
-        fd = _write_marker(path, "staging", run)
-    except GlmconvError:
-        os.rmdir(path)
-        raise
     return Stage(path, run, fd)
 
 
 def _write_marker(d: Path, state: str, run: str) -> int:
-    """Create `d/.glmconv-run` (O_EXCL), flock it shared and keep it open: the directory is ours and in use."""
-    path = d / MARKER
+    """Create `d`'s marker (O_EXCL), flock it shared and keep it open: the directory is ours and in use."""
+    path = marker_of(d)
     body = json.dumps({"written_by": WRITTEN_BY, "state": state, "run": run, "pid": os.getpid(),
                        "host": socket.gethostname(), "started": time.time()}) + "\n"
     try:
@@ -329,11 +368,11 @@ def join_stage(path: Path, run: str) -> int:
     this run's (a rerun replaced it after this worker's parent died) is refused: the worker writes nothing.
     """
     try:
-        fd = os.open(path / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(marker_of(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise GlmconvError(f"{path}: staging directory is gone ({exc.strerror or exc}); nothing written") from None
     fcntl.flock(fd, fcntl.LOCK_SH)
-    data = _small_json(path / MARKER)
+    data = _small_json(marker_of(path))
     if not isinstance(data, dict) or data.get("run") != run:
         os.close(fd)
         raise GlmconvError(f"{path}: staging directory belongs to another run; nothing written")
@@ -345,27 +384,52 @@ def remove_ours(path: Path, what: str, keep: bool = False) -> None:
 
     With `keep`, only the checks: the caller moves the directory instead.
     """
+    marker = marker_of(path)
     if not os.path.lexists(path):
+        _drop_marker(marker, path)
         return
     if path.is_symlink() or not path.is_dir():
         kind = "a symlink" if path.is_symlink() else "not a directory"
         raise GlmconvError(f"{path}: in the way of glmconv's {what} directory and not made by glmconv ({kind}); "
                            f"remove it yourself")
-    data = _small_json(path / MARKER)
+    data = _small_json(marker)
     if not isinstance(data, dict) and not keep and _rmdir_if_empty(path):
         return  # a run killed between mkdir and its marker: an empty directory loses nothing
     if not isinstance(data, dict) or data.get("written_by") != WRITTEN_BY:
         raise GlmconvError(f"{path}: in the way of glmconv's {what} directory and not made by glmconv (no "
                            f"{MARKER} marker); remove or rename it yourself")
-    if not _wait_unused(path / MARKER):
-        raise GlmconvError(f"{path}: left by glmconv pid {data.get('pid')} on {data.get('host')}, which still "
-                           f"uses it; wait for that process to end")
+    _refuse_if_used(marker, path, data)
     if keep:
         return
     try:
         shutil.rmtree(path)
     except OSError as exc:
         raise GlmconvError(f"{path}: cannot remove the leftover {what} directory ({exc.strerror or exc})") from None
+    marker.unlink(missing_ok=True)
+
+
+def _refuse_if_used(marker: Path, path: Path, data: dict[str, Any]) -> None:
+    if not _wait_unused(marker):
+        raise GlmconvError(f"{path}: left by glmconv pid {data.get('pid')} on {data.get('host')}, which still "
+                           f"uses it; wait for that process to end")
+
+
+def _drop_marker(marker: Path, path: Path) -> None:
+    """Remove a marker whose directory is gone (killed right after creating it, or right after publishing),
+    once no process uses it; a file of that name glmconv did not write is left alone (an empty one is the
+    marker of a run killed between creating and writing it: it holds nothing to lose)."""
+    data = _small_json(marker)
+    if isinstance(data, dict) and data.get("written_by") == WRITTEN_BY or _empty_file(marker):
+        _refuse_if_used(marker, path, data if isinstance(data, dict) else {})
+        marker.unlink(missing_ok=True)
+
+
+def _empty_file(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
 
 
 def _rmdir_if_empty(path: Path) -> bool:
@@ -400,10 +464,12 @@ def _wait_unused(marker: Path) -> bool:
 def discard(stage: Stage) -> None:
     """Remove this run's staging directory (best effort: failing here must not hide the real error)."""
     stage.close()
+    data = _small_json(stage.marker)
+    if not isinstance(data, dict) or data.get("run") != stage.run:
+        return
     if os.path.lexists(stage.path) and not stage.path.is_symlink():
-        data = _small_json(stage.marker)
-        if isinstance(data, dict) and data.get("run") == stage.run:
-            shutil.rmtree(stage.path, ignore_errors=True)
+        shutil.rmtree(stage.path, ignore_errors=True)
+    stage.marker.unlink(missing_ok=True)
 
 
 # ---- publishing --------------------------------------------------------------------------------------
@@ -413,8 +479,14 @@ def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
 
     An empty OUT is replaced by one rename (rename(2) may replace an empty directory). A non-empty one is
     checked again, marked as ours, moved to `OUT.glmconv-old`, then deleted once the new OUT is in place;
-    if the new one cannot be moved in, the old one is moved back.
+    if the new one cannot be moved in, the old one is moved back. SIGINT/SIGTERM from here on are too late
+    (`interrupt.completing`): the run either publishes and succeeds or fails with the previous OUT intact.
     """
+    with interrupt.completing():
+        _publish(stage, out, real, force)
+
+
+def _publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
     check_target(out, real, force)
     try:
         sync_tree(stage.path)  # on disk before the name says so: a crash never leaves a complete-looking OUT torn
@@ -431,7 +503,7 @@ def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
                            ) from None
     finally:
         stage.close()
-    (real / MARKER).unlink(missing_ok=True)
+    stage.marker.unlink(missing_ok=True)
     if old is not None:
         discard(old)
 
@@ -463,6 +535,7 @@ def recover(real: Path) -> None:
     """
     old = sibling(real, OLD_SUFFIX)
     if not os.path.lexists(old):
+        _drop_marker(marker_of(old), old)
         return
     if os.path.lexists(real):
         remove_ours(old, "backup")
@@ -472,7 +545,7 @@ def recover(real: Path) -> None:
         os.rename(old, real)
     except OSError as exc:
         raise GlmconvError(f"{old}: cannot move the previous OUT back ({exc.strerror or exc})") from None
-    (real / MARKER).unlink(missing_ok=True)
+    marker_of(old).unlink(missing_ok=True)
 
 
 def _set_aside(real: Path, run: str) -> Stage:
@@ -482,12 +555,12 @@ def _set_aside(real: Path, run: str) -> Stage:
     leftover = real / MARKER
     if os.path.lexists(leftover) and isinstance(_small_json(leftover), dict):
         leftover.unlink()  # a crashed publish left its marker in this (published) OUT
-    old = Stage(old_path, run, _write_marker(real, "old", run))
+    old = Stage(old_path, run, _write_marker(old_path, "old", run))
     try:
         os.rename(real, old_path)
     except OSError:
         old.close()
-        leftover.unlink(missing_ok=True)
+        old.marker.unlink(missing_ok=True)
         raise
     return old
 
@@ -495,4 +568,4 @@ def _set_aside(real: Path, run: str) -> Stage:
 def _put_back(old: Stage, real: Path) -> None:
     old.close()
     os.rename(old.path, real)
-    (real / MARKER).unlink(missing_ok=True)
+    old.marker.unlink(missing_ok=True)

@@ -95,7 +95,10 @@ class Mapping:
 
     @property
     def hf_bytes(self) -> int:
-        return sum(t.nbytes for t in self.hf) + sum(s.nbytes for s in self.scales if s)
+        """Bytes of the HF tensors as the source stores them (an F32 save is twice its BF16 plan), scales included."""
+        stored = self.stored or (None,) * len(self.hf)
+        sizes = [DTYPE_SIZES.get(d or t.dtype, DTYPE_SIZES[t.dtype]) for t, d in zip(self.hf, stored)]
+        return sum(math.prod(t.shape) * n for t, n in zip(self.hf, sizes)) + sum(s.nbytes for s in self.scales if s)
 
     @property
     def mcore_bytes(self) -> int:

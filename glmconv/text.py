@@ -42,6 +42,11 @@ def plain_markup(text: str) -> str:
     return escape(printable(text))
 
 
+def decimal(text: str) -> int | None:
+    """The number ASCII digits spell, else None: `str.isdigit` also accepts `²` and other digits int() refuses."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def count(n: int, noun: str, plural: str | None = None) -> str:
     """`1 shard`, `2 shards`, `1,024 HF tensors`: a count and its noun, singular only for exactly one."""
     return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

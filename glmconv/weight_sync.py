@@ -100,8 +100,10 @@ def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: 
         return
     if scale is None:
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
+    from glmconv.io.finite import require_finite
     from glmconv.io.fp8_reuse import encode as encode_fp8
 
+    require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
     fp8 = encode_fp8(t, like.pair(spec.name) if like is not None else None)
     with _STATS_LOCK:  # export encodes on reader threads
         stats.add(Fp8Stats(1, fp8.scales.numel(), fp8.scale_adjusted, fp8.inexact, int(fp8.requantized > 0),
@@ -216,7 +218,7 @@ def _from_checkpoint(src: Path, config: GlmConfig | str | Path | None, fp8: bool
 
     if isinstance(config, GlmConfig):
         raise GlmconvError("hf_weights: for a torch_dist directory, pass the config as a path (or none)")
-    job = source_job(src, config=config, fp8=fp8)
+    job = source_job(src, config=config, fp8=fp8, config_option=None)
     want = {**job.dtypes, **(dtypes or {})}
 
     def stream() -> Iterator[Named]:

@@ -18,8 +18,8 @@ settings.load_profile("ci")
 
 def pytest_configure(config: pytest.Config) -> None:
     """Without CUDA, transformers' Glm5Next must use its torch KDA (fla's kernels are GPU-only): import it once
-    with fla hidden. Triton's own kernels (glmconv's kpool indexer) then run under its interpreter, which must be
-    on before triton loads."""
+    with fla hidden (glmconv/fla_guard.py). Triton's own kernels (glmconv's kpool indexer) then run under its
+    interpreter, which must be on before triton loads."""
     import os
 
     import torch

@@ -66,7 +66,7 @@ def sha256_tree(*roots: Path) -> dict[str, str]:
 
 
 def listing(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    return sorted(p.name for p in d.iterdir()) if os.path.isdir(d) else []  # isdir: False for a name too long
 
 
 @dataclass
@@ -91,7 +91,7 @@ def assert_refused(args: list[str], inputs: list[Path], out: Path, pattern: str,
     before_inputs = sha256_tree(*inputs)
     parent = out.parent
     before_parent = listing(parent)
-    before_out = sha256_tree(out) if out.exists() else None
+    before_out = sha256_tree(out) if os.path.exists(out) else None
     got = invoke(args)
     assert "Traceback" not in got.stderr + got.stdout, got.stderr
     lines = got.stderr.strip("\n").splitlines()
@@ -262,6 +262,27 @@ def _symlink_escape(src: Path, tmp: Path) -> None:
     (src / _shard(2)).symlink_to(target)
 
 
+def _symlink_loop(name: str) -> Callable[[Path, Path], None]:
+    """`name` replaced by a symlink to itself (ELOOP on every open)."""
+    def breaks(src: Path, tmp: Path) -> None:
+        (src / name).unlink(missing_ok=True)
+        (src / name).symlink_to(name)
+    return breaks
+
+
+def _storage_a_list(md: object) -> None:
+    md.storage_data = list(md.storage_data.values())  # type: ignore[attr-defined]
+
+
+def _storage_offset_none(md: object) -> None:
+    next(iter(md.storage_data.values())).offset = None  # type: ignore[attr-defined]
+
+
+def _storage_attribute_renamed(md: object) -> None:
+    info = next(iter(md.storage_data.values()))  # type: ignore[attr-defined]
+    info.__dict__["lenght"] = info.__dict__.pop("length")
+
+
 def _duplicate(src: Path, tmp: Path) -> None:
     wm = weight_map(src)
     other = next(s for s in shard_names(src) if s != wm[EMBED])
@@ -358,12 +379,17 @@ HF_CASES = [
          r"\(and 1 more"),
     Case("nan-weight-check-finite", "convert", "tiny",
          lambda s, t: (edit_tensor(s, DOWN0, set_first(float("nan"), (3, 17))), ["--check-finite"])[1],
-         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): non-finite value nan at index \[3, 17\] "
-         r"\(1 non-finite value in the tensor\); --check-finite refuses NaN/Inf weights"),
-    Case("nan-fp8-code-check-finite", "convert", "tiny-fp8",
-         lambda s, t: (edit_tensor(s, DOWN0, fp8_nan_code), ["--check-finite"])[1],
-         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): non-finite value nan at index \[2, 9\]"),
+         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): 1 non-finite value \(NaN/Inf\), the first nan "
+         r"in block \[0, 0\] at index \[3, 17\]; glmconv refuses NaN/Inf weights$"),
+    Case("nan-fp8-code", "convert", "tiny-fp8", lambda s, t: edit_tensor(s, DOWN0, fp8_nan_code),
+         _q(f"{DOWN0} (") + r"model-0000\d-of-00004\.safetensors\): 1 non-finite value \(NaN/Inf\), the first FP8 "
+         r"code 0x7F in block \[0, 0\] at index \[2, 9\]; glmconv refuses NaN/Inf weights$"),
     Case("empty-directory", "convert", "tiny", _empty, r"src: empty directory$"),
+    Case("symlink-loop-shard", "convert", "tiny", _symlink_loop(_shard(2)),
+         _q(f"{INDEX_NAME}: shard '{_shard(2)}' is a symlink loop")),
+    Case("symlink-loop-sidecar", "convert", "tiny", _symlink_loop("tokenizer.json"),
+         r"src/tokenizer\.json: is a symlink loop$"),
+    Case("symlink-loop-config", "convert", "tiny", _symlink_loop(CONFIG_NAME), r"src/config\.json: is a symlink loop$"),
     Case("no-such-directory", "convert", "tiny", lambda s, t: shutil.rmtree(s), r"src: no such file or directory$"),
 ]
 
@@ -384,16 +410,29 @@ MCORE_CASES = [
     Case("common-state-missing", "export", "mc", lambda m, t: edit_metadata(m, drop_common_state),
          r"release: common state missing: no common\.pt and no " + _q(COMMON_STATE_KEY) + r" entry in \.metadata"),
     Case("mcore-config-missing", "export", "mc", lambda m, t: (m / CONFIG_NAME).unlink(),
-         r"src: torch_dist checkpoint has no config\.json next to it; pass --config CONFIG$"),
+         r"src: torch_dist checkpoint has no config\.json next to it \(convert writes one there\): copy the "
+         r"model's config\.json into .*src, or pass --config CONFIG$"),
     Case("mcore-config-vs-checkpoint-layers", "export", "mc", lambda m, t: cut_config_layers(m, 3),  # args first
          r"release: the stored Megatron args say 4 decoder layers \(num_layers\) but the config says 3: this "
          r"checkpoint is another model than its config\.json$"),
     Case("inf-weight-check-finite", "export", "mc",
          lambda m, t: (rewrite_torch_dist(m, t / "edited", set_mcore(EXPERTS_FC2, float("inf"), (5, 3, 7))),
                        shutil.rmtree(m), (t / "edited").rename(m), ["--check-finite"])[3],
-         _q(f"{EXPERTS_FC2} (") + r".*release\): non-finite value inf at index \[5, 3, 7\]"),
+         _q(f"{EXPERTS_FC2} (") + r".*release\): 1 non-finite value \(NaN/Inf\), the first inf in block \[5, 0, 0\] "
+         r"at index \[5, 3, 7\]"),
     Case("empty-directory", "export", "mc", _empty,
          _q(f"src: not a torch_dist checkpoint (no {TRACKER_NAME} or metadata.json)")),
+    Case("tracker-non-ascii-digit", "export", "mc", lambda m, t: (m / TRACKER_NAME).write_text("\u00b2"),
+         _q(f"{TRACKER_NAME}: expected an iteration number or 'release', got '\u00b2'")),
+    Case("symlink-loop-tracker", "export", "mc", _symlink_loop(TRACKER_NAME), _q(f"{TRACKER_NAME}: is a symlink loop")),
+    Case("symlink-loop-distcp", "export", "mc", lambda m, t: _symlink_loop(first_distcp(m).name)(m / RELEASE, t),
+         r"\.metadata: data file '__0_0\.distcp' is a symlink loop$"),
+    Case("metadata-storage-a-list", "export", "mc", lambda m, t: edit_metadata(m, _storage_a_list),
+         r"^error: \.metadata: storage_data is a list, expected dict or NoneType$"),
+    Case("metadata-storage-offset-none", "export", "mc", lambda m, t: edit_metadata(m, _storage_offset_none),
+         r"^error: \.metadata: storage of .*: _StorageInfo has no offset$"),  # a None field is not pickled
+    Case("metadata-attribute-renamed", "export", "mc", lambda m, t: edit_metadata(m, _storage_attribute_renamed),
+         r"^error: \.metadata: storage of .*: _StorageInfo has no length$"),
 ]
 
 AUDIT_CASES = [  # audit-names exits 2 (not 1) when it cannot read its input at all
@@ -403,6 +442,10 @@ AUDIT_CASES = [  # audit-names exits 2 (not 1) when it cannot read its input at 
          _q(f"{INDEX_NAME}: shard '{_shard(2)}' resolves to ") + r".*, outside the checkpoint directory",
          ["outside.safetensors"]),
     Case("empty-directory", "audit-names", "tiny", _empty, r"src: empty directory$"),
+    Case("symlink-loop-shard", "audit-names", "tiny", _symlink_loop(_shard(2)),
+         _q(f"{INDEX_NAME}: shard '{_shard(2)}' is a symlink loop")),
+    Case("metadata-storage-a-list", "audit-names", "mc", lambda m, t: edit_metadata(m, _storage_a_list),
+         r"\.metadata: storage_data is a list, expected dict or NoneType$"),
     Case("dcp-metadata-truncated", "audit-names", "mc",
          lambda m, t: _truncate(m / RELEASE / DCP_METADATA_NAME, 99),
          _q(f"{DCP_METADATA_NAME}: corrupt or truncated pickle")),
@@ -466,6 +509,24 @@ def test_read_only_output_location(source: str, sources: dict[str, Path], mount_
     line = assert_refused([command, str(src), str(mnt / "out")], [src], mnt / "out",
                           _q(f"{mnt}: not writable"))
     assert "error: " in line
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
+@pytest.mark.parametrize("shape, pattern", [
+    ("one component of 300 bytes", r"a path component is longer than the filesystem's 255 bytes"),
+    ("a name that the staging suffix pushes past 255 bytes", r"a path component is longer than the filesystem's"),
+    ("a path past PATH_MAX", r"a path component is longer|the path is [\d,]+ bytes"),
+    ("a path too long for the files below it", r"the path is [\d,]+ bytes; the files glmconv writes below it"),
+])
+def test_output_path_too_long(source: str, shape: str, pattern: str, sources: dict[str, Path],
+                              tmp_path: Path) -> None:
+    """Issue 25: an OUT the filesystem cannot name (ENAMETOOLONG) is the user's input, not an internal error."""
+    command, src = _input(source, sources)
+    out = {"one component of 300 bytes": tmp_path / ("x" * 300),
+           "a name that the staging suffix pushes past 255 bytes": tmp_path / ("x" * 250),
+           "a path past PATH_MAX": tmp_path.joinpath(*["y" * 200] * 22),
+           "a path too long for the files below it": tmp_path.joinpath(*["y" * 200] * 19)}[shape]
+    assert_refused([command, str(src), str(out)], [src], out, r"^error: .*\.\.\. \([\d,]+ characters\): " + pattern)
 
 
 @pytest.mark.parametrize("source", ["tiny", "mc"])
@@ -567,4 +628,5 @@ def test_existing_output_is_untouched_when_input_is_bad(tiny_ckpt: Path, tmp_pat
     assert invoke(["convert", str(src), str(out), "--json"]).exit_code == 0
     edit_tensor(src, DOWN0, set_first(float("inf"), (0, 0)))
     assert_refused(["convert", str(src), str(out), "--force", "--check-finite"], [src], out,
-                   _q(f"{DOWN0} (") + r".*non-finite value inf at index \[0, 0\]")
+                   _q(f"{DOWN0} (") + r".*1 non-finite value \(NaN/Inf\), the first inf in block \[0, 0\] at index "
+                   r"\[0, 0\]")

@@ -8,6 +8,8 @@ table re-spelled, FP8 dequantised block by block in a loop), never through glmco
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -267,3 +269,31 @@ def test_source_with_a_dropped_tensor_is_refused_before_anything_is_written(
     assert dropped in result.output and "Traceback" not in result.output, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"], "no OUT, no staging directory"
     assert checksums(src) == before
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "tiny-fp8"])
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["copied-by-the-kernel", "read-into-memory"])
+def test_a_source_shard_truncated_mid_convert_is_named_not_the_output(fixture: str, zero_copy: bool,
+                                                                      sources: dict[str, Path], tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25: the shard shrinks after the audit (another process rewrites it): the error names the input."""
+    from glmconv.io.byte_copy import FileCopier
+    from glmconv.runners import convert as convert_mod
+
+    src = tmp_path / "src"
+    shutil.copytree(sources[fixture], src)
+    job = convert_mod.prepare(src, tmp_path / "out")
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    opened = FileCopier._open
+
+    def shrinking(self: FileCopier, path: Path) -> int:
+        if Path(path).resolve() == shard.resolve():
+            os.truncate(shard, min(shard.stat().st_size, 4096))
+        return opened(self, path)
+
+    monkeypatch.setattr(FileCopier, "_open", shrinking)
+    if not zero_copy:
+        monkeypatch.setattr(convert_mod, "byte_layout", lambda m, source: None)
+    with pytest.raises(GlmconvError, match=rf"^{re.escape(str(shard))}: ends before byte \d+"):
+        convert_mod.convert(job, convert_mod.RunOptions(progress=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

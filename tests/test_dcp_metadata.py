@@ -278,3 +278,104 @@ def test_metadata_stand_ins_give_the_tensors_the_real_classes_give(tmp_path: Pat
     expected = {k: (tuple(md.size), torch_dtype_code(md.properties.dtype))
                 for k, md in real.state_dict_metadata.items() if hasattr(md, "size")}
     assert {n: (t.shape, t.dtype) for n, t in inspect_torch_dist(root).tensors.items()} == expected
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles every Enum member as Python 3.11.0-3.11.x's `pickle_by_enum_name` does: getattr(cls, name)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj._name_)
+        return NotImplemented
+
+
+def _pickled_by_enum_name(obj: Any, protocol: int) -> bytes:
+    buf = io.BytesIO()
+    _EnumsByName(buf, protocol=protocol).dump(obj)
+    return buf.getvalue()
+
+
+def _metadata_with_plans(tmp_path: Path) -> Any:
+    """A real `.metadata` carrying both enums DCP pickles: TensorProperties' memory format and WriteItemType."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, WriteItem, WriteItemType
+
+    md = safe_load(_small(tmp_path / "ck") / "release" / DCP_METADATA_NAME)
+    md.all_local_plans = [SavePlan([WriteItem(MetadataIndex(COMMON_KEY), WriteItemType.BYTE_IO,
+                                              bytes_io_data=BytesIOWriteData(10))])]
+    return md
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_metadata_pickled_by_a_python_3_11_patch_release_loads(protocol: int, tmp_path: Path) -> None:
+    """Issue 25: 3.11.2 pickles enum members through builtins.getattr; glmconv's own `.metadata` was refused."""
+    md = _metadata_with_plans(tmp_path)
+    path = tmp_path / "ck" / "release" / DCP_METADATA_NAME
+    path.write_bytes(_pickled_by_enum_name(md, protocol))
+    assert b"getattr" in path.read_bytes()
+    loaded = safe_load(path)
+    assert loaded.state_dict_metadata == md.state_dict_metadata
+    assert loaded.all_local_plans == md.all_local_plans
+    assert set(inspect_torch_dist(tmp_path / "ck").tensors) == {"a.weight", "b", "i"}  # read as stand-ins
+
+
+def test_a_member_pickled_by_name_stands_in_as_the_member_pickled_by_value(tmp_path: Path) -> None:
+    md = _metadata_with_plans(tmp_path)
+    by_name, by_value = tmp_path / "by-name.pkl", tmp_path / "by-value.pkl"
+    by_name.write_bytes(_pickled_by_enum_name(md, 4))
+    by_value.write_bytes(pickle.dumps(md, protocol=4))
+
+    def enums(p: Path) -> list[Any]:
+        loaded = safe_load(p, stand_ins=True)
+        return [loaded.all_local_plans[0].items[0].type.args,
+                *(e.properties.memory_format.args for e in loaded.state_dict_metadata.values() if hasattr(e, "size"))]
+
+    assert enums(by_name) == enums(by_value) == [(3,), (0,), (0,), (0,)]
+
+
+def test_the_stand_ins_default_what_the_real_classes_default() -> None:
+    import importlib
+
+    from glmconv.io.torch_dist.safe_unpickle import DEFAULTS
+
+    real = {n: getattr(importlib.import_module(m), n) for m, n in ALLOWED if m.startswith("torch.distributed")}
+    for name, defaults in DEFAULTS.items():
+        assert defaults == {k: getattr(real[name], k) for k in defaults}, name
+
+
+def test_the_stand_in_enum_members_are_torchs() -> None:
+    import importlib
+
+    from glmconv.io.torch_dist.safe_unpickle import ENUM_MEMBERS
+
+    for (module, name), members in ENUM_MEMBERS.items():
+        assert members == {m.name: m.value for m in getattr(importlib.import_module(module), name)}
+
+
+@pytest.mark.parametrize("stand_ins", [False, True])
+@pytest.mark.parametrize("target, attr", [
+    ("Metadata", "__init__"), ("TensorProperties", "create_from_tensor"), ("_MEM_FORMAT_ENCODING", "__class__"),
+    ("_MEM_FORMAT_ENCODING", "_member_map_"), ("_MEM_FORMAT_ENCODING", 1)])
+def test_getattr_reaches_nothing_but_an_allow_listed_enum_member(target: str, attr: Any, stand_ins: bool,
+                                                                 tmp_path: Path) -> None:
+    import torch.distributed.checkpoint.metadata as dcp_md
+
+    class Reach:
+        def __reduce__(self) -> Any:
+            return getattr, (getattr(dcp_md, target), attr)
+
+    p = tmp_path / "m.pkl"
+    p.write_bytes(pickle.dumps({"x": Reach()}, protocol=4))
+    with pytest.raises(CheckpointError, match=r"m\.pkl: refusing to unpickle builtins\.getattr of "
+                                               rf"torch\.distributed\.checkpoint\.metadata\.{target}\."):
+        safe_load(p, stand_ins=stand_ins)
+
+
+@pytest.mark.parametrize("stand_ins", [False, True])
+def test_getattr_of_a_module_function_is_refused_without_running(stand_ins: bool, tmp_path: Path) -> None:
+    p = tmp_path / "m.pkl"
+    p.write_bytes(b"\x80\x04cbuiltins\ngetattr\ncos\nsystem\n\x94")
+    with pytest.raises(CheckpointError, match=r"refusing to unpickle (posix|os)\.system"):
+        safe_load(p, stand_ins=stand_ins)

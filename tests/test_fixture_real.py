@@ -214,7 +214,7 @@ def test_shrunk_bf16_cut_round_trips_through_convert_and_export_bit_exact(shrunk
 
 def test_shrunk_fp8_cut_converts_and_exports_its_codes_and_dequantised_values(tmp_path):
     src_info = _shrunk(tmp_path / "fp8", fp8=True)
-    assert api.audit(src_info.path).ok
+    assert api.audit(src_info.path)["ok"]
     api.convert(src_info.path, tmp_path / "mc")
     api.export(tmp_path / "mc", tmp_path / "hf", like=src_info.path, fp8=True)
     src, got = _tensors(src_info.path), _tensors(tmp_path / "hf")

@@ -19,9 +19,11 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
 
 
 def every_code(shape: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random bytes as FP8 codes (NaNs, zeros, subnormals, ±448 included) and scales over 2^-30..2^10."""
+    """Random bytes as FP8 codes (every finite one: zeros, subnormals, ±448; NaN codes 0x7F/0xFF made ±448) and
+    scales over 2^-30..2^10."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    codes = torch.where((raw & 0x7F) == 0x7F, raw ^ 1, raw).view(torch.float8_e4m3fn)
     exps = torch.randint(-30, 11, scale_shape(shape), generator=g).float()
     scales = torch.exp2(exps) * (1 + torch.rand(scale_shape(shape), generator=g))
     return codes, scales
@@ -87,3 +89,24 @@ def test_device_cpu_runs_and_the_summary_says_where(tiny_fp8_ckpt: Path, tmp_pat
     res = CliRunner().invoke(cli, ["convert", str(tiny_fp8_ckpt), str(tmp_path / "out"), "--device", "cpu", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["device"] == "cpu"
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+@pytest.mark.parametrize("where", [(0, 0), (999, 699), (300, 130)])
+@pytest.mark.parametrize("threads", [1, 3], ids=["reference", "slabs"])
+def test_a_nan_code_is_refused_naming_its_block_never_dequantised(code: int, where: tuple[int, int],
+                                                                  threads: int) -> None:
+    """Issue 25: NaN codes (0x7F, 0xFF) anywhere are refused by the CPU paths, naming the block and the count."""
+    from glmconv.io.finite import NonFiniteError
+
+    codes, scales = every_code((1000, 700))
+    codes.view(torch.uint8)[where] = code
+    codes.view(torch.uint8)[where[0], (where[1] + 1) % 700] = code
+    dequantize = CpuDequantizer(threads=threads)
+    block = [where[0] // 128, where[1] // 128]
+    try:
+        with pytest.raises(NonFiniteError, match=rf"2 non-finite values \(NaN/Inf\), the first FP8 code 0x{code:02X} "
+                                                 rf"in block \[{block[0]}, \d+\]"):
+            dequantize(codes, scales, torch.bfloat16)
+    finally:
+        dequantize.close()

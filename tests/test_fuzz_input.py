@@ -351,12 +351,13 @@ def test_format_vote_blames_the_minority_tensors(majority: str, data: st.DataObj
 def test_seed_out_of_range_is_a_usage_error(seed: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert_refused(["fixture", "make", str(out), "--seed", seed], [], out,
-                   re.escape("error: Invalid value for '--seed': ") + ".* is not in the range")
+                   re.escape("error: Invalid value for '--seed': ") + r".*: expected a seed from -2\*\*63 to 2\*\*64-1")
 
 
 def test_parity_seed_out_of_range_is_a_usage_error(tmp_path: Path) -> None:
     assert_refused(["parity", str(tmp_path), str(tmp_path), "--seed", str(2**64)], [], tmp_path / "none",
-                   re.escape("error: Invalid value for '--seed': ") + ".* is not in the range")
+                   re.escape("error: Invalid value for '--seed': 18446744073709551616: expected a seed from -2**63 to "
+                             "2**64-1"))
 
 
 def test_schema_refuses_an_integer_too_large_for_a_float(tiny_ckpt: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -42,3 +44,36 @@ def test_train_convention_help_lists_every_key_and_value() -> None:
 def test_readme_documents_shell_completion() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "_GLMCONV_COMPLETE=bash_source glmconv" in readme
+
+
+@pytest.mark.parametrize(("cmd", "ctx"), COMMANDS, ids=[c.name for c, _ in COMMANDS])
+def test_every_option_is_described(cmd: click.Command, ctx: click.Context) -> None:
+    undescribed = [p.name for p in cmd.params if isinstance(p, click.Option) and not p.hidden and not p.help]
+    assert undescribed == [], cmd.name
+
+
+@pytest.mark.parametrize(("cmd", "ctx"), COMMANDS, ids=[c.name for c, _ in COMMANDS])
+def test_help_fits_80_columns_with_no_number_broken_across_lines(cmd: click.Command, ctx: click.Context) -> None:
+    path = [ctx.info_name]
+    while ctx.parent is not None and ctx.parent.info_name != "glmconv":
+        ctx = ctx.parent
+        path.insert(0, ctx.info_name)
+    res = CliRunner(env={"COLUMNS": "80"}).invoke(cli, [*path, "--help"])
+    assert res.exit_code == 0
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+    assert not re.search(r"\d{10}", res.output)  # click's raw 20-digit range bounds broke across lines
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_convert_and_export_help_list_exit_codes(command: str) -> None:
+    res = CliRunner(env={"COLUMNS": "500"}).invoke(cli, [command, "--help"])
+    text = " ".join(res.output.split())
+    assert "Exit codes: 0 " in text and ", 2 bad input" in text and ", 3 internal error" in text
+
+
+def test_audit_fp8_help_says_what_the_default_is_in_words() -> None:
+    res = CliRunner(env={"COLUMNS": "500"}).invoke(cli, ["audit-names", "--help"])
+    text = " ".join(res.output.split())
+    assert ("--fp8 / --no-fp8 Expect the FP8 release layout, or a BF16 one. Default: whatever SRC holds; with --emit "
+            "(nothing to look at), BF16.") in text
+    assert "emit: off" not in text

@@ -6,13 +6,18 @@ GPU path (glmconv.kernels.kda -> fla's chunk_kda with the gate, beta and l2 norm
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
-pytest.importorskip("fla.ops.kda.naive")
+from glmconv import fla_guard
 
-from fla.ops.kda.gate import naive_kda_lowerbound_gate
-from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
+with mock.patch.dict(os.environ, {fla_guard.ENV: "1"}):  # fla's torch references run on a CPU: import them there
+    pytest.importorskip("fla.ops.kda.naive")
+    from fla.ops.kda.gate import naive_kda_lowerbound_gate
+    from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
 from glmconv.kernels.bench import cu_seqlens, kda_inputs
 from glmconv.ops.kda import KdaParams, chunk_kda, forget_gate, l2norm, recurrent_kda, segments

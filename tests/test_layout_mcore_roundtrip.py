@@ -108,7 +108,7 @@ def test_the_same_tensors_hold_the_same_bytes_in_both_layouts(converted: dict, t
 
 def test_audit_compares_two_layouts_through_the_mapping(converted: dict, tiny_miles: Path) -> None:
     _, mc, _ = converted["tiny"]
-    report = api.audit(mc, tiny_miles)
+    report = api.audit_report(mc, tiny_miles)
     assert report.ok, report.findings[:3]
     assert (report.plans["src"]["layout"], report.plans["against"]["layout"]) == ("mcore", "miles")
 
@@ -116,7 +116,7 @@ def test_audit_compares_two_layouts_through_the_mapping(converted: dict, tiny_mi
 @pytest.mark.parametrize("name", ["tiny", "tiny-fp8", "cut8"])
 def test_audit_of_the_source_against_its_mcore_conversion_is_clean_both_ways(name: str, converted: dict) -> None:
     src, mc, _ = converted[name]
-    there, back = api.audit(src, mc), api.audit(mc, src)
+    there, back = api.audit_report(src, mc), api.audit_report(mc, src)
     assert there.ok and back.ok, (there.findings[:3], back.findings[:3])
     assert there.plans["against"]["layout"] == back.plans["src"]["layout"] == "mcore"
 
@@ -126,7 +126,7 @@ def test_audit_names_a_tensor_the_mcore_conversion_lacks(converted: dict, tmp_pa
     gone = "decoder.layers.0.self_attention.k_conv1d.weight"
     lacking = mh.rewrite_dcp(mc, tmp_path / "lacking", lambda ts: {n: t for n, t in ts.items() if n != gone},
                              keep=("config.json", MANIFEST_NAME))
-    report = api.audit(src, lacking)
+    report = api.audit_report(src, lacking)
     assert [(f.kind, f.tensor, f.side) for f in report.findings] == [("missing", gone, "against")]
 
 
@@ -134,7 +134,7 @@ def test_audit_detects_the_layout_from_the_names_without_a_record(converted: dic
     _, mc, _ = converted["tiny"]
     bare = shutil.copytree(mc, tmp_path / "bare")
     (bare / MANIFEST_NAME).unlink()
-    report = api.audit(bare)
+    report = api.audit_report(bare)
     assert report.ok and report.plans["src"]["layout"] == "mcore"
 
 
@@ -144,7 +144,7 @@ def test_a_record_the_names_contradict_is_an_audit_finding_and_refused_by_export
     lying = shutil.copytree(mc, tmp_path / "lying")
     manifest = json.loads((lying / MANIFEST_NAME).read_text())
     (lying / MANIFEST_NAME).write_text(json.dumps({**manifest, "layout": "miles"}))
-    report = api.audit(lying)
+    report = api.audit_report(lying)
     assert [(f.kind, f.found) for f in report.findings] == [("layout", "tensors named in the mcore layout")]
     with pytest.raises(CheckpointError, match="records the miles layout, but its tensors are named in the mcore"):
         api.export(lying, tmp_path / "hf")

@@ -248,8 +248,8 @@ def test_empty_unmarked_staging_directory_is_removed(src: Path, tmp_path: Path) 
 def _marker(d: Path, pid: int = 999_999_999, run: str = "dead-run") -> Path:
     d.mkdir(exist_ok=True)
     body = {"written_by": "glmconv", "state": "staging", "run": run, "pid": pid, "host": "h", "started": 0}
-    (d / output.MARKER).write_text(json.dumps(body))
-    return d / output.MARKER
+    output.marker_of(d).write_text(json.dumps(body))
+    return output.marker_of(d)
 
 
 def test_stale_staging_of_a_dead_run_is_removed(src: Path, tmp_path: Path) -> None:

@@ -27,16 +27,16 @@ from glmconv.compare.report import (
 _TYPES = [("kda", "dense"), ("kda", "dense"), ("kda", "moe"), ("dsa", "moe")]
 
 
-def _capture(errs: list[float]) -> Capture:
+def _capture(errs: list[float], overlaps: bool = True) -> Capture:
     layers = []
     for i, err in enumerate(errs):
         layer, sub = divmod(i, 2)
         attn, mlp = _TYPES[layer]
         rec = {"layer": layer, "sub_block": ("attention", "mlp")[sub], "attn_type": attn, "mlp_type": mlp,
                "rel_err": err, "max_abs": err * 3}
-        if sub == 1 and mlp == "moe":
+        if sub == 1 and mlp == "moe" and overlaps:
             rec["expert_overlap"] = 0.875
-        if sub == 0 and attn == "dsa":
+        if sub == 0 and attn == "dsa" and overlaps:
             rec["topk_overlap"] = 0.5
         layers.append(rec)
     logits = {"logprob_abs_diff": {"mean": 1e-3, "p99": 5e-3, "max": 8e-3}, "top1_agreement": 0.96875,
@@ -44,11 +44,11 @@ def _capture(errs: list[float]) -> Capture:
     return Capture(layers=layers, logits=logits, elapsed_s=0.25)
 
 
-def _report(errs: list[float], bounds: tuple[str, ...] = (), **kw: object) -> dict:
+def _report(errs: list[float], bounds: tuple[str, ...] = (), overlaps: bool = True, **kw: object) -> dict:
     opts = ParityOptions(hf_dir=Path("hf"), mcore_dir=Path("mc"), bounds=tuple(parse_bound(b) for b in bounds),
                          **kw)  # type: ignore[arg-type]
     conv = {"serve": {"proj_rms": "reference", "hc_mix": "fp32"}, "train": {"proj_rms": "megatron", "hc_mix": "fp32"}}
-    return build_report(_capture(errs), opts, random_batch(512, 64, 2, 0), conv)
+    return build_report(_capture(errs, overlaps), opts, random_batch(512, 64, 2, 0), conv)
 
 
 ERRS = [1e-7, 2e-7, 3e-7, 4e-7, 1e-7, 5e-2, 6e-2, 0.0]
@@ -59,8 +59,10 @@ def test_report_keys_and_first_divergence() -> None:
     for key in ("layers", "logits", "first_divergence", "conventions", "mode", "dtype", "tokens", "seed",
                 "threshold", "summary", "bounds", "passed"):
         assert key in r, key
-    assert r["first_divergence"] == {"layer": 2, "sub_block": "mlp", "metric": "rel_err", "value": 5e-2}
-    assert r["threshold"] == 1e-4 and r["mode"] == "propagated" and r["dtype"] == "fp32"
+    fd = r["first_divergence"]
+    assert (fd["layer"], fd["sub_block"], fd["metric"], fd["value"]) == (2, "mlp", "rel_err", 5e-2)
+    assert fd["cause"] == "conventions" and fd["switches"] == ["proj_rms=megatron"]
+    assert r["threshold"] == 1e-5 and r["mode"] == "propagated" and r["dtype"] == "fp32"
     assert (r["tokens"], r["sequences"], r["seed"]) == (64, 2, 0)
     assert set(r["conventions"]) == {"serve", "train"}
     assert set(r["logits"]) >= {"logprob_abs_diff", "top1_agreement", "kl"}
@@ -68,15 +70,22 @@ def test_report_keys_and_first_divergence() -> None:
     rec = r["layers"][5]
     assert {"layer", "sub_block", "attn_type", "mlp_type", "rel_err", "max_abs", "expert_overlap"} <= set(rec)
     assert "topk_overlap" in r["layers"][6] and "expert_overlap" not in r["layers"][0]
-    assert r["passed"] and r["bounds"] == []
+    assert not r["passed"] and r["gate"] == "verdict" and r["bounds"] == []  # a named divergence fails by default
+    assert r["summary"]["divergences"] == 3.0  # layer 2 mlp (rel err, experts), 3 attention (top-k), 3 mlp (experts)
 
 
-def test_bf16_default_threshold_and_bounds() -> None:
+def test_no_divergence_passes_by_default() -> None:
+    r = _report([0.0] * 8, overlaps=False)
+    assert r["first_divergence"] is None and r["passed"] and r["summary"]["divergences"] == 0.0
+
+
+def test_the_floor_is_the_threshold_and_bounds_replace_the_verdict() -> None:
     r = _report(ERRS, dtype="bf16", bounds=("max_rel_err>0.01", "top1_agreement<0.9"))
-    assert r["threshold"] == 2e-2
-    assert r["first_divergence"]["layer"] == 2
-    assert [b["broken"] for b in r["bounds"]] == [True, False] and not r["passed"]
-    assert _report(ERRS, threshold=0.1)["first_divergence"] is None
+    assert r["threshold"] == 1e-5 and r["first_divergence"]["layer"] == 2
+    assert [b["broken"] for b in r["bounds"]] == [True, False] and not r["passed"] and r["gate"] == "bounds"
+    lenient = _report(ERRS, bounds=("top1_agreement<0.9",))
+    assert lenient["first_divergence"] is not None and lenient["passed"]
+    assert _report(ERRS, threshold=0.1, overlaps=False)["first_divergence"] is None
 
 
 def test_written_files(tmp_path: Path) -> None:
@@ -133,7 +142,7 @@ def test_unwritable_report_dir(tmp_path: Path) -> None:
 
 def test_rerun_replaces_its_own_report(tmp_path: Path) -> None:
     write_report(_report(ERRS), tmp_path / "rep")
-    write_report(_report(ERRS, threshold=0.1), tmp_path / "rep")
+    write_report(_report(ERRS, threshold=0.1, overlaps=False), tmp_path / "rep")
     assert json.loads((tmp_path / "rep" / JSON_NAME).read_text())["first_divergence"] is None
 
 

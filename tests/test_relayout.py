@@ -261,11 +261,11 @@ def test_the_layout_the_source_has_is_refused(tiny_ckpt: Path, converted: Callab
     assert not (tmp_path / "out").exists()
 
 
-def test_a_source_that_is_not_torch_dist_is_refused(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_an_hf_source_is_refused_naming_convert(tiny_ckpt: Path, tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["relayout", str(tiny_ckpt), str(tmp_path / "out"), "--to", MCORE])
     assert res.exit_code == 2 and "Traceback" not in res.output
-    assert res.stderr.strip() == (f"error: {tiny_ckpt}: not a torch_dist checkpoint (no "
-                                  "latest_checkpointed_iteration.txt or metadata.json)")
+    assert res.stderr.strip() == (f"error: {tiny_ckpt}: this is an HF checkpoint, but relayout takes a torch_dist "
+                                  f"checkpoint as MCORE_DIR; did you mean `glmconv convert {tiny_ckpt} OUT_DIR`?")
 
 
 def test_out_inside_the_input_is_refused_before_anything_is_read(tiny_ckpt: Path,

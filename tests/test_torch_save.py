@@ -80,3 +80,22 @@ def test_crc32_setting_is_restored_after_a_save(tmp_path: Path) -> None:
     before = config.save.compute_crc32
     _save(tmp_path / "item", torch.randn(3))
     assert config.save.compute_crc32 == before
+
+
+def test_a_file_tensor_archive_does_not_depend_on_what_its_placeholder_memory_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25: recycled memory that starts like a zip data descriptor (`PK\\x07\\x08`, then 4 bytes torch hashes
+    into `.data/serialization_id`) must not reach the archive: two saves give the same bytes whatever it held."""
+    t = torch.randn(64, 32).bfloat16()
+    _, (extent,) = _source(tmp_path, t)
+    real_empty = torch.empty
+    archives = []
+    for garbage in (b"PK\x07\x08\x01\x02\x03\x04", b"PK\x07\x08\xaa\xbb\xcc\xdd"):
+        def recycled(*shape: object, garbage: bytes = garbage, **kw: object) -> torch.Tensor:
+            out = real_empty(*shape, **kw)  # type: ignore[arg-type]
+            out.view(torch.uint8).reshape(-1)[:8] = torch.frombuffer(bytearray(garbage), dtype=torch.uint8)
+            return out
+        monkeypatch.setattr(ts.torch, "empty", recycled)
+        archives.append(_save(tmp_path / f"item{len(archives)}", FileTensor(t.shape, t.dtype, (extent,))))
+    monkeypatch.undo()
+    assert archives[0] == archives[1]

@@ -5,16 +5,13 @@ layout, miles or mcore: glmconv.checkpoint_layout) with Megatron conventions (ea
 follow the layout: the mcore layout's trainer runs the token-level DSA indexer, `indexer_kpool=off`); both run
 the same packed tokens and every sub-block is compared.
 
-Default thresholds on the per-sub-block stream rel err (`DEFAULT_THRESHOLDS`; measured on tiny, 128 tokens):
-  fp32 1e-4. Aligned conventions on CPU are bit-identical (0 at every sub-block, tiny and cut8); a
-      rounding-sized perturbation (proj_rms=megatron at unit residual RMS: a 4e-6 change of one
-      normalisation per site) stays below 1.2e-6 after the whole stack, so kernel-order noise (~1e-7 per op)
-      has two decades of room. Each planted divergence exceeds 1e-4 by at least a decade at its first
-      sub-block: hc_mix=bf16 1.2e-3, proj_rms at RMS 0.01 8.7e-3, a swapped expert 8e-2, indexer_query=raw
-      7e-2, an active missing clamp 1.5.
-  bf16 2e-2. One bf16 cast already moves a mix by ~3e-3 and that compounds, so only gross defects are named
-      in bf16 (a swapped expert 1e-1, the raw indexer query 7.5e-2, a missing active clamp 1.5); bisect
-      conventions in fp32.
+The verdict (glmconv.compare.verdict) is calibrated in the run itself: each side also runs as its fp32
+torch-reference twin, so every sub-block carries the noise its dtype and kernels make on that very input, and
+the train-vs-serve difference of weights and conventions alone. A sub-block diverges when its weights differ,
+when that reference difference exceeds the floor (`--threshold`, default 1e-5 relative), or when the observed
+error exceeds twice the measured noise; without `--fail-on` a named divergence fails the run.
+`--self-test` also plants each defect of the catalog (glmconv.compare.defects) in memory and reports, per
+defect, whether the verdict names it, in the same pass over the layers.
 """
 
 from __future__ import annotations
@@ -27,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 from glmconv.errors import GlmconvError
 
 if TYPE_CHECKING:
-    from glmconv.compare.capture import Model
+    from glmconv.compare.capture import Model, Side
     from glmconv.compare.inputs import Batch
     from glmconv.compare.metrics import Bound
+    from glmconv.compare.verdict import Judge
     from glmconv.config import GlmConfig
 
-DEFAULT_THRESHOLDS = {"fp32": 1e-4, "bf16": 2e-2}
 DTYPES = ("fp32", "bf16")
 TRAIN_CONVENTIONS = ("default", "serve")
 DEFAULT_TOKENS = 128
@@ -61,10 +58,15 @@ class ParityOptions:
     stream_layers: bool = False  # hold one layer's weights at a time (a full-size model on one GPU)
     replay: str = "none"  # routing | indexer | both: the train side uses the serve side's selections (replay.py)
     replay_file: Path | None = None  # ... or those of a payload file instead (replay.load_replay_file)
+    self_test: bool = False  # also run the planted-defect catalog (glmconv.compare.defects) in the same pass
+    defects: str | None = None  # comma-separated catalog names for the self-test (None: all)
 
     @property
     def effective_threshold(self) -> float:
-        return DEFAULT_THRESHOLDS[self.dtype] if self.threshold is None else self.threshold
+        """The stream floor: the smallest rel err a divergence needs, whatever the noise."""
+        from glmconv.compare.verdict import STREAM_FLOOR
+
+        return STREAM_FLOOR if self.threshold is None else self.threshold
 
 
 def run_parity(opts: ParityOptions) -> dict[str, Any]:
@@ -88,13 +90,49 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     device = torch.device(check_device(opts.device))
     start_peak(device)
     serve, train, conventions = build_models(config, opts)
+    judge = _judge(opts)
+    serve_precise, train_precise = (getattr(m, "precise_twin", lambda: None)() for m in (serve, train))
+    variants = self_test_sides(config, train, train_precise, conventions, opts) if opts.self_test else []
     with StepProgress("parity", steps(serve), enabled=opts.progress) as progress:
         twin = getattr(train, "kernel_twin", lambda: None)()  # the train side on the references, if it runs kernels
-        cap = capture(serve, train, batch.to(opts.device), opts.mode, progress, twin=twin, replay=replay)
+        cap = capture(serve, train, batch.to(opts.device), opts.mode, progress, twin=twin, replay=replay,
+                      serve_precise=serve_precise, train_precise=train_precise, conventions=conventions,
+                      judge=judge, variants=variants)
     layout = getattr(getattr(train, "weights", None), "layout", None)  # the train side's Megatron layout
     report = build_report(cap, opts, batch, conventions, train_layout=layout)
     report["peak_memory"] = peak_memory(device)
     return report
+
+
+def _judge(opts: ParityOptions) -> Judge:
+    from glmconv.compare.verdict import Floors, Judge
+
+    return Judge(Floors(stream=opts.effective_threshold), propagated=opts.mode == "propagated",
+                 check_weights=not opts.allow_different_weights)
+
+
+def self_test_sides(config: GlmConfig, train: Model, train_precise: Model | None,
+                    conventions: dict[str, dict[str, str]], opts: ParityOptions) -> list[Side]:
+    """One train side per applicable catalog defect, planted in memory over the train side's weights."""
+    from glmconv.compare import defects
+    from glmconv.compare.capture import Side
+    from glmconv.models.conventions import Conventions
+
+    train_conv = Conventions(**conventions["train"])
+    sides = []
+    for defect in defects.select(opts.defects):
+        planted = defects.plant(defect, config, train_conv)
+        if planted is None:
+            continue
+        conv = planted.conventions or train_conv
+        model = train.variant(conv, patch=planted.patch if planted.conventions is None else None,  # type: ignore
+                              kernels=getattr(train, "kernels", "reference"))
+        precise = model.precise_twin()
+        if precise is not None and train_precise is not None:
+            precise.cache = train_precise.cache  # fp32 casts of the clean weights, shared (patches apply after)
+        sides.append(Side(defect.name, model, conv.as_dict(), precise, sites=frozenset(planted.sites),
+                          judge=_judge(opts)))
+    return sides
 
 
 def make_batch(opts: ParityOptions, vocab: int) -> Batch:

@@ -4,20 +4,26 @@ Only the current hc streams of each side are held (plus both logits at the end),
 own per-layer weights plus a few [T, hc, H] tensors. Two modes:
   propagated: each side runs on its own from its own embedding (the error that reaches the logits);
   isolated:   every sub-block of both sides gets the SERVE side's input streams (the error each one adds).
-When the train side runs GPU kernels, `twin` is the same train model on the torch references: each attention
-sub-block also runs there on the train side's own input, and its record gains the kernels' own error
-(`kernel_rel_err` on the streams, `kernel_out_rel_err` on the sub-block's output, `kernel_topk_overlap` of
-the kpool selections), so kernel numerics can be told from convention divergences.
+Each side also runs as its fp32 torch-reference twin on the same path (`serve_precise`, `train_precise`): the
+distance of each side from its twin is the noise the verdict (glmconv.compare.verdict) weighs the train-vs-serve
+error against, the twins' distance from each other the difference of weights and conventions alone. Both sides'
+weights of every sub-block are compared bit for bit as they are held (glmconv.compare.weight_diff), and at the
+first divergence the differing switches' shares are measured (glmconv.compare.attribution).
+When the train side runs GPU kernels, `twin` is the same train model on the torch references in the run dtype:
+each attention sub-block also runs there on the train side's own input, and its record gains the kernels' own
+error (`kernel_rel_err` on the streams, `kernel_out_rel_err` on the sub-block's output, `kernel_topk_overlap` of
+the kpool selections).
 With `replay` (glmconv.compare.replay) the train side's MoE layers run the serve side's expert ids and its DSA
-layers attend over the serve side's token ids; the records' overlaps stay the train side's OWN selections
-against the serve side's (the selection disagreement), their rel errs are the numerics under replay.
+layers attend over the serve side's token ids (each twin the ids of its own serve twin); the records' overlaps
+stay the train side's OWN selections against the serve side's (the selection disagreement).
+`variants`: more train sides (planted defects, glmconv.compare.defects) run in the same pass over the layers.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -25,10 +31,13 @@ from typing import Any, Protocol
 
 import torch
 
-from glmconv.compare import metrics
+from glmconv.compare import metrics, weight_diff
+from glmconv.compare.attribution import shapley
 from glmconv.compare.inputs import Batch
 from glmconv.compare.replay import Replay
+from glmconv.compare.verdict import SELECTIONS, Judge
 from glmconv.errors import GlmconvError
+from glmconv.rules import roles as R
 from glmconv.text import printable
 
 MODES = ("propagated", "isolated")
@@ -51,43 +60,256 @@ class Model(Protocol):
 
 
 @dataclass
+class Side:
+    """One train side run against the serve side: its models, its streams, and what it measured.
+
+    `precise`: the same side in fp32 on the torch references (None where the model already is one); `twin`: the
+    kernels' reference twin in the run dtype (None without kernels); `sites`: the (layer, sub-block)s where this
+    side differs from the clean side (a planted defect; None for the clean side itself, which runs everywhere).
+    """
+
+    name: str
+    model: Model
+    conventions: dict[str, str] = field(default_factory=dict)
+    precise: Model | None = None
+    twin: Model | None = None
+    sites: frozenset[tuple[int, str]] | None = None
+    judge: Judge = field(default_factory=Judge)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    weight_diffs: list[dict[str, Any]] = field(default_factory=list)
+    attribution: dict[str, Any] | None = None
+    x: torch.Tensor | None = None  # its own streams (propagated), run dtype and fp32
+    x_ref: torch.Tensor | None = None
+    apart: bool = False  # propagated: runs on its own streams since its first differing site
+
+    def computes(self, layer: int, sub_block: str, isolated: bool) -> bool:
+        """Whether this sub-block must be run for this side (else the clean side's record holds for it)."""
+        if self.sites is None or (layer, sub_block) in self.sites:
+            self.apart = True
+            return True
+        return self.apart and not isolated
+
+
+@dataclass
 class Capture:
-    """Per sub-block records (forward order) and the logit comparison."""
+    """Per sub-block records (forward order) and the logit comparison, and every side's verdict."""
 
     layers: list[dict[str, Any]] = field(default_factory=list)
     logits: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    sides: list[Side] = field(default_factory=list)
+    weight_diffs: list[dict[str, Any]] = field(default_factory=list)  # the clean pair's, embedding and head too
+    weights_checked: bool = False
+    noise_measured: bool = False
 
 
 Step = Callable[[str], None]
 
 
+@dataclass
+class _Serve:
+    """The serve side's models and streams."""
+
+    model: Model
+    precise: Model | None
+    conventions: dict[str, str]
+    x: torch.Tensor | None = None
+    x_ref: torch.Tensor | None = None
+
+
 def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
-            on_step: Step | None = None, twin: Model | None = None, replay: Replay | None = None) -> Capture:
-    """Run both models over `batch`; `on_step(label)` is called after each of the 2L + 1 steps."""
+            on_step: Step | None = None, twin: Model | None = None, replay: Replay | None = None, *,
+            serve_precise: Model | None = None, train_precise: Model | None = None,
+            conventions: dict[str, dict[str, str]] | None = None, judge: Judge | None = None,
+            variants: Sequence[Side] = ()) -> Capture:
+    """Run both models over `batch`; `on_step(label)` is called after each of the 2L + 1 steps.
+
+    `serve_precise` / `train_precise`: the sides' fp32 reference twins, whose distance from each side is the
+    noise the verdict is measured against; `variants`: more train sides (planted defects) run in the same pass.
+    """
     if mode not in MODES:
         raise GlmconvError(f"--mode {mode!r}: choose from {', '.join(MODES)}")
     _check_same_shape(serve, train)
+    conv = conventions or {}
+    clean = Side("clean", train, conv.get("train", {}), train_precise, twin,
+                 judge=judge or Judge(propagated=mode == "propagated"))
+    out = Capture(sides=[clean, *variants], noise_measured=serve_precise is not None or train_precise is not None)
+    s = _Serve(serve, serve_precise, conv.get("serve", {}))
+    run = _Run(s, out, batch, mode == "isolated", replay or Replay())
     step = on_step or (lambda label: None)
-    replay = replay or Replay()
     start = time.monotonic()
-    out = Capture()
     with torch.inference_mode():
-        xs = serve.embed(batch.ids)
-        xt = xs if mode == "isolated" else train.embed(batch.ids)
+        run.embed()
         for layer in range(serve.num_layers):
-            with _timed(out, serve, train):
-                xs, xt = _attention(serve, train, layer, xs, xt, batch, out, mode, twin, replay)
-            step(f"layer {layer} attention")
-            with _timed(out, serve, train):
-                xs, xt = _mlp(serve, train, layer, xs, xt, out, mode, replay)
-            step(f"layer {layer} mlp")
-        logits_s = serve.head(xs)
-        logits_t = train.head(xs if mode == "isolated" else xt)
-        out.logits = metrics.logit_stats(logits_t, logits_s, batch.ids, batch.cu_seqlens).summary()
+            for sub_block in (ATTENTION, MLP):
+                with _timed(out, serve, train):
+                    run.sub_block(layer, sub_block)
+                step(f"layer {layer} {sub_block}")
+        out.logits = run.logits()
         step("logits")
+    out.layers = clean.records
     out.elapsed_s = time.monotonic() - start
     return out
+
+
+@dataclass
+class _Run:
+    """One pass over the layers: the serve side once per sub-block, then every train side against it."""
+
+    serve: _Serve
+    out: Capture
+    batch: Batch
+    isolated: bool
+    replay: Replay
+
+    @property
+    def clean(self) -> Side:
+        return self.out.sides[0]
+
+    def embed(self) -> None:
+        s, ids = self.serve, self.batch.ids
+        s.x = s.model.embed(ids)
+        s.x_ref = s.x.float() if s.precise is not None else s.x  # what the twin's embed gives: the rows, cast
+        xt = self.clean.model.embed(ids)
+        for side in self.out.sides:  # every side embeds with the clean side's table (defects plant in layers)
+            side.x = xt if not self.isolated else None
+            side.x_ref = xt.float() if side.precise is not None and not self.isolated else side.x
+        if _has_weights(s.model, self.clean.model):
+            self.out.weights_checked = True
+            d = weight_diff.tensor_diff(s.x[:, 0], xt[:, 0], ("weight",))
+            if d is not None:  # rows of the batch's embedding: report the token positions as rows
+                self.out.weight_diffs.append(d.as_dict(None, R.EMBED, s.model.weights, self.clean.model.weights))
+
+    def sub_block(self, layer: int, sub_block: str) -> None:
+        s = self.serve
+        ys, aux_s = _call(s.model, sub_block, layer, s.x, self.batch.cu_seqlens)
+        xr = s.x.float() if self.isolated else s.x_ref
+        if s.precise is not None:
+            ysr, aux_sr = _call(s.precise, sub_block, layer, xr, self.batch.cu_seqlens)
+        else:
+            xr, ysr, aux_sr = s.x, ys, aux_s
+        serve_out = _Out(ys, aux_s, ysr, aux_sr, xr, s.x)
+        for side in self.out.sides:
+            self._measure(side, layer, sub_block, serve_out)
+        s.x, s.x_ref = ys, ysr
+
+    def _measure(self, side: Side, layer: int, sub_block: str, so: _Out) -> None:
+        switches = _switches(self.serve, side, layer, sub_block)
+        if side is not self.clean and not side.computes(layer, sub_block, self.isolated):
+            rec = {k: v for k, v in self.clean.records[-1].items() if k not in ("diverged", "why", "cause")}
+            side.x, side.x_ref = self.clean.x, self.clean.x_ref
+            side.judge(rec, switches)
+            side.records.append(rec)
+            return
+        before = _selection_state(side.precise if side.precise is not None else side.model)  # for the attribution
+        x_in = so.x if self.isolated else side.x
+        ids = self.replay.ids(sub_block, layer, so.aux)
+        yt, aux_t = _call(side.model, sub_block, layer, x_in, self.batch.cu_seqlens, ids)
+        rec = _record(self.serve.model, layer, sub_block, yt, so.y)
+        if ids is not None:
+            rec["replayed"] = "topk" if sub_block == ATTENTION else "experts"
+        if side.twin is not None and sub_block == ATTENTION:
+            rec.update(_kernel_error(side.twin, layer, x_in, self.batch, yt, aux_t, ids))
+        xr_in = so.x_ref if self.isolated else side.x_ref
+        ytr, aux_tr = yt, aux_t
+        if side.precise is not None:
+            ytr, aux_tr = _call(side.precise, sub_block, layer, xr_in if xr_in is not None else x_in.float(),
+                                self.batch.cu_seqlens, self.replay.ids(sub_block, layer, so.aux_ref))
+        _noise(rec, (yt, aux_t), (so.y, so.aux), (ytr, aux_tr), (so.y_ref, so.aux_ref),
+               self.serve.precise is not None, side.precise is not None)
+        self._weights(side, layer, sub_block, rec)
+        if side.judge(rec, switches) and switches:
+            side.attribution = self._attribute(side, layer, sub_block, so, switches, before)
+        side.records.append(rec)
+        side.x, side.x_ref = yt, ytr
+
+    def _weights(self, side: Side, layer: int, sub_block: str, rec: dict[str, Any]) -> None:
+        """Compare both sides' weights of the sub-block (the clean side's status holds where a side equals it)."""
+        serve, train = self.serve.model, side.model
+        if not _has_weights(serve, train):
+            return
+        diffs = list(weight_diff.structure_diffs(serve.sub_block_weights(layer, sub_block),
+                                                 train.sub_block_weights(layer, sub_block)))
+        rec["weights"] = weight_diff.status(diffs)
+        named = [d.as_dict(layer, sub_block, serve.weights, train.weights) for d in diffs]
+        side.weight_diffs += named
+        if named:
+            rec["weight_diffs"] = named[:WEIGHT_DIFFS_PER_RECORD]
+
+    def _attribute(self, side: Side, layer: int, sub_block: str, so: _Out, switches: list[str],
+                   state: Any) -> dict[str, Any] | None:
+        """Shapley shares of the differing switches at this sub-block, rerun on the fp32 references."""
+        from glmconv.models.conventions import Conventions
+
+        base = side.precise if side.precise is not None else side.model
+        if not hasattr(base, "variant"):
+            return None
+        train = Conventions(**side.conventions)
+        ids = self.replay.ids(sub_block, layer, so.aux_ref)
+
+        def evaluate(on: frozenset[str]) -> float:
+            conv = train.with_overrides([f"{s.split('=')[0]}=serve" for s in switches if s not in on])
+            model = base.variant(conv, patch=getattr(base, "weight_patch", None))
+            if state is not None:
+                model.adopt_selection(state)
+            y, _ = _call(model, sub_block, layer, so.x_ref, self.batch.cu_seqlens, ids)
+            return metrics.rel_err(y, so.y_ref)
+
+        att = shapley(switches, evaluate)
+        return {"layer": layer, "sub_block": sub_block, **att}
+
+    def logits(self) -> dict[str, Any]:
+        s, clean = self.serve, self.clean
+        logits_s = s.model.head(s.x)
+        logits_t = clean.model.head(s.x if self.isolated else clean.x)
+        if self.out.weights_checked:
+            for role, d in weight_diff.head_diffs(s.model.weights, clean.model.weights):
+                self.out.weight_diffs.append(d.as_dict(None, role, s.model.weights, clean.model.weights))
+        return metrics.logit_stats(logits_t, logits_s, self.batch.ids, self.batch.cu_seqlens).summary()
+
+
+WEIGHT_DIFFS_PER_RECORD = 8  # named in the record; the report's `weight_diffs` has them all
+
+
+@dataclass
+class _Out:
+    """The serve side's results for one sub-block: run dtype, fp32 reference, and their inputs."""
+
+    y: torch.Tensor
+    aux: dict
+    y_ref: torch.Tensor
+    aux_ref: dict
+    x_ref: torch.Tensor  # the fp32 reference's input (the attribution reruns on it)
+    x: torch.Tensor  # the serve side's input
+
+
+def _has_weights(*models: Model) -> bool:
+    return all(hasattr(m, "sub_block_weights") and hasattr(m, "weights") for m in models)
+
+
+def _selection_state(model: Model | None) -> Any:
+    return model.selection_state() if model is not None and hasattr(model, "selection_state") else None
+
+
+def _switches(serve: _Serve, side: Side, layer: int, sub_block: str) -> list[str]:
+    from glmconv.models.conventions import acting_at_sub_block
+
+    return acting_at_sub_block(serve.conventions, side.conventions, sub_block, serve.model.attn_types[layer] == "dsa")
+
+
+def _noise(rec: dict[str, Any], t: tuple, s: tuple, tr: tuple, sr: tuple, serve_ref: bool, train_ref: bool) -> None:
+    """Each side's distance from its fp32 reference twin, and the twins' distance from each other."""
+    rec["noise_serve"] = metrics.rel_err(s[0], sr[0]) if serve_ref else 0.0
+    rec["noise_train"] = metrics.rel_err(t[0], tr[0]) if train_ref else 0.0
+    rec["ref_rel_err"] = metrics.rel_err(tr[0], sr[0])
+    for name, key in SELECTIONS:
+        if not _has(s[1], t[1], name):
+            continue
+        rec[key] = metrics.selection_overlap(t[1][name], s[1][name])
+        noise = (1.0 - metrics.selection_overlap(s[1][name], sr[1][name])) if serve_ref else 0.0
+        noise += (1.0 - metrics.selection_overlap(t[1][name], tr[1][name])) if train_ref else 0.0
+        rec[f"{name}_noise"] = noise
+        rec[f"{name}_ref_overlap"] = metrics.selection_overlap(tr[1][name], sr[1][name])
 
 
 @contextmanager
@@ -95,8 +317,8 @@ def _timed(out: Capture, *models: Model) -> Iterator[None]:
     """Add to the step's record its wall time and the part of it spent loading weights (both sides)."""
     start, loaded = time.monotonic(), _load_s(models)
     yield
-    out.layers[-1]["wall_s"] = round(time.monotonic() - start, 4)
-    out.layers[-1]["load_s"] = round(_load_s(models) - loaded, 4)
+    out.sides[0].records[-1]["wall_s"] = round(time.monotonic() - start, 4)
+    out.sides[0].records[-1]["load_s"] = round(_load_s(models) - loaded, 4)
 
 
 def _load_s(models: tuple[Model, ...]) -> float:
@@ -117,38 +339,12 @@ def _check_same_shape(serve: Model, train: Model) -> None:
                            f"{tuple(train.attn_types)}/{tuple(train.mlp_types)}")
 
 
-def _attention(serve: Model, train: Model, layer: int, xs: torch.Tensor, xt: torch.Tensor, batch: Batch,
-               out: Capture, mode: str, twin: Model | None = None,
-               replay: Replay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    ys, aux_s = serve.attention(layer, xs, batch.cu_seqlens)
-    x_in = xs if mode == "isolated" else xt
-    ids = (replay or Replay()).token_ids(layer, aux_s)
-    kw = {} if ids is None else {"replay": ids}
-    yt, aux_t = train.attention(layer, x_in, batch.cu_seqlens, **kw)
-    rec = _record(serve, layer, ATTENTION, yt, ys)
-    if _has(aux_s, aux_t, "topk"):
-        rec["topk_overlap"] = metrics.selection_overlap(aux_t["topk"], aux_s["topk"])
-    if ids is not None:
-        rec["replayed"] = "topk"
-    if twin is not None:
-        rec.update(_kernel_error(twin, layer, x_in, batch, yt, aux_t, kw))
-    out.layers.append(rec)
-    return ys, yt
-
-
-def _mlp(serve: Model, train: Model, layer: int, xs: torch.Tensor, xt: torch.Tensor, out: Capture,
-         mode: str, replay: Replay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    ys, aux_s = serve.mlp(layer, xs)
-    ids = (replay or Replay()).expert_ids(layer, aux_s)
-    kw = {} if ids is None else {"replay": ids}
-    yt, aux_t = train.mlp(layer, xs if mode == "isolated" else xt, **kw)
-    rec = _record(serve, layer, MLP, yt, ys)
-    if _has(aux_s, aux_t, "experts"):
-        rec["expert_overlap"] = metrics.selection_overlap(aux_t["experts"], aux_s["experts"])
-    if ids is not None:
-        rec["replayed"] = "experts"
-    out.layers.append(rec)
-    return ys, yt
+def _call(model: Model, sub_block: str, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor,
+          replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    kw = {} if replay is None else {"replay": replay}
+    if sub_block == ATTENTION:
+        return model.attention(layer, x, cu_seqlens, **kw)
+    return model.mlp(layer, x, **kw)
 
 
 def _record(model: Model, layer: int, sub_block: str, train: torch.Tensor, serve: torch.Tensor) -> dict[str, Any]:
@@ -161,9 +357,9 @@ def _record(model: Model, layer: int, sub_block: str, train: torch.Tensor, serve
 
 
 def _kernel_error(twin: Model, layer: int, x_in: torch.Tensor, batch: Batch, yt: torch.Tensor,
-                  aux_t: dict, kw: dict | None = None) -> dict[str, Any]:
+                  aux_t: dict, replay: torch.Tensor | None = None) -> dict[str, Any]:
     """The train side with kernels against itself on the references, on the same input streams (and replay)."""
-    yr, aux_r = twin.attention(layer, x_in, batch.cu_seqlens, **(kw or {}))
+    yr, aux_r = _call(twin, ATTENTION, layer, x_in, batch.cu_seqlens, replay)
     rec: dict[str, Any] = {"kernel_rel_err": metrics.rel_err(yt, yr)}
     if _has(aux_r, aux_t, "out"):
         rec["kernel_out_rel_err"] = metrics.rel_err(aux_t["out"], aux_r["out"])

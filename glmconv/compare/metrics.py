@@ -110,28 +110,28 @@ def quantile_summary(x: torch.Tensor) -> dict[str, float]:
     return {"mean": float(x64.mean()), "p99": float(torch.quantile(x64, 0.99)), "max": float(x64.max())}
 
 
-def first_divergence(layers: Iterable[dict[str, Any]], threshold: float) -> dict[str, Any] | None:
-    """The first (layer, sub-block) record, in forward order, whose rel_err exceeds `threshold` (NaN counts)."""
-    for rec in layers:
-        v = rec["rel_err"]
-        if not v <= threshold:  # also true for NaN
-            return {"layer": rec["layer"], "sub_block": rec["sub_block"], "metric": "rel_err", "value": v}
-    return None
-
-
 # ---- scalar summary and --fail-on bounds ------------------------------------------------------------------
 
 BOUND_METRICS = ("logprob_abs_diff.mean", "logprob_abs_diff.p99", "logprob_abs_diff.max", "kl", "top1_agreement",
-                 "top1_disagreement", "max_rel_err", "final_rel_err", "expert_overlap_min", "topk_overlap_min")
+                 "top1_disagreement", "max_rel_err", "final_rel_err", "expert_overlap_min", "topk_overlap_min",
+                 "divergences", "excess.max", "ref_rel_err.max", "topk_excess.max", "expert_excess.max")
 
 
 def scalars(layers: list[dict[str, Any]], logits: dict[str, Any]) -> dict[str, float | None]:
-    """The report's single-number metrics, the ones `--fail-on` can bound (None: not measured in this run)."""
+    """The report's single-number metrics, the ones `--fail-on` can bound (None: not measured in this run).
+
+    `excess.max`: the largest rel err over the run's measured noise (verdict.excess); `ref_rel_err.max`: the
+    largest difference of weights and conventions alone; `divergences`: the sub-blocks
+    the verdict names (the report adds differing embedding and head weights).
+    """
     lp = logits["logprob_abs_diff"]
     experts = [r["expert_overlap"] for r in layers if "expert_overlap" in r]
     topk = [r["topk_overlap"] for r in layers if "topk_overlap" in r]
     errs = [r["rel_err"] for r in layers]
-    return {"logprob_abs_diff.mean": lp["mean"], "logprob_abs_diff.p99": lp["p99"], "logprob_abs_diff.max": lp["max"],
+    noise = {f"{key}.max": _nanmax([r[key] for r in layers if key in r])
+             for key in ("excess", "ref_rel_err", "topk_excess", "expert_excess")}
+    return {**noise, "divergences": float(sum(bool(r.get("diverged")) for r in layers)),
+            "logprob_abs_diff.mean": lp["mean"], "logprob_abs_diff.p99": lp["p99"], "logprob_abs_diff.max": lp["max"],
             "kl": logits["kl"], "top1_agreement": logits["top1_agreement"],
             "top1_disagreement": 1.0 - logits["top1_agreement"],
             "max_rel_err": _nanmax(errs), "final_rel_err": errs[-1] if errs else None,

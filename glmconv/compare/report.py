@@ -9,13 +9,16 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv import __version__
 from glmconv.compare import metrics
+from glmconv.compare.attribution import attribution_line
+from glmconv.compare.weight_diff import DIFFER
+from glmconv.rules import roles as R
 from glmconv.text import count, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from glmconv.compare import ParityOptions
-    from glmconv.compare.capture import Capture
+    from glmconv.compare.capture import Capture, Side
     from glmconv.compare.inputs import Batch
 
 JSON_NAME, MD_NAME, PNG_NAME = "report.json", "report.md", "error_per_layer.png"
@@ -27,14 +30,18 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
     """Everything a run measured plus what it was asked: the one structure all renderings read.
 
     `train_layout`: the Megatron layout the train side was read in (None: not known, e.g. a test double).
-    `first_divergence_switches`: the train switches set differently from serve's that act at the first
-    divergence's sub-block (the indexer switches first where its top-k differs); `indexer_divergence`: the first
-    DSA layer whose top-k differs from serve's (overlap < 1), with the indexer switches that differ.
+    `first_divergence`: the verdict's first divergent sub-block (glmconv.compare.verdict) with its cause;
+    `attribution`: the differing switches' measured shares there; `indexer_divergence`: the first DSA layer whose
+    top-k differs from serve's (overlap < 1), with what explains it; `passed`: the gate (the verdict, or the
+    `--fail-on` bounds when any are given; with `--self-test` every planted defect must be named too).
     """
-    threshold = opts.effective_threshold
+    clean = cap.sides[0] if cap.sides else _judged(cap, opts, conventions)
     values = metrics.scalars(cap.layers, cap.logits)
+    first = _first(clean.judge.first, cap, opts)
+    values["divergences"] = (values["divergences"] or 0.0) + len(_global_defects(cap, opts))
     bounds = metrics.check_bounds(opts.bounds, values)
-    first = metrics.first_divergence(cap.layers, threshold)
+    self_test = [_self_test_row(side) for side in cap.sides[1:]]
+    passed = not any(b["broken"] for b in bounds) if opts.bounds else first is None
     return {
         "glmconv_version": __version__, "hf_dir": str(opts.hf_dir), "mcore_dir": str(opts.mcore_dir),
         "train_layout": train_layout,
@@ -44,43 +51,91 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
         "kernels": _kernels_used(cap, opts),
         "sequences": batch.sequences, "seed": opts.seed, "inputs": batch.source,
         "train_conventions_base": opts.train_conventions, "train_convention_overrides": list(opts.overrides),
-        "conventions": conventions, "threshold": threshold, "layers": cap.layers, "logits": cap.logits,
-        "summary": values, "first_divergence": first,
-        "first_divergence_switches": _switches_at(first, cap.layers, conventions),
-        "indexer_divergence": _indexer_divergence(cap.layers, conventions),
-        "bounds": bounds, "passed": not any(b["broken"] for b in bounds), "elapsed_s": round(cap.elapsed_s, 3),
+        "conventions": conventions, "threshold": opts.effective_threshold, "margin": clean.judge.floors.margin,
+        "selection_floor": clean.judge.floors.selection, "noise_measured": cap.noise_measured,
+        "weights_checked": cap.weights_checked, "weight_diffs": cap.weight_diffs + clean.weight_diffs,
+        "layers": cap.layers, "logits": cap.logits, "summary": values, "first_divergence": first,
+        "first_divergence_switches": first.get("switches", []) if first else [],
+        "attribution": clean.attribution, "indexer_divergence": _indexer_divergence(cap.layers, conventions, opts),
+        "gate": "bounds" if opts.bounds else "verdict", "bounds": bounds,
+        **({"self_test": self_test} if opts.self_test else {}),
+        "passed": passed and all(r["named"] for r in self_test), "elapsed_s": round(cap.elapsed_s, 3),
     }
 
 
-def _switches_at(first: dict[str, Any] | None, layers: list[dict[str, Any]],
-                 conventions: dict[str, Any]) -> list[str]:
-    """`KEY=VALUE` of the differing train switches that act at the first divergence (selection switches first
-    where the record's top-k differs from serve's)."""
-    from glmconv.models.conventions import SELECTION, acting_at
+def _judged(cap: Capture, opts: ParityOptions, conventions: dict[str, Any]) -> Side:
+    """A capture of records alone (a test double's, or one read back): judged here as capture would have."""
+    from glmconv.compare import _judge
+    from glmconv.compare.capture import Side
+    from glmconv.compare.verdict import judge_records
 
-    if first is None:
+    return Side("clean", None, judge=judge_records(cap.layers, conventions, _judge(opts)))  # type: ignore[arg-type]
+
+
+def _global_defects(cap: Capture, opts: ParityOptions) -> list[dict[str, Any]]:
+    """Differing embedding or head weights (they have no sub-block record); none with --allow-different-weights."""
+    if opts.allow_different_weights:
         return []
-    rec = next(r for r in layers if (r["layer"], r["sub_block"]) == (first["layer"], first["sub_block"]))
-    serve, train = conventions.get("serve", {}), conventions.get("train", {})
-    sites = [rec["sub_block"]]
-    if "topk_overlap" in rec:  # a DSA attention: the indexer switches act there too, first when its top-k differs
-        sites = [SELECTION, *sites] if not rec["topk_overlap"] >= 1.0 else [*sites, SELECTION]
-    out: list[str] = []
-    for site in sites:
-        out += [s for s in acting_at(serve, train, site) if s not in out]
-    return out
+    return [d for d in cap.weight_diffs if d["kind"] == DIFFER]
 
 
-def _indexer_divergence(layers: list[dict[str, Any]], conventions: dict[str, Any]) -> dict[str, Any] | None:
-    """The first DSA attention record whose own top-k differs from serve's (overlap < 1), with the differing
-    indexer switches; None when every DSA layer selected what serve did."""
+def _first(first: dict[str, Any] | None, cap: Capture, opts: ParityOptions) -> dict[str, Any] | None:
+    """The verdict's first divergence, the embedding's differing rows first and the head's last."""
+    glob = _global_defects(cap, opts)
+    embed = [d for d in glob if d["sub_block"] == R.EMBED]
+    head = [d for d in glob if d["sub_block"] != R.EMBED]
+    for diffs in ([embed] + ([] if first else [head])):
+        if diffs:
+            return {"layer": None, "sub_block": diffs[0]["sub_block"], "metric": "weights", "value": None,
+                    "cause": "weights", "why": ["weights differ"], "switches": [], "weight_diffs": diffs}
+    if first is not None:
+        rec = next(r for r in cap.layers if (r["layer"], r["sub_block"]) == (first["layer"], first["sub_block"]))
+        first = {**first, "weight_diffs": rec.get("weight_diffs", [])} if rec.get("weight_diffs") else first
+    return first
+
+
+def _self_test_row(side: Side) -> dict[str, Any]:
+    """One planted defect: where it went and what the verdict says of it."""
+    from glmconv.compare.defects import CATALOG
+
+    defect = next(d for d in CATALOG if d.name == side.name)
+    sites = sorted(side.sites or ())
+    first = side.judge.first
+    at = (first["layer"], first["sub_block"]) if first else None
+    named = at is not None and (at == sites[0] if defect.kind == "weights" else at in sites)
+    tensors = [d for d in side.weight_diffs if d["kind"] == DIFFER]
+    return {"defect": defect.name, "kind": defect.kind, "summary": defect.summary,
+            "planted_at": [{"layer": layer, "sub_block": sub} for layer, sub in sites[:1 if defect.kind == "weights"
+                                                                                    and len(sites) == 1 else 2]],
+            "named": named, "first_divergence": first, "tensors": tensors[:4], "attribution": side.attribution}
+
+
+def _indexer_divergence(layers: list[dict[str, Any]], conventions: dict[str, Any],
+                        opts: ParityOptions) -> dict[str, Any] | None:
+    """The first DSA attention record whose own top-k differs from serve's (overlap < 1), and what explains it:
+    differing indexer switches, differing weights, noise, an upstream divergence (propagated only), or numerics."""
     from glmconv.models.conventions import SELECTION, acting_at
 
-    for rec in layers:
-        if "topk_overlap" in rec and not rec["topk_overlap"] >= 1.0:
-            return {"layer": rec["layer"], "sub_block": rec["sub_block"], "metric": "topk_overlap",
-                    "value": rec["topk_overlap"],
-                    "switches": acting_at(conventions.get("serve", {}), conventions.get("train", {}), SELECTION)}
+    for i, rec in enumerate(layers):
+        if "topk_overlap" not in rec or rec["topk_overlap"] >= 1.0:
+            continue
+        switches = acting_at(conventions.get("serve", {}), conventions.get("train", {}), SELECTION)
+        upstream = next((r for r in layers[:i] if r.get("diverged")), None)
+        if switches:
+            why = "switches"
+        elif rec.get("weights") == DIFFER and not opts.allow_different_weights:
+            why = "weights"
+        elif not rec.get("diverged"):
+            why = "noise"
+        elif opts.mode == "propagated" and upstream is not None:
+            why = "upstream"
+        else:
+            why = "numerics"
+        return {"layer": rec["layer"], "sub_block": rec["sub_block"], "metric": "topk_overlap",
+                "value": rec["topk_overlap"], "noise": rec.get("topk_noise"), "explained_by": why,
+                "switches": switches,
+                "upstream": None if upstream is None else {"layer": upstream["layer"],
+                                                           "sub_block": upstream["sub_block"]}}
     return None
 
 
@@ -195,22 +250,79 @@ def _overlap(rec: dict[str, Any]) -> str:
 
 
 def divergence_line(report: dict[str, Any]) -> str:
+    """The verdict in one line: where the first divergence is, how far beyond noise, and what causes it."""
     fd = report["first_divergence"]
     if fd is None:
-        return f"no sub-block exceeds rel_err {report['threshold']:g}"
-    switches = report.get("first_divergence_switches") or []
-    there = f"; train switches acting there: {', '.join(switches)}" if switches else ""
-    return (f"first divergence: layer {fd['layer']} {fd['sub_block']} (rel_err {_fmt(fd['value'])} > "
-            f"{report['threshold']:g}){there}")
+        noise = f"{report.get('margin', 2):g} x its measured noise and " if report.get("noise_measured") else ""
+        weights = "; weights equal" if report.get("weights_checked") else ""
+        return (f"no divergence: every sub-block within {noise}rel err {report['threshold']:g} on the references"
+                f"{weights}")
+    where = (f"layer {fd['layer']} {fd['sub_block']}" if fd.get("layer") is not None else fd["sub_block"])
+    if fd.get("value") is None:
+        return f"first divergence: {where}: {_cause_text(fd)}"
+    beyond = (f", {_fmt(fd['excess'], '.3g')}x the noise {_fmt(fd['noise'])}" if fd.get("noise") else "")
+    return (f"first divergence: {where} (rel err {_fmt(fd['value'])}{beyond}; on the fp32 references "
+            f"{_fmt(fd.get('ref_rel_err'))}): {_cause_text(fd)}")
+
+
+_CAUSES = {"upstream": "carried from an earlier divergence", "numerics": "beyond noise with equal weights and "
+           "switches: the numerics (a kernel?) differ"}
+
+
+def _cause_text(fd: dict[str, Any]) -> str:
+    if fd.get("cause") == "weights":
+        diffs = fd.get("weight_diffs", [])[:3]
+        return "weights differ (a conversion defect): " + "; ".join(weight_text(d) for d in diffs)
+    if fd.get("cause") == "conventions":
+        return "train switches acting there: " + ", ".join(fd.get("switches", []))
+    return _CAUSES.get(fd.get("cause", ""), fd.get("cause", ""))
+
+
+def weight_text(d: dict[str, Any]) -> str:
+    """`kda.q_proj: HF model...q_proj.weight, Megatron decoder...q_proj.weight, rows 0-15, max abs diff 0.31`."""
+    names = [f"HF {', '.join(d['hf'])}" if d.get("hf") else "", f"Megatron {', '.join(d['megatron'])}"
+             if d.get("megatron") else ""]
+    where = ", ".join(n for n in names if n)
+    rounded = " (BF16 rounding)" if d["kind"] == "rounded" else ""
+    return (f"{d['field']}{rounded}: {where}{', ' if where else ''}rows {d['rows']}, {d['elements']} values, "
+            f"max abs diff {_fmt(d['max_abs_diff'], '.3g')}")
+
+
+def weight_lines(report: dict[str, Any]) -> list[str]:
+    """Whether both sides hold the same weights, and each differing tensor (the first few)."""
+    if not report.get("weights_checked"):
+        return []
+    diffs = report.get("weight_diffs", [])
+    if not diffs:
+        return ["weights: every sub-block's, the batch's embedding rows and the head equal bit for bit"]
+    shown = [f"weights differ at {_site(d)}: {weight_text(d)}" for d in diffs[:6]]
+    return shown + ([f"... and {len(diffs) - 6} more differing tensors (report.json: weight_diffs)"]
+                    if len(diffs) > 6 else [])
+
+
+def _site(d: dict[str, Any]) -> str:
+    return f"layer {d['layer']} {d['sub_block']}" if d.get("layer") is not None else d["sub_block"]
+
+
+def attribution_lines(report: dict[str, Any]) -> list[str]:
+    att = report.get("attribution")
+    return [attribution_line(att)] if att else []
 
 
 def indexer_line(report: dict[str, Any]) -> list[str]:
-    """Where the train side's indexer first selects differently from serve's, and the switches that do it."""
+    """Where the train side's indexer first selects differently from serve's, and what explains it."""
     ix = report.get("indexer_divergence")
     if not ix:
         return []
-    why = f": {', '.join(ix['switches'])}" if ix.get("switches") else " (no indexer switch differs: upstream error)"
-    return [f"indexer selections first differ at layer {ix['layer']} (top-k overlap {ix['value']:.3f}){why}"]
+    noise = f", noise alone {ix['noise']:.3g}" if ix.get("noise") else ""
+    head = f"indexer selections first differ at layer {ix['layer']} (top-k overlap {ix['value']:.3f}{noise})"
+    up = ix.get("upstream") or {}
+    why = {"switches": f": {', '.join(ix['switches'])}",
+           "weights": ": this layer's weights differ",
+           "noise": ": within the noise this run measured",
+           "upstream": f": carried from the divergence at layer {up.get('layer')} {up.get('sub_block')}",
+           "numerics": ": beyond noise with equal weights and switches"}[ix["explained_by"]]
+    return [head + why]
 
 
 def layout_text(report: dict[str, Any]) -> str:
@@ -237,8 +349,66 @@ def bound_lines(report: dict[str, Any]) -> list[str]:
             for b in report["bounds"]]
 
 
+def _cells(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
+    noise = report.get("noise_measured")
+    cells = [str(rec["layer"]), rec["sub_block"], kind, _fmt(rec["rel_err"])]
+    cells += [_fmt(rec.get("noise")), _fmt(rec.get("excess"), ".3g")] if noise else []
+    cells += [_fmt(rec.get("ref_rel_err")), rec.get("weights", "-"), _overlap(rec)]
+    cells += [_kernel(rec)] if report.get("kernels") == "kernels" else []
+    return cells
+
+
+def _columns(report: dict[str, Any]) -> list[str]:
+    cols = ["layer", "sub-block", "type", "rel err"]
+    cols += ["noise", "x noise"] if report.get("noise_measured") else []
+    cols += ["ref err", "weights", "overlap"]
+    return cols + (["kernel err"] if report.get("kernels") == "kernels" else [])
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    """Everything under the table: logits, the verdict, its cause, the weights, selections, kernels, bounds."""
+    return (replay_line(report) + logits_lines(report) + [divergence_line(report)] + attribution_lines(report)
+            + indexer_line(report) + weight_lines(report) + kernel_line(report) + bound_lines(report)
+            + self_test_lines(report) + [gate_line(report)])
+
+
+def gate_line(report: dict[str, Any]) -> str:
+    what = "the --fail-on bounds" if report.get("gate") == "bounds" else "the verdict"
+    extra = " and the self-test" if "self_test" in report else ""
+    return f"{'PASSED' if report['passed'] else 'FAILED'} ({what}{extra})"
+
+
+def self_test_lines(report: dict[str, Any]) -> list[str]:
+    rows = report.get("self_test")
+    if rows is None:
+        return []
+    named = sum(r["named"] for r in rows)
+    out = [f"self-test: {named} of {len(rows)} planted defects named at their layer and sub-block"]
+    if report["first_divergence"] is not None:
+        out.append("  (the clean pair itself diverges: a defect planted after its first divergence cannot be told "
+                   "apart; run the self-test on an aligned pair)")
+    for r in rows:
+        out.append(f"  {'named ' if r['named'] else 'MISSED'} {r['defect']}: planted at {_planted(r)}; "
+                   f"{_found(r['first_divergence'])}")
+    return out
+
+
+def _planted(r: dict[str, Any]) -> str:
+    sites = [f"layer {p['layer']} {p['sub_block']}" for p in r["planted_at"]]
+    return ", ".join(sites) + (" (where it acts)" if r["kind"] == "convention" else "")
+
+
+def _found(fd: dict[str, Any] | None) -> str:
+    if fd is None:
+        return "no divergence named"
+    excess = f", {_fmt(fd['excess'], '.3g')}x noise" if fd.get("noise") else ""
+    return (f"first divergence layer {fd['layer']} {fd['sub_block']} (rel err {_fmt(fd['value'])}{excess}, "
+            f"reference {_fmt(fd.get('ref_rel_err'))}, {fd.get('cause')})")
+
+
 def print_table(report: dict[str, Any], console: Console) -> None:
-    """The per-sub-block table, the logit metrics, the first divergence and the bounds."""
+    """The per-sub-block table, then the verdict and everything that explains it."""
     from rich.table import Table
     from rich.text import Text
 
@@ -246,26 +416,19 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, "
                                    f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}"
                                    + ("" if replay == "none" else f", replay {replay}"))))
-    cols = ["layer", "sub-block", "type", "rel err", "max abs", "overlap"]
-    kernels = report.get("kernels") == "kernels"
-    if kernels:
-        cols.append("kernel err")
-    for col in cols:
-        t.add_column(col, justify="right" if col in ("layer", "rel err", "max abs") else "left")
+    for col in _columns(report):
+        t.add_column(col, justify="left" if col in ("sub-block", "type", "weights", "overlap", "kernel err")
+                     else "right")
     fd = report["first_divergence"]
     for rec in report["layers"]:
-        over = not rec["rel_err"] <= report["threshold"]
-        first = fd is not None and (fd["layer"], fd["sub_block"]) == (rec["layer"], rec["sub_block"])
-        kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
-        cells = [str(rec["layer"]), rec["sub_block"] + (" <- first" if first else ""), kind, _fmt(rec["rel_err"]),
-                 _fmt(rec["max_abs"]), _overlap(rec)] + ([_kernel(rec)] if kernels else [])
-        t.add_row(*cells, style="bold red" if first else "red" if over else None)
+        first = fd is not None and (fd.get("layer"), fd["sub_block"]) == (rec["layer"], rec["sub_block"])
+        cells = _cells(rec, report)
+        cells[1] += " <- first" if first else ""
+        t.add_row(*cells, style="bold red" if first else "red" if rec.get("diverged") else None)
     console.print(t)
-    for line in (replay_line(report) + logits_lines(report) + [divergence_line(report)] + indexer_line(report)
-                 + kernel_line(report)):
-        console.print(printable(line), markup=False, highlight=False, soft_wrap=True)
-    for line, b in zip(bound_lines(report), report["bounds"]):
-        console.print(printable(line), style="bold red" if b["broken"] else "green", markup=False, highlight=False,
+    for line in verdict_lines(report):
+        bad = line.startswith(("FAILED", "  MISSED", "first divergence", "weights differ"))
+        console.print(printable(line), style="bold red" if bad else None, markup=False, highlight=False,
                       soft_wrap=True)
 
 
@@ -278,22 +441,19 @@ def to_markdown(report: dict[str, Any]) -> str:
              f"- mode {report['mode']}, dtype {report['dtype']}, device {report['device']}, "
              f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}, "
              f"inputs {report['inputs']}, seed {report['seed']}",
-             f"- threshold (rel err): {report['threshold']:g}",
+             f"- floor (rel err on the references): {report['threshold']:g}; margin over the measured noise: "
+             f"{report.get('margin', 2):g}x",
              f"- train side ops: {report.get('kernels', 'reference')}",
              f"- {(replay_line(report) or ['replay: none'])[0]}", "",
              "## Conventions", "", "| switch | serve | train |", "|---|---|---|"]
     lines += [f"| {k} | {conv.get('serve', {}).get(k, '-')} | {conv.get('train', {}).get(k, '-')}"
               f"{' (differs)' if conv.get('serve', {}).get(k) != conv.get('train', {}).get(k) else ''} |" for k in keys]
-    kernels = report.get("kernels") == "kernels"
-    lines += ["", "## Per layer", "", "| layer | sub-block | type | rel err | max abs | overlap |"
-              + (" kernel err |" if kernels else ""), "|---:|---|---|---:|---:|---|" + ("---|" if kernels else "")]
-    for rec in report["layers"]:
-        kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
-        lines.append(f"| {rec['layer']} | {rec['sub_block']} | {kind} | {_fmt(rec['rel_err'])} | "
-                     f"{_fmt(rec['max_abs'])} | {_overlap(rec)} |" + (f" {_kernel(rec)} |" if kernels else ""))
-    lines += ["", "## Logits", ""] + [f"- {s}" for s in logits_lines(report) + kernel_line(report)]
-    lines += ["", "## Verdict", "", f"- {divergence_line(report)}"] + [f"- {s}" for s in indexer_line(report)]
-    lines += [f"- {s}" for s in bound_lines(report)]
+    cols = _columns(report)
+    lines += ["", "## Per layer", "", "| " + " | ".join(cols) + " |",
+              "|" + "|".join("---" if c in ("sub-block", "type", "weights", "overlap", "kernel err") else "---:"
+                             for c in cols) + "|"]
+    lines += ["| " + " | ".join(_cells(rec, report)) + " |" for rec in report["layers"]]
+    lines += ["", "## Verdict", ""] + [f"- {s}" for s in verdict_lines(report)]
     if report.get("report_skipped"):
         lines += ["", f"(plot {PLOT_HINT})", ""]
     else:
@@ -317,7 +477,10 @@ def plot(report: dict[str, Any]) -> bytes:
             recs = [r for r in report["layers"] if r["sub_block"] == sub]
             ys = [max(r["rel_err"], _PLOT_FLOOR) if math.isfinite(r["rel_err"]) else 1e6 for r in recs]
             ax.plot([r["layer"] for r in recs], ys, marker=marker, label=sub)
-        ax.axhline(report["threshold"], color="red", linestyle="--", label=f"threshold {report['threshold']:g}")
+            noise = [max(2 * r["noise"], _PLOT_FLOOR) for r in recs if "noise" in r]
+            if report.get("noise_measured") and len(noise) == len(recs):
+                ax.plot([r["layer"] for r in recs], noise, linestyle=":", label=f"{sub}: 2 x measured noise")
+        ax.axhline(report["threshold"], color="red", linestyle="--", label=f"floor {report['threshold']:g}")
         _mark_first(ax, report)
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -336,6 +499,6 @@ def plot(report: dict[str, Any]) -> bytes:
 
 def _mark_first(ax: Any, report: dict[str, Any]) -> None:
     fd = report["first_divergence"]
-    if fd is not None and math.isfinite(fd["value"]):
+    if fd is not None and fd.get("layer") is not None and math.isfinite(fd["value"]):
         ax.annotate(f"first: {fd['layer']} {fd['sub_block']}", (fd["layer"], fd["value"]),
                     textcoords="offset points", xytext=(8, 8), color="red")

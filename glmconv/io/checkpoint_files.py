@@ -10,6 +10,7 @@ A link leaving the directory, a FIFO, a device or a directory where a file belon
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path, PurePosixPath
@@ -35,10 +36,10 @@ def check_checkpoint_dir(path: Path) -> Path:
 
 def allowed_roots(root: Path) -> tuple[Path, ...]:
     """The resolved directory, plus the hub cache's `blobs/` when `root` is a cache snapshot."""
-    real = root.resolve()
+    real = resolved(root, f"{root}:")
     blobs = real.parent.parent / HF_CACHE_BLOBS
     if real.parent.name == HF_CACHE_SNAPSHOTS and blobs.is_dir():
-        return real, blobs.resolve()
+        return real, resolved(blobs, f"{blobs}:")
     return (real,)
 
 
@@ -48,10 +49,21 @@ def inside(root: Path, rel: str, label: str | None = None) -> Path:
     pure = PurePosixPath(rel)
     if not rel or "\0" in rel or "\\" in rel or pure.is_absolute() or ".." in pure.parts:
         raise CheckpointError(f"{what} is outside the checkpoint directory")
-    real = (root / rel).resolve()
+    real = resolved(root / rel, what)
     if not any(real.is_relative_to(a) for a in allowed_roots(root)):
         raise CheckpointError(f"{what} resolves to {real}, outside the checkpoint directory")
     return real
+
+
+def resolved(path: Path, what: str) -> Path:
+    """`path` with its symlinks followed; a symlink loop (or a path the system cannot resolve) is the user's input."""
+    try:
+        return path.resolve()
+    except RuntimeError:  # Python before 3.13 reports a symlink loop this way
+        raise CheckpointError(f"{what} is a symlink loop") from None
+    except OSError as exc:
+        why = "is a symlink loop" if exc.errno == errno.ELOOP else f"cannot be resolved ({exc.strerror or exc})"
+        raise CheckpointError(f"{what} {why}") from None
 
 
 def optional_file(root: Path, rel: str, label: str | None = None) -> Path | None:

@@ -17,13 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from glmconv.arguments import DEVICE_CHOICES
 from glmconv.errors import GlmconvError
 from glmconv.io.fp8 import FP8_BLOCK, dequantize_fp8_blocks
 
 if TYPE_CHECKING:
     import torch
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = DEVICE_CHOICES
 SLAB_ROWS = 2 * FP8_BLOCK  # rows per CPU slab: fp32 temporaries of a few MB stay in cache
 AUTO_CUDA_BYTES = 1 << 30  # auto picks the GPU for a worker with at least this many bytes of FP8 codes
 
@@ -146,10 +147,10 @@ def make_dequantizer(device: str, threads: int, rank: int = 0) -> CpuDequantizer
 
 
 def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
-    """The reference's checks on the whole weight: dtypes and the scale grid."""
+    """The reference's checks on the whole weight: dtypes, the scale grid, NaN codes."""
     import torch
 
-    from glmconv.io.fp8 import Fp8FormatError, scale_shape
+    from glmconv.io.fp8 import Fp8FormatError, refuse_nan_codes, scale_shape
 
     if fp8.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise Fp8FormatError(f"expected a float8_e4m3fn weight and F32 block scales, got {fp8.dtype} and "
@@ -158,6 +159,7 @@ def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
     if tuple(scale_inv.shape) != want:
         raise Fp8FormatError(f"block scales of a {list(fp8.shape)} FP8 weight must be {list(want)}, "
                              f"got {list(scale_inv.shape)}")
+    refuse_nan_codes(fp8)  # on the whole weight: a slab would count and place only its own rows
 
 
 @contextmanager

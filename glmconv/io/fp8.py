@@ -41,6 +41,9 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
 
     if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise Fp8FormatError(f"quantize_fp8_blocks needs a float weight, got {w.dtype}")
+    from glmconv.io.finite import require_finite
+
+    require_finite(w, "weight", "FP8 quantisation")  # a NaN or Inf would wipe its whole block
     rows, cols = w.shape if w.dim() == 2 else (0, 0)
     sr, sc = scale_shape(tuple(w.shape), block)
     if rows % block == 0 and cols % block == 0:  # the release's shapes: block views of w itself, no padded copy
@@ -71,6 +74,7 @@ def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int
     if tuple(scale_inv.shape) != want:
         raise Fp8FormatError(f"block scales of a {list(fp8.shape)} FP8 weight must be {list(want)}, "
                              f"got {list(scale_inv.shape)}")
+    refuse_nan_codes(fp8)
     rows, cols = fp8.shape
     w = fp8.float()
     if rows % block == 0 and cols % block == 0:  # the release's shapes: multiply block views in place
@@ -78,6 +82,14 @@ def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int
     else:
         w.mul_(scale_inv.repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols])
     return w.to(out_dtype)
+
+
+def refuse_nan_codes(fp8: torch.Tensor) -> None:
+    """NaN codes (0x7F/0xFF) are refused, not dequantised: a NaN would pass into the weight (callers that know the
+    tensor's name check first, `glmconv.io.finite`)."""
+    from glmconv.io.finite import require_finite
+
+    require_finite(fp8, "FP8 weight", "dequantisation")
 
 
 def check_scales(scale_inv: torch.Tensor, name: str) -> None:

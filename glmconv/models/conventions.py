@@ -114,3 +114,12 @@ def acting_at(serve: dict[str, str], train: dict[str, str], site: str) -> list[s
     """`KEY=VALUE` of the train switches set differently from serve's that act at `site` (an ACTS_AT site)."""
     return [f"{k}={train[k]}" for k in CHOICES
             if k in train and train[k] != serve.get(k, train[k]) and site in ACTS_AT[k]]
+
+
+def acting_at_sub_block(serve: dict[str, str], train: dict[str, str], sub_block: str, dsa: bool) -> list[str]:
+    """`KEY=VALUE` of the differing train switches acting at a sub-block (at a DSA attention the indexer's too)."""
+    sites = [sub_block] + ([SELECTION] if dsa and sub_block == "attention" else [])
+    out: list[str] = []
+    for site in sites:
+        out += [s for s in acting_at(serve, train, site) if s not in out]
+    return out

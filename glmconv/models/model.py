@@ -10,6 +10,7 @@ stay fp32 (hc coefficients, KDA gate/state/conv, router, indexer scores, attenti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
@@ -32,6 +33,9 @@ from glmconv.ops.moe import mlp as swiglu_mlp
 from glmconv.rules import roles as R
 
 DTYPES = (torch.float32, torch.bfloat16)
+ATTN, MLP = "attention", "mlp"  # the two sub-blocks of a layer
+# A weight defect planted in memory: (sub_block, layer, prepared weights, read another layer) -> weights to run.
+WeightPatch = Callable[[str, int, Any, Callable[[int], Any]], Any]
 # Tensors kept in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict, plus hc fn/ape).
 _FP32_FIELDS = {"fn", "base", "scale", "conv", "a_log", "dt_bias", "expert_bias", "compress_ape"}
 
@@ -65,6 +69,8 @@ class GlmModel:
         self._indexer = self.ops.indexer
         self.record_out = False  # aux["out"]: the attention output itself, for the kernel error rows
         self.cache = WeightCache(stream)
+        self._source: GlmModel | None = None  # a model whose prepared weights this one casts (precise_twin)
+        self.weight_patch: WeightPatch | None = None  # planted in memory over the prepared weights (self-test)
         self._last_topk: torch.Tensor | None = None  # the last DSA layer's own selection
         self._last_used: torch.Tensor | None = None  # and the ids it attended over (replayed or its own)
 
@@ -105,6 +111,8 @@ class GlmModel:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [T] -> hc streams [T, hc_mult, H] (the embedding replicated on every stream)."""
+        if self._source is not None:
+            return self._source.embed(input_ids).to(self.dtype)
         if self.stream:
             rows = self.weights.gather_rows(R.EMBED, input_ids)
         else:
@@ -181,10 +189,39 @@ class GlmModel:
         """The same model on the torch references (for the kernels' own error), or None without kernels."""
         if self.ops.name == "reference":
             return None
-        twin = GlmModel(self.config, self.weights, self.conventions, self.dtype, self.device, kernels="reference")
-        twin.cache = self.cache  # the same prepared weights: read once, for both
+        twin = self.variant()
         self.record_out = twin.record_out = True
         return twin
+
+    def variant(self, conventions: Conventions | None = None, patch: WeightPatch | None = None,
+                kernels: str = "reference") -> GlmModel:
+        """This model with other conventions, planted weights or ops: the same weights, held once."""
+        twin = GlmModel(self.config, self.weights, conventions or self.conventions, self.dtype, self.device,
+                        kernels=kernels)
+        twin.cache, twin._source, twin.weight_patch = self.cache, self._source, patch
+        return twin
+
+    def precise_twin(self) -> GlmModel | None:
+        """This model in fp32 on the torch references, casting this one's prepared weights (no second read): the
+        reference its own rounding and kernel error is measured against. None when this model already is one."""
+        if self.dtype == torch.float32 and self.ops.name == "reference":
+            return None
+        twin = GlmModel(self.config, self.weights, self.conventions, torch.float32, self.device, kernels="reference",
+                        stream=self.stream)
+        twin._source, twin.weight_patch = self, self.weight_patch
+        return twin
+
+    def selection_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The DSA selection carried to the next layer (a shared-indexer layer reuses the previous top-k)."""
+        return self._last_topk, self._last_used
+
+    def adopt_selection(self, state: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        """Carry another model's `selection_state` (a rerun of one sub-block starts where that model stood)."""
+        self._last_topk, self._last_used = state
+
+    def sub_block_weights(self, layer: int, sub_block: str) -> AttentionWeights | MlpWeights:
+        """The prepared weights (model dtype, on the device) that `attention` / `mlp` of `layer` runs with."""
+        return self._attention_weights(layer) if sub_block == ATTN else self._mlp_weights(layer)
 
     # ---- pieces -------------------------------------------------------------------------------------------
 
@@ -233,12 +270,32 @@ class GlmModel:
 
     def _attention_weights(self, layer: int) -> AttentionWeights:
         self._check_layer(layer)
-        kw = {} if self._kpool else {"kpool": False}  # indexer_kpool=off: the compress gate/ape are never read
-        return self.cache.get(("attention", layer), lambda: self._prepare(self.weights.attention(layer, **kw)))
+        key = ("attention" if self._kpool else "attention-token-indexer", layer)
+        return self._patched(ATTN, layer, self.cache.get(key, lambda: self._prepare(self._read(layer, ATTN))))
 
     def _mlp_weights(self, layer: int) -> MlpWeights:
         self._check_layer(layer)
-        return self.cache.get(("mlp", layer), lambda: self._prepare(self.weights.mlp(layer)))
+        return self._patched(MLP, layer, self.cache.get((MLP, layer), lambda: self._prepare(self._read(layer, MLP))))
+
+    def _read(self, layer: int, sub_block: str) -> Any:
+        """A sub-block's weights: from the checkpoint, or the source model's prepared ones (cast by `_prepare`)."""
+        if self._source is not None:
+            return self._source.variant(self.conventions).sub_block_weights(layer, sub_block)
+        if sub_block == MLP:
+            return self.weights.mlp(layer)
+        return self.weights.attention(layer, **({} if self._kpool else {"kpool": False}))  # off: no gate/ape read
+
+    def _patched(self, sub_block: str, layer: int, w: Any) -> Any:
+        """`w`, or the planted defect's copy of it where this model carries one for (`sub_block`, `layer`)."""
+        if self.weight_patch is None:
+            return w
+        return self.weight_patch(sub_block, layer, w, lambda other: self._read_aside(other, sub_block))
+
+    def _read_aside(self, layer: int, sub_block: str) -> Any:
+        """Another layer's weights read from the checkpoint past every cache (streaming holds one layer at a time;
+        a planted layer swap needs two)."""
+        plain = GlmModel(self.config, self.weights, self.conventions, self.dtype, self.device, kernels="reference")
+        return plain.sub_block_weights(layer, sub_block)
 
     def _head_weights(self) -> tuple[torch.Tensor, HcSite | None]:
         def load() -> tuple[torch.Tensor, HcSite | None]:
@@ -253,7 +310,7 @@ class GlmModel:
 
     def _prepare(self, obj: Any) -> Any:
         """A weight structure with every tensor on the device, in the model dtype or kept fp32 (experts: stored)."""
-        if obj is None:
+        if obj is None or (isinstance(obj, ExpertBank) and obj.on_device):  # cast one expert at a time, at use
             return obj
         if isinstance(obj, ExpertBank):
             return LoadedBank(obj, self.device)

@@ -54,6 +54,8 @@ class LoadedBank(ExpertBank):
     GIL): a full-size MoE layer is 21.7 GB across both checkpoints, and reading it is most of a parity run.
     """
 
+    on_device = True
+
     def __init__(self, bank: ExpertBank, device: torch.device) -> None:
         from glmconv.runners.ahead import Step, run_ahead
 

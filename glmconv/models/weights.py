@@ -54,6 +54,7 @@ class ExpertBank(ABC):
 
     num: int
     nbytes: int  # all experts as `get` returns them: what a loader holds, to bound what it reads ahead
+    on_device = False  # True: `get` hands out tensors already on the model's device (a prepared bank)
 
     @abstractmethod
     def get(self, expert: int) -> Swiglu:
@@ -96,6 +97,46 @@ class MlpWeights:
     norm: torch.Tensor
     dense: Swiglu | None = None
     moe: MoeWeights | None = None
+
+
+# Where each tensor field of the common structure comes from: field -> rule role (the KDA conv is the cat of its
+# mapping's tensors). Used to build the structures and to name a weight difference parity finds in one.
+KDA_FIELDS = {"q_proj": R.KDA_PROJ["q"], "k_proj": R.KDA_PROJ["k"], "v_proj": R.KDA_PROJ["v"], "conv": R.KDA_CONV,
+              "f_a": R.KDA_PROJ["f_a"], "f_b": R.KDA_PROJ["f_b"], "g_a": R.KDA_PROJ["g_a"], "g_b": R.KDA_PROJ["g_b"],
+              "b_proj": R.KDA_PROJ["b"], "a_log": R.KDA_A_LOG, "dt_bias": R.KDA_DT_BIAS, "o_norm": R.KDA_O_NORM,
+              "o_proj": R.KDA_PROJ["o"]}
+DSA_FIELDS = {"q_a": R.DSA_Q_A, "q_a_norm": R.DSA_Q_A_NORM, "q_b": R.DSA_Q_B, "kv_a": R.DSA_KV_A,
+              "kv_a_norm": R.DSA_KV_A_NORM, "kv_b": R.DSA_KV_B, "o_proj": R.DSA_O_PROJ}
+INDEXER_FIELDS = {"wq_b": R.INDEXER_WQ_B, "wk": R.INDEXER_WK, "k_norm_weight": R.INDEXER_K_NORM_WEIGHT,
+                  "k_norm_bias": R.INDEXER_K_NORM_BIAS, "weights_proj": R.INDEXER_WEIGHTS_PROJ,
+                  "compress_gate": R.INDEXER_COMPRESS_GATE, "compress_ape": R.INDEXER_COMPRESS_APE}
+HC_FIELDS = ("fn", "base", "scale")  # HcSite's fields, in the order of roles.HC[site]
+SWIGLU_PARTS = {"gate": 0, "up": 1}  # halves of a gated fc1 (HF: gate_proj, up_proj; Megatron: rows of linear_fc1)
+
+
+@dataclass(frozen=True)
+class FieldSource:
+    """The rule role a structure field is read through; `part`: which half of a gated fc1 (None: all of it)."""
+
+    role: str
+    part: int | None = None
+
+
+def field_source(sub_block: str, path: tuple[str, ...]) -> FieldSource | None:
+    """The source of the field at `path` (e.g. ("kda", "q_proj"), ("moe", "experts", "up")) of a sub-block."""
+    head, leaf = path[0], path[-1]
+    if head == "hc":
+        return FieldSource(R.HC["attn" if sub_block == "attention" else "ffn"][HC_FIELDS.index(leaf)])
+    if head == "norm":
+        return FieldSource(R.ATTN_NORM if sub_block == "attention" else R.MLP_NORM)
+    if head in ("kda", "dsa"):
+        table = INDEXER_FIELDS if "indexer" in path else KDA_FIELDS if head == "kda" else DSA_FIELDS
+        return FieldSource(table[leaf]) if leaf in table else None
+    fc = {("dense",): (R.DENSE_FC1, R.DENSE_FC2), ("moe", "shared"): (R.MOE_SHARED_FC1, R.MOE_SHARED_FC2),
+          ("moe", "experts"): (R.MOE_EXPERTS_FC1, R.MOE_EXPERTS_FC2)}.get(path[:-1])
+    if fc is not None:
+        return FieldSource(fc[1]) if leaf == "down" else FieldSource(fc[0], SWIGLU_PARTS[leaf])
+    return {"router": FieldSource(R.MOE_ROUTER), "expert_bias": FieldSource(R.MOE_EXPERT_BIAS)}.get(leaf)
 
 
 def role_index(mappings: list[Mapping]) -> dict[tuple[int | None, str], Mapping]:
@@ -225,23 +266,16 @@ class WeightSource(ABC):
         return MlpWeights(hc, norm, moe=moe)
 
     def _kda(self, layer: int) -> KdaTensors:
-        t = lambda role: self.tensor(layer, role)  # noqa: E731
-        p = {name: t(role) for name, role in R.KDA_PROJ.items()}
-        return KdaTensors(q_proj=p["q"], k_proj=p["k"], v_proj=p["v"], conv=self.kda_conv(layer), f_a=p["f_a"],
-                          f_b=p["f_b"], g_a=p["g_a"], g_b=p["g_b"], b_proj=p["b"], a_log=t(R.KDA_A_LOG),
-                          dt_bias=t(R.KDA_DT_BIAS), o_norm=t(R.KDA_O_NORM), o_proj=p["o"])
+        fields = {f: self.tensor(layer, role) for f, role in KDA_FIELDS.items() if role != R.KDA_CONV}
+        return KdaTensors(**fields, conv=self.kda_conv(layer))
 
     def _dsa(self, layer: int, kpool: bool = True) -> DsaTensors:
-        t = lambda role: self.tensor(layer, role)  # noqa: E731
         indexer = None
         if self.has(layer, R.INDEXER_WQ_B):
-            indexer = IndexerTensors(
-                wq_b=t(R.INDEXER_WQ_B), wk=t(R.INDEXER_WK), k_norm_weight=t(R.INDEXER_K_NORM_WEIGHT),
-                k_norm_bias=t(R.INDEXER_K_NORM_BIAS), weights_proj=t(R.INDEXER_WEIGHTS_PROJ),
-                compress_gate=t(R.INDEXER_COMPRESS_GATE) if kpool else None,
-                compress_ape=t(R.INDEXER_COMPRESS_APE) if kpool else None)
-        return DsaTensors(q_a=t(R.DSA_Q_A), q_a_norm=t(R.DSA_Q_A_NORM), q_b=t(R.DSA_Q_B), kv_a=t(R.DSA_KV_A),
-                          kv_a_norm=t(R.DSA_KV_A_NORM), kv_b=t(R.DSA_KV_B), o_proj=t(R.DSA_O_PROJ), indexer=indexer)
+            kpool_roles = (R.INDEXER_COMPRESS_GATE, R.INDEXER_COMPRESS_APE)
+            indexer = IndexerTensors(**{f: self.tensor(layer, role) if kpool or role not in kpool_roles else None
+                                        for f, role in INDEXER_FIELDS.items()})
+        return DsaTensors(**{f: self.tensor(layer, role) for f, role in DSA_FIELDS.items()}, indexer=indexer)
 
 
 # ---- serve side: the HF checkpoint ---------------------------------------------------------------------------

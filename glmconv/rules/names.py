@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from glmconv.text import decimal
+
 HF_TEXT_PREFIX = "model.language_model."
 HF_FLAT_PREFIX = "model."
 HF_VISUAL_PREFIX = "model.visual."
@@ -60,7 +62,7 @@ def hf_layer_index(name: str, text_prefix: str) -> int | None:
     if not name.startswith(head):
         return None
     digits = name[len(head):].split(".", 1)[0]
-    return int(digits) if digits.isdigit() else None
+    return decimal(digits)
 
 
 KEPT_PREFIX = "glmconv_kept."  # a tensor the layout's trainer has no parameter for, kept for export
@@ -83,7 +85,7 @@ def mcore_layer_index(name: str) -> int | None:
     if not name.startswith(head):
         return None
     digits = name[len(head):].split(".", 1)[0]
-    return int(digits) if digits.isdigit() else None
+    return decimal(digits)
 
 
 def any_layer_index(name: str) -> int | None:

@@ -183,7 +183,7 @@ def _load_mcore(p: Path, opts: Options, side: str) -> Side:
 
 
 def _mcore_config_path(p: Path, iter_dir: Path, opts: Options) -> Path:
-    return Path(opts.config) if opts.config is not None else config_path(p, iter_dir)
+    return Path(opts.config) if opts.config is not None else config_path(p, iter_dir, "--config")
 
 
 def _cut(config: GlmConfig, opts: Options) -> GlmConfig:

@@ -17,6 +17,7 @@ from glmconv.io import sidecars
 from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.mistakes import expect_hf
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import layouts
@@ -68,6 +69,7 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
     if dtype not in DTYPE_CHOICES:
         raise GlmconvError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     layouts.layout(layout)  # an unknown layout: one line, before anything is read
+    expect_hf(src, "convert")  # a torch_dist directory: export was meant
     check_overlap(Path(out), {"input": Path(src)})  # before reading anything: OUT may never be, hold or sit in SRC
     return dataclasses.replace(source_job(src, mtp=mtp, vision=vision, dtype=dtype, layout=layout), out=Path(out))
 

@@ -51,6 +51,7 @@ from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata import config_path as mcore_config_path
+from glmconv.mistakes import expect_torch_dist
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import names
@@ -123,6 +124,7 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
     they hold every tensor; else DEFAULT_SHARD_BYTES."""
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
+    expect_torch_dist(src, "export")  # an HF directory: convert was meant
     check_overlap(Path(out), _inputs(Path(src), like, config))  # before reading anything
     job = dataclasses.replace(source_job(src, like=like, config=config, fp8=fp8, layout=layout), out=Path(out))
     if max_shard_bytes is not None or job.like is None:
@@ -143,13 +145,14 @@ def with_like_files(job: ExportJob) -> ExportJob:
 
 
 def source_job(src: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
-               fp8: bool = False, layout: str | None = None) -> ExportJob:
+               fp8: bool = False, layout: str | None = None, config_option: str | None = "--config") -> ExportJob:
     """What export would write from `src`, decided and checked (plan, stored args, shapes, dtypes), with no output:
     `prepare` and the weight-sync API (`glmconv.weight_sync`) both start here.
 
     `layout`: the Megatron layout to read `src` in; None: the one glmconv.json records, else the one its names
     are spelled in (glmconv.checkpoint_layout). Tensors kept under glmconv_kept. are exported like any other;
-    where SRC has none (its trainer, with no parameter for them, saved none), they come unchanged from --like."""
+    where SRC has none (its trainer, with no parameter for them, saved none), they come unchanged from --like.
+    `config_option`: the caller's option naming a config.json, offered when `src` has none (None: no option)."""
     from glmconv.checkpoint_layout import checkpoint_layout
     from glmconv.io.torch_dist.common_state import read_common_state
     from glmconv.megatron_args import check_stored_args
@@ -160,7 +163,7 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
                               f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
     common = read_common_state(ck.iter_dir)
-    cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir)
+    cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir, config_option)
     cfg = load_config(cfg_path)
     check_stored_args(common.get("args"), cfg, str(ck.iter_dir))  # another model than its config: refused now
     like_ck = inspect_hf_checkpoint(like) if like is not None else None

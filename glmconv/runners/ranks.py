@@ -23,6 +23,7 @@ _HELD: list[int] = []  # a worker's flocked staging marker
 _EXIT: dict[str, bool] = {"cli": False, "group_open": False}  # see `cli_ends_the_process` and `leave_now`
 ARRIVED_KEY = "glmconv/ranks-past-collectives"
 ARRIVAL_TIMEOUT_S = 300.0
+DEATH_POLL_S = 0.2  # how often the launching process looks for a dead worker while it waits for outcomes
 
 
 # ---- staging and publishing: glmconv/output.py ----------------------------------------------------------
@@ -133,8 +134,7 @@ def _run_staged(out: Path, real: Path, force: bool, fn: RankFn, args: tuple[Any,
         if stage is not None:
             if on_publish is not None:
                 on_publish()
-            with interrupt.deferred():
-                output.publish(stage, out, real, force)
+            output.publish(stage, out, real, force)
         return summary
     except BaseException:
         if stage is not None:
@@ -232,11 +232,11 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
             with _sigint_ignored_by_children():
                 for p in procs:
                     p.start()
-            outcomes = _collect(results, procs, done)
+            outcomes, died = _collect(results, procs, done)
         except BaseException:
             _kill(procs)
             raise
-    dead = [f"rank {r} {_how(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode]
+    dead = died or [f"rank {r} {_how(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode]
     if dead:  # first: the survivors' errors are only the echo of a lost peer
         raise GlmconvError(f"a {what} worker died ({', '.join(dead)}); nothing published")
     errors = [o for o in outcomes if isinstance(o, str)]
@@ -288,26 +288,32 @@ def _how(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def _collect(results: Any, procs: list[Any], done: Any) -> list[Any]:
-    """One outcome per worker; a worker that died without one is noticed instead of waited on.
+def _collect(results: Any, procs: list[Any], done: Any) -> tuple[list[Any], list[str]]:
+    """One outcome per worker, and the workers that died (killed, or exited non-zero) before all were in.
 
-    `done` releases the workers once every outcome is in: no rank leaves while a peer may still be in a collective.
+    A dead worker is noticed at once, whatever phase it died in (importing torch, joining the group, inside a
+    collective): its peers would wait for it forever, so they are killed too. `done` releases the workers once
+    every outcome is in: no rank leaves while a peer may still be in a collective.
     """
     import queue
 
     outcomes: list[Any] = []
+    died: list[str] = []
     try:
-        while len(outcomes) < len(procs):
+        while len(outcomes) < len(procs) and not died:
             try:
-                outcomes.append(results.get(timeout=1.0))
+                outcomes.append(results.get(timeout=DEATH_POLL_S))
             except queue.Empty:
+                died = [f"rank {r} {_how(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode]
                 if not any(p.is_alive() for p in procs):
                     break
     finally:
         done.set()
+    if died:
+        _kill(procs)
     for p in procs:
         p.join()
-    return outcomes
+    return outcomes, died
 
 
 def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Path, results: Any, parent: int,

@@ -33,6 +33,7 @@ from glmconv.io.byte_copy import Extent, Piece, take
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.jsonfile import load_json_file
+from glmconv.mistakes import expect_torch_dist
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import layouts, names
@@ -116,8 +117,9 @@ def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | Non
 
     layouts.layout(to)  # an unknown layout: one line, before anything is read
     src_p = Path(src)
+    expect_torch_dist(src_p, "relayout")  # an HF directory: convert was meant
     check_overlap(Path(out), {"input": src_p, "--like directory": Path(like) if like is not None else None})
-    job = export_mod.source_job(src_p, like=like)
+    job = export_mod.source_job(src_p, like=like, config_option=None)
     if job.plan.layout == to:
         raise GlmconvError(f"{src_p}: already in the {to} layout; relayout --to {to} would only copy it "
                            f"(cp -r does that)")

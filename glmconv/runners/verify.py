@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
+from glmconv.mistakes import check_pair, check_same_model
 from glmconv.plan import Mapping, Plan
+from glmconv.rules.table import BF16, F32
 from glmconv.runners import convert, export
 from glmconv.runners.ahead import DEFAULT_THREADS, Step, run_ahead
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, shares
@@ -59,6 +61,8 @@ class Mismatch:
 
 def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     """Check both checkpoints (the Megatron one, stored args included, against the HF config) and pair mappings."""
+    check_pair("verify", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
+    check_same_model(hf_dir, mcore_dir)  # a checkpoint of another model: before its args are read
     mc = export.source_job(mcore_dir, config=hf_dir)
     hf = convert.source_job(hf_dir, layout=mc.plan.layout)  # the pairs meet under the Megatron side's names
     of_hf = hf.plan.mapping_of_mcore
@@ -226,6 +230,22 @@ def _words(bits: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int64) if flat.numel() % 8 == 0 else flat
 
 
+def dtype_changes(job: VerifyJob) -> dict[str, int]:
+    """HF tensors whose Megatron counterpart has another dtype (convert --dtype): compared after the same cast.
+
+    `rounded_f32_to_bf16` counts the stored-F32 tensors that are BF16 in Megatron (`--dtype bf16`: equal here
+    means equal after rounding, not to the F32 bits); `widened_bf16_to_f32` those widened (exact)."""
+    changes = {"rounded_f32_to_bf16": 0, "widened_bf16_to_f32": 0}
+    for hf_m, mc_m in job.pairs:
+        to = mc_m.mcore[0].dtype
+        for stored in hf_m.stored:
+            if (stored, to) == (F32, BF16):
+                changes["rounded_f32_to_bf16"] += 1
+            elif (stored, to) == (BF16, F32):
+                changes["widened_bf16_to_f32"] += 1
+    return changes
+
+
 def summary(job: VerifyJob, found: list[Mismatch], elapsed: float) -> dict[str, Any]:
     """Counts, the first and the worst mismatch, and up to LISTED of them."""
     plan: Plan = job.mcore.plan
@@ -233,7 +253,7 @@ def summary(job: VerifyJob, found: list[Mismatch], elapsed: float) -> dict[str, 
     worst = max(found, key=lambda f: f.max_abs_diff, default=None)
     return {"hf": str(job.hf.src), "mcore": str(job.mcore.src), "iteration": job.mcore.iteration,
             "fp8_source": job.hf.plan.fp8, "mtp": plan.mtp, "vision": plan.vision, "layout": plan.layout,
-            "left_out": job.left_out,
+            "left_out": job.left_out, **dtype_changes(job),
             "mappings": len(job.pairs), "hf_tensors": hf_names, "mcore_tensors": len(plan.mcore_index),
             "bytes": sum(mc.mcore_bytes for _, mc in job.pairs), "equal": not found, "mismatches": len(found),
             "first_mismatch": found[0].as_json() if found else None,

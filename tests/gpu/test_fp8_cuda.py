@@ -20,8 +20,10 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 
 
 def every_code(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite code (NaN codes 0x7F/0xFF made ±448), scales over 2^-30..2^10."""
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    codes = torch.where((raw & 0x7F) == 0x7F, raw ^ 1, raw).view(torch.float8_e4m3fn)
     scales = torch.exp2(torch.randint(-30, 11, scale_shape(shape), generator=g).float())
     return codes, scales * (1 + torch.rand(scale_shape(shape), generator=g))
 
@@ -33,6 +35,20 @@ def test_the_gpu_gives_the_cpus_bits(shape: tuple[int, int]) -> None:
     got = CudaDequantizer()(codes.pin_memory(), scales, torch.bfloat16)
     assert got.device.type == "cpu" and got.dtype == torch.bfloat16
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_the_gpu_refuses_a_nan_code_as_the_cpu_does(code: int) -> None:
+    """Issue 25: a NaN code is refused on the GPU too, with the CPU's words."""
+    from glmconv.io.finite import NonFiniteError
+
+    codes, scales = every_code((1000, 700))
+    codes.view(torch.uint8)[300, 130] = code
+    with pytest.raises(NonFiniteError) as cpu:
+        dequantize_fp8_blocks(codes, scales)
+    with pytest.raises(NonFiniteError) as gpu:
+        CudaDequantizer()(codes.pin_memory(), scales, torch.bfloat16)
+    assert str(gpu.value) == str(cpu.value) and "in block [2, 1]" in str(cpu.value)
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,7 @@ class HfTensorSource:
                 raise CheckpointError(f"{name}: FP8 weight without its {scale}")
             scale_inv = self.raw(scale)
             check_scales(scale_inv, f"{scale} ({self._files[scale].name})")
+            require_finite(t, name, self._files[name].name)  # NaN codes, always: on every device
             if device is not None:
                 t, scale_inv = t.to(device), scale_inv.to(device)
             if self._dequantize is not None and device is None:
@@ -112,6 +113,7 @@ class HfTensorSource:
                 t = dequantize_fp8_blocks(t, scale_inv, out_dtype=out_dtype)
         elif t.dtype != out_dtype:
             t = t.to(out_dtype)
-        if self._check_finite:
-            require_finite(t, name, self._files[name].name)
+        elif not self._check_finite:
+            return t  # the stored values, unchanged (--check-finite also checks these)
+        require_finite(t, name, self._files[name].name)  # a dequantised or cast weight may overflow to Inf
         return t

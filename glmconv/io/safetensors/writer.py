@@ -133,16 +133,22 @@ class ShardWriter(_Closing):
         return self._shards
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
+        """Write the buffered tensors as the next pending shard: the bytes `save_file` writes, into a file glmconv
+        creates (so its mode is every other output file's, and no symlink is followed)."""
         path = self.out_dir / _PENDING.format(self._shards + 1)
+        planned = [PlannedTensor(name, _dtype_code(t), tuple(t.shape)) for name, t in self._buffer.items()]
+        head, offsets = shard_header(planned)
         try:
-            os.close(create_new(path))  # ours (O_EXCL, no symlink followed) before safetensors reopens it by name
+            fd = create_new(path)
             self._shards += 1  # only now: abort() deletes shards 1..shards, never a file it did not create
-            save_file(self._buffer, str(path), metadata={"format": "pt"})
-        except Exception as exc:
-            why = str(exc).strip().splitlines()
-            raise CheckpointError(f"{path}: write failed ({why[0] if why else type(exc).__name__})") from None
+            try:
+                _pwrite_all(fd, head, 0)
+                for name, tensor in self._buffer.items():
+                    _pwrite_all(fd, memoryview(tensor.reshape(-1).view(_u8()).numpy()).cast("B"), offsets[name])
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from None
         for name in self._buffer:
             self._shard_of[name] = self._shards
         self._buffer = {}

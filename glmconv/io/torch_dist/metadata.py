@@ -20,7 +20,9 @@ from glmconv.io.file_names import (
     TRACKER_NAME,
 )
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.torch_dist.safe_unpickle import is_stand_in, safe_load
+from glmconv.io.torch_dist.metadata_check import load_metadata
+from glmconv.io.torch_dist.safe_unpickle import is_a
+from glmconv.text import decimal
 
 TORCH_DIST = "torch_dist"
 
@@ -63,8 +65,8 @@ def resolve_iter_dir(path: str | Path) -> tuple[Path, str]:
         text = fh.read(64).decode("utf-8", "replace").strip()
     if text == RELEASE:
         sub = RELEASE
-    elif text.isdigit():
-        sub = f"iter_{int(text):07d}"
+    elif decimal(text) is not None:
+        sub = f"iter_{decimal(text):07d}"
     else:
         raise CheckpointError(f"{TRACKER_NAME}: expected an iteration number or 'release', got {text[:40]!r}")
     if not inside(p, sub).is_dir():
@@ -78,7 +80,7 @@ def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
     _check_backend(iter_dir)
     meta_path = require_file(iter_dir, DCP_METADATA_NAME,
                              f"{iter_dir.name}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")
-    metadata = safe_load(meta_path, stand_ins=True)  # names, shapes, dtypes, files: no torch needed
+    metadata = load_metadata(meta_path, stand_ins=True)  # names, shapes, dtypes, files: no torch needed
     tensors, objects = _entries(metadata, meta_path)
     _check_storage(metadata, iter_dir)
     common = COMMON_PT_NAME if optional_file(iter_dir, COMMON_PT_NAME) is not None else next(
@@ -97,14 +99,12 @@ def _check_backend(iter_dir: Path) -> None:
 
 
 def _entries(metadata: Any, meta_path: Path) -> tuple[dict[str, DcpTensor], list[str]]:
-    if not is_stand_in(metadata, "Metadata") or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
-        raise CheckpointError(f"{meta_path.name}: not a DCP Metadata object")
     tensors: dict[str, DcpTensor] = {}
     objects: list[str] = []
     for key, md in metadata.state_dict_metadata.items():
-        if is_stand_in(md, "TensorStorageMetadata"):
+        if is_a(md, "TensorStorageMetadata"):
             tensors[key] = DcpTensor(key, tuple(int(d) for d in md.size), torch_dtype_code(md.properties.dtype))
-        elif is_stand_in(md, "BytesStorageMetadata"):
+        elif is_a(md, "BytesStorageMetadata"):
             objects.append(key)
         else:
             raise CheckpointError(f"{meta_path.name}: entry {key} has unknown storage type {type(md).__name__}")
@@ -125,10 +125,15 @@ def _check_storage(metadata: Any, iter_dir: Path) -> None:
             raise CheckpointError(f"{rel}: truncated: metadata needs {end} bytes, file has {os.path.getsize(path)}")
 
 
-def config_path(root: Path, iter_dir: Path) -> Path:
-    """Where convert leaves a torch_dist checkpoint's config.json: beside the tracker or in the iteration dir."""
+def config_path(root: Path, iter_dir: Path, option: str | None = None) -> Path:
+    """Where convert leaves a torch_dist checkpoint's config.json: beside the tracker or in the iteration dir.
+
+    `option`: the command's option that names one instead (`--config`), offered in the error; None where the
+    command has none (parity, relayout), so no hint names an option that does not exist."""
     for folder in (root, iter_dir, iter_dir.parent):
         found = optional_file(folder, CONFIG_NAME)
         if found is not None:
             return found
-    raise CheckpointError(f"{root}: torch_dist checkpoint has no {CONFIG_NAME} next to it; pass --config CONFIG")
+    instead = f", or pass {option} CONFIG" if option else ""
+    raise CheckpointError(f"{root}: torch_dist checkpoint has no {CONFIG_NAME} next to it (convert writes one there): "
+                          f"copy the model's {CONFIG_NAME} into {root}{instead}")

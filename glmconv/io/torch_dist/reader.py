@@ -34,7 +34,8 @@ from glmconv.io.file_names import DCP_METADATA_NAME
 from glmconv.io.finite import require_finite
 from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
-from glmconv.io.torch_dist.safe_unpickle import is_stand_in, safe_load
+from glmconv.io.torch_dist.metadata_check import load_metadata
+from glmconv.io.torch_dist.safe_unpickle import is_a
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +47,7 @@ class DcpReader:
     def __init__(self, path: str | Path, *, check_finite: bool = False) -> None:
         self.ckpt: DcpCheckpoint = inspect_torch_dist(path)  # tracker, metadata.json, data files present
         self._check_finite = check_finite
-        metadata = safe_load(self.ckpt.iter_dir / DCP_METADATA_NAME)
+        metadata = load_metadata(self.ckpt.iter_dir / DCP_METADATA_NAME)
         self._entries: dict[str, Any] = {k: v for k, v in metadata.state_dict_metadata.items()
                                          if k in self.ckpt.tensors}
         self._storage: dict[Any, Any] = dict(metadata.storage_data or {})
@@ -420,15 +421,10 @@ class _TensorPickle(pickle.Unpickler):
 
 def read_metadata(ckpt_dir: str | Path) -> Any:
     """The DCP `.metadata` of a checkpoint directory, unpickled through the allow-list (`safe_unpickle`)."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     path = Path(ckpt_dir) / DCP_METADATA_NAME
     if not path.exists():
         raise CheckpointError(f"{path}: missing; not a torch_dist checkpoint")
-    md = safe_load(path)
-    if not isinstance(md, Metadata):
-        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
-    return md
+    return load_metadata(path)
 
 
 def read_bytes_entry(ckpt_dir: str | Path, key: str) -> bytes:
@@ -438,12 +434,9 @@ def read_bytes_entry(ckpt_dir: str | Path, key: str) -> bytes:
     path = d / DCP_METADATA_NAME
     if not path.exists():
         raise CheckpointError(f"{path}: missing; not a torch_dist checkpoint")
-    md = safe_load(path, stand_ins=True)
-    entries = getattr(md, "state_dict_metadata", None) if is_stand_in(md, "Metadata") else None
-    info = next((v for k, v in (getattr(md, "storage_data", None) or {}).items()
-                 if getattr(k, "fqn", None) == key and getattr(k, "offset", None) is None), None)
-    if not isinstance(entries, dict) or not is_stand_in(entries.get(key), "BytesStorageMetadata") or \
-            not is_stand_in(info, "_StorageInfo"):
+    md = load_metadata(path, stand_ins=True)
+    info = next((v for k, v in (md.storage_data or {}).items() if k.fqn == key and k.offset is None), None)
+    if not is_a(md.state_dict_metadata.get(key), "BytesStorageMetadata") or info is None:
         raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
     if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
         raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")

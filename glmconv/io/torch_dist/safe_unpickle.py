@@ -4,6 +4,9 @@ The allow-list is what torch 2.13's `torch.distributed.checkpoint.save` and mega
 torch_dist saver reference (listed with a recording unpickler in tests/test_dcp_metadata.py). With
 `stand_ins`, the same allow-list loads each class as an inert `StandIn` of the same name (a dtype as its name,
 `torch.Size` as a tuple): what inspecting a checkpoint needs, without importing torch (its import is 1-6 s).
+Enum members pickle by value on most Pythons and as `getattr(EnumClass, "NAME")` on some 3.11 patch releases:
+that `getattr` is answered for members of the allow-listed enums only, never as the builtin (with `stand_ins`,
+as the stand-in the member's value would give).
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 })
+ENUM_MEMBERS: dict[tuple[str, str], dict[str, int]] = {  # torch's own values (tests/test_dcp_metadata.py checks)
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1,
+                                              "TORCH_PRESERVE_FORMAT": 2},
+    (_DCP_PLANNER, "WriteItemType"): {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3},
+}
+ENUMS: frozenset[tuple[str, str]] = frozenset(ENUM_MEMBERS)
+_GETATTR = frozenset({("builtins", "getattr"), ("__builtin__", "getattr")})  # protocol 2 names it __builtin__
 
 
 class StandIn:
@@ -40,6 +50,7 @@ class StandIn:
         self.args = args
 
     FIELDS: tuple[str, ...] = ()  # the names of a state pickled as a tuple (`TensorProperties.__getstate__`)
+    ORIGIN: tuple[str, str] = ("", "")  # the allow-listed (module, name) this class stands in for
 
     def __setstate__(self, state: Any) -> None:
         if self.FIELDS:
@@ -54,13 +65,40 @@ def is_stand_in(obj: Any, name: str) -> bool:
     return isinstance(obj, StandIn) and type(obj).__name__ == name
 
 
+_ALLOWED_BY_NAME = {name: (module, name) for module, name in ALLOWED}
+
+
+def is_a(obj: Any, name: str) -> bool:
+    """`obj` is an instance of the allow-listed class `name`, loaded as itself or as its `StandIn`: isinstance
+    without importing torch."""
+    origin = _ALLOWED_BY_NAME[name]
+    if isinstance(obj, StandIn):
+        return type(obj).ORIGIN == origin
+    return any((c.__module__, c.__qualname__) == origin for c in type(obj).__mro__)
+
+
 class StandInDtype(str):
     """A torch dtype as `str(torch.bfloat16)` spells it: "torch.bfloat16"."""
+
+
+def is_dtype(obj: Any) -> bool:
+    """`obj` is a torch dtype, or its `StandInDtype`."""
+    return isinstance(obj, StandInDtype) or (type(obj).__module__, type(obj).__qualname__) == ("torch", "dtype")
 
 
 _STAND_IN_CALLS: dict[tuple[str, str], Any] = {("torch", "Size"): tuple, ("torch.serialization", "_get_layout"): str}
 _STAND_INS: dict[tuple[str, str], type] = {}
 _TUPLE_STATES = {"TensorProperties": ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")}
+DEFAULTS: dict[str, dict[str, Any]] = {  # the real classes' own defaults, which a state may leave out (a
+    # MetadataIndex without an offset pickles none; an older torch's Metadata has no storage_meta): the same
+    # answer as the real class (tests/test_dcp_metadata.py checks them against torch's)
+    "Metadata": {"planner_data": None, "storage_data": None, "storage_meta": None, "version": None},
+    "MetadataIndex": {"offset": None, "index": None},
+    "StorageMeta": {"checkpoint_id": None, "save_id": None, "load_id": None},
+    "_StorageInfo": {"transform_descriptors": None},
+    "SavePlan": {"storage_data": None, "planner_data": None, "usable": True},
+    "WriteItem": {"bytes_io_data": None, "tensor_data": None},
+}
 
 
 def _stand_in(module: str, name: str) -> Any:
@@ -70,7 +108,8 @@ def _stand_in(module: str, name: str) -> Any:
     if (module, name) not in _STAND_INS:
         fields = _TUPLE_STATES.get(name, ())
         _STAND_INS[(module, name)] = type(name, (StandIn,), {"__module__": f"glmconv.stand_in.{module}",
-                                                             "FIELDS": fields})
+                                                             "FIELDS": fields, "ORIGIN": (module, name),
+                                                             **DEFAULTS.get(name, {})})
     return _STAND_INS[(module, name)]
 
 
@@ -90,10 +129,27 @@ class RestrictedUnpickler(pickle.Unpickler):
             return StandInDtype(f"torch.{name}")
         if module == "torch" and not self._stand_ins and name in _torch_dtype_names():
             return super().find_class(module, name)
+        if (module, name) in _GETATTR:
+            return self._enum_member
         raise CheckpointError(f"{self._source}: refusing to unpickle {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError(f"{self._source}: refusing to unpickle a persistent reference")
+
+    def _enum_member(self, cls: Any, name: Any) -> Any:
+        """`getattr(cls, name)` as 3.11's `pickle_by_enum_name` writes it: an allow-listed enum's member only."""
+        stand_in = isinstance(cls, type) and issubclass(cls, StandIn)
+        where = cls.ORIGIN if stand_in else (cls.__module__, cls.__qualname__) if isinstance(cls, type) else None
+        if where not in ENUMS:
+            members: dict[str, Any] = {}
+        elif stand_in:  # the stand-in of the member's value, as a member pickled by value loads
+            members = {n: cls(value) for n, value in ENUM_MEMBERS[where].items()}  # type: ignore[index]
+        else:
+            members = dict(cls.__members__)
+        if isinstance(name, str) and name in members:
+            return members[name]
+        what = f"{where[0]}.{where[1]}" if where else type(cls).__name__
+        raise CheckpointError(f"{self._source}: refusing to unpickle builtins.getattr of {what}.{name!s:.40}")
 
 
 def _torch_dtype_names() -> frozenset[str]:

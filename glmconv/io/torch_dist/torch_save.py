@@ -23,6 +23,7 @@ from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier, read_into, write_all
 
 _SMALL = 1 << 16  # writes below this are gathered and flushed together
+_DESCRIPTOR_HEAD = 8  # the bytes of a written buffer torch inspects for a zip data descriptor
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class _FdSink(io.RawIOBase):
         self._pending = bytearray()
         self.written = 0
         self.substituted = 0
+        self.error: CheckpointError | None = None  # what the copy raised: torch turns it into its own error
 
     def writable(self) -> bool:
         return True
@@ -94,7 +96,11 @@ class _FdSink(io.RawIOBase):
         n = view.nbytes
         if self._placeholder is not None and n == self._placeholder[1] and n and _address(view) == self._placeholder[0]:
             self._flush_pending()
-            self._copier.copy(self._placeholder[2], self._fd)
+            try:
+                self._copier.copy(self._placeholder[2], self._fd)
+            except CheckpointError as exc:  # e.g. a source file truncated meanwhile: the input is named
+                self.error = exc
+                raise
             self.substituted += 1
         elif n < _SMALL:
             self._pending += view
@@ -117,17 +123,34 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+def _placeholder(tensor: FileTensor) -> torch.Tensor:
+    """A tensor of `tensor`'s size whose memory is never touched but for its first bytes, set to zero.
+
+    torch hashes bytes 4..8 of every written buffer that starts like a zip data descriptor (`PK\x07\x08`) into
+    `.data/serialization_id`; freed memory that held an earlier archive sometimes does, so an uninitialised
+    head made the archive's bytes differ from run to run.
+    """
+    raw = torch.empty(tensor.nbytes, dtype=torch.uint8)  # the rest is never touched: no memory is faulted in
+    raw[:_DESCRIPTOR_HEAD].zero_()
+    return raw.view(tensor.dtype).reshape(tensor.shape)
+
+
 def save_tensor(fd: int, tensor: torch.Tensor | FileTensor, copier: FileCopier) -> int:
     """Append `tensor` as a torch.save archive at `fd`'s position; returns the archive's length in bytes."""
     if isinstance(tensor, FileTensor):
-        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype)  # never touched: no memory is faulted in
+        placeholder = _placeholder(tensor)
         sink = _FdSink(fd, copier, (placeholder.data_ptr(), tensor.nbytes, tensor.extents))
         data: torch.Tensor = placeholder
     else:
         sink = _FdSink(fd, copier, None)
         data = tensor.detach().contiguous()
-    with no_crc32():
-        torch.save(data, sink)
+    try:
+        with no_crc32():
+            torch.save(data, sink)
+    except Exception:
+        if sink.error is not None:
+            raise sink.error from None  # the copy's own error, not torch's "unexpected pos" about the output
+        raise
     sink.flush()
     if isinstance(tensor, FileTensor) and tensor.nbytes and sink.substituted != 1:
         # torch changed how it writes storages: refuse rather than write the placeholder's garbage

@@ -1,0 +1,121 @@
+"""The checks of plain option values, shared by the command line and the Python API, so both refuse alike.
+
+Each check returns the value to use or raises `GlmconvError` naming the option as the CLI spells it; the CLI's
+click types call the same functions, so a range or a choice is defined here once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from glmconv.errors import GlmconvError
+from glmconv.text import decimal, show
+
+AUTO = "auto"
+MAX_WORKERS = 256
+READ_THREADS = (0, 64)
+MAX_SIZE = 2**50  # 1 PiB: more than any checkpoint file; anything above is a typo
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+DEVICE_CHOICES = ("auto", "cpu", "cuda")  # convert --device: where FP8 weights are dequantised
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ArgumentError(GlmconvError):
+    """An option's value out of its range or choices; `detail` is the message without the option's name (click's
+    usage error names the option itself)."""
+
+    def __init__(self, option: str, value: object, expected: str) -> None:
+        self.detail = f"{show(value)}: {expected}"
+        super().__init__(f"{option} {self.detail}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def workers(value: object) -> int | str:
+    """`--workers`: a count from 1 to MAX_WORKERS (an int, or its digits as text) or `auto`."""
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, str) and decimal(value.strip()) is not None:
+        value = decimal(value.strip())
+    if _is_int(value) and 1 <= value <= MAX_WORKERS:  # type: ignore[operator]
+        return value  # type: ignore[return-value]
+    raise ArgumentError("--workers", value, f"expected a count from 1 to {MAX_WORKERS}, or auto")
+
+
+def int_in(option: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """An int (never a bool or a float) from `low` to `high` (either None: no bound here; the run checks it)."""
+    if _is_int(value) and (low is None or low <= value) and (high is None or value <= high):  # type: ignore[operator]
+        return value  # type: ignore[return-value]
+    span = ("" if low is None and high is None else f" from {low} to {high}" if low is not None and high is not None
+            else f" of at least {low}" if low is not None else f" of at most {high}")
+    raise ArgumentError(option, value, f"expected a whole number{span}")
+
+
+def read_threads(value: object) -> int:
+    """`--read-threads`: threads per worker reading ahead of its writer."""
+    return int_in("--read-threads", value, *READ_THREADS)
+
+
+def size(option: str, value: object) -> int:
+    """A byte count from 1 to 1 PiB (the CLI parses `5GB` into one first)."""
+    if _is_int(value) and 1 <= value <= MAX_SIZE:  # type: ignore[operator]
+        return value  # type: ignore[return-value]
+    raise ArgumentError(option, value, f"expected a size from 1 byte to 1PiB ({MAX_SIZE} bytes)")
+
+
+def choice(option: str, value: object, choices: Sequence[str]) -> str:
+    """One of `choices`."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ArgumentError(option, value, f"choose from {', '.join(choices)}")
+
+
+def flag(option: str, value: object) -> bool:
+    """A yes/no option: True or False, nothing that merely looks like one ("no" is truthy)."""
+    if isinstance(value, bool):
+        return value
+    raise ArgumentError(option, value, "expected True or False")
+
+
+def fail_on(value: object) -> tuple[str, ...]:
+    """`--fail-on` bounds: one string ("logprob_abs_diff.max>1e-4") or a sequence of them."""
+    bounds = (value,) if isinstance(value, str) else value
+    if isinstance(bounds, (list, tuple)) and all(isinstance(b, str) for b in bounds):
+        return tuple(bounds)
+    raise ArgumentError("--fail-on", value, "expected a bound such as 'logprob_abs_diff.max>1e-4', or a list of "
+                        "them")
+
+
+def keywords_checked(fn: F) -> F:
+    """`fn` raising GlmconvError, not TypeError, for an unknown keyword or a missing or extra argument."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise GlmconvError(f"glmconv.{fn.__name__}(): {exc}") from None
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+def path(option: str, value: object) -> object:
+    """A file or directory argument: a str or an os.PathLike (a number or None is a mistake, not a path)."""
+    import os
+
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        return value
+    raise ArgumentError(option, value, "expected a path (a str or pathlib.Path)")
+
+
+def optional(check: Callable[..., Any], option: str, value: object, *args: Any) -> Any:
+    """`check(option, value, *args)`, or None when `value` is None (the option left at "detect"/"default")."""
+    return None if value is None else check(option, value, *args)

@@ -1,0 +1,85 @@
+"""One wording for each mistake a user makes with checkpoint arguments: what was found where, what the command
+takes there, and the command they most likely meant. convert, export, relayout, verify and parity all say it
+through these functions, so the same mistake reads the same whichever command met it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from glmconv.errors import CheckpointError
+from glmconv.text import count, show
+
+HF = "HF"
+TORCH_DIST = "torch_dist"
+
+
+def kind(path: str | Path) -> str | None:
+    """HF or TORCH_DIST when `path` is such a checkpoint directory, else None (missing, a file, neither)."""
+    from glmconv.io.safetensors.checkpoint import is_hf_checkpoint
+    from glmconv.io.torch_dist.metadata import is_torch_dist
+
+    p = Path(path)
+    if is_torch_dist(p):
+        return TORCH_DIST
+    return HF if is_hf_checkpoint(p) else None
+
+
+def _a(what: str) -> str:
+    return f"an {what}" if what == HF else f"a {what}"
+
+
+def wrong_kind(path: str | Path, found: str, command: str, role: str, meant: str) -> CheckpointError:
+    """`path` is a `found` checkpoint where `command` takes the other kind as `role`."""
+    wanted = HF if found == TORCH_DIST else TORCH_DIST
+    return CheckpointError(f"{path}: this is {_a(found)} checkpoint, but {command} takes {_a(wanted)} checkpoint as "
+                           f"{role}; did you mean `{meant}`?")
+
+
+def expect_hf(path: str | Path, command: str, role: str = "HF_DIR") -> None:
+    """Refuse a torch_dist checkpoint given where `command` reads an HF one (convert: export was meant)."""
+    if kind(path) == TORCH_DIST:
+        meant = f"glmconv export {path} OUT_DIR" if command == "convert" else f"glmconv {command} HF_DIR {path}"
+        raise wrong_kind(path, TORCH_DIST, command, role, meant)
+
+
+def expect_torch_dist(path: str | Path, command: str, role: str = "MCORE_DIR") -> None:
+    """Refuse an HF checkpoint given where `command` reads a torch_dist one (convert was meant first)."""
+    if kind(path) == HF:
+        raise wrong_kind(path, HF, command, role, f"glmconv convert {path} OUT_DIR")
+
+
+def check_pair(command: str, hf_dir: str | Path, mcore_dir: str | Path) -> None:
+    """verify and parity: HF_DIR then MCORE_DIR; the two given the other way round are named as a swap."""
+    if kind(hf_dir) == TORCH_DIST and kind(mcore_dir) == HF:
+        raise wrong_kind(hf_dir, TORCH_DIST, command, "HF_DIR", f"glmconv {command} {mcore_dir} {hf_dir}")
+    expect_hf(hf_dir, command)
+    expect_torch_dist(mcore_dir, command)
+
+
+def check_same_model(hf_dir: str | Path, mcore_dir: str | Path) -> None:
+    """Refuse MCORE_DIR whose config.json (convert leaves one) describes another model than HF_DIR's."""
+    from glmconv.config import load_config
+    from glmconv.io.checkpoint_files import optional_file
+    from glmconv.io.file_names import CONFIG_NAME
+
+    if not (Path(hf_dir).is_dir() and Path(mcore_dir).is_dir()):
+        return  # the checks that read the checkpoints refuse what is missing
+    hf_path, mc_path = optional_file(Path(hf_dir), CONFIG_NAME), optional_file(Path(mcore_dir), CONFIG_NAME)
+    if hf_path is None or mc_path is None:
+        return  # the checks that read the checkpoints refuse what is missing
+    ours, theirs = load_config(hf_path), load_config(mc_path)
+    keys = sorted((k for k in set(ours.text) | set(theirs.text) if ours.text.get(k) != theirs.text.get(k)
+                   and k not in ("dtype", "torch_dtype")), key=lambda k: (not _scalar(ours.text.get(k)), k))
+    if keys or (ours.attn_types, ours.mlp_types) != (theirs.attn_types, theirs.mlp_types):
+        diff = "; ".join(f"{k}: {show(json.dumps(theirs.text.get(k)))} in {mcore_dir}, "
+                         f"{show(json.dumps(ours.text.get(k)))} in {hf_dir}" for k in keys[:2])
+        more = f"; {count(len(keys) - 2, 'other key')}" if len(keys) > 2 else ""
+        raise CheckpointError(f"{mcore_dir} is not a conversion of {hf_dir}: another model "
+                              f"({diff or 'a different layer schedule'}{more})")
+
+
+def _scalar(value: object) -> bool:
+    """Differences in plain numbers and names read best: they come first."""
+    return not isinstance(value, (list, dict))
