@@ -9,18 +9,21 @@ Where a defect goes is chosen from the config by layer kind ("the first DSA laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.config import DSA, KDA, MOE, GlmConfig
 from glmconv.errors import GlmconvError
 from glmconv.models.conventions import ACTS_AT, SELECTION, Conventions
-from glmconv.models.weights import ExpertBank, Swiglu
 
-Damage = Callable[[torch.Tensor], torch.Tensor]
+if TYPE_CHECKING:  # torch and the weights at use: `parity --help` lists the catalog without importing torch
+    import torch
+
+    from glmconv.models.weights import ExpertBank
+
+Damage = Callable[["torch.Tensor"], "torch.Tensor"]
 FP8_BLOCK = 128  # the release's FP8 scale blocks: [128, 128] weights share one scale
 
 
@@ -40,12 +43,18 @@ class Defect:
 
 # ---- damages --------------------------------------------------------------------------------------------------
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    import torch
+
+    return torch.cat(parts)
+
+
 def _reverse_first_rows(n_rows: Callable[[torch.Tensor], int]) -> Damage:
-    return lambda t: torch.cat([t[:n_rows(t)].flip(0), t[n_rows(t):]])
+    return lambda t: _cat([t[:n_rows(t)].flip(0), t[n_rows(t):]])
 
 
 def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat(t.chunk(2, dim=0)[::-1])
+    return _cat(list(t.chunk(2, dim=0)[::-1]))
 
 
 def _scale_first_block(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +65,7 @@ def _scale_first_block(t: torch.Tensor) -> torch.Tensor:
 
 def _swap_pre_post_rows(t: torch.Tensor) -> torch.Tensor:
     n = int(round((t.shape[0] + 4) ** 0.5)) - 2  # fn has (2 + n) * n rows: pre [0, n), post [n, 2n), comb after
-    return torch.cat([t[n:2 * n], t[:n], t[2 * n:]])
+    return _cat([t[n:2 * n], t[:n], t[2 * n:]])
 
 
 def _zero_first_rows(t: torch.Tensor) -> torch.Tensor:
@@ -175,8 +184,10 @@ def _damage(w: Any, d: Defect) -> Any:
     """A copy of the sub-block weights `w` with `d`'s field damaged (the rest shared, never modified)."""
     if d.name == "experts-swapped":
         moe = w.moe
-        return dataclasses.replace(w, moe=dataclasses.replace(moe, experts=SwappedExperts(moe.experts, 0, 1)))
+        return dataclasses.replace(w, moe=dataclasses.replace(moe, experts=swapped_experts(moe.experts, 0, 1)))
     if d.name == "fc1-mis-split":
+        from glmconv.models.weights import Swiglu
+
         dense = w.dense
         return dataclasses.replace(w, dense=Swiglu(dense.up, dense.gate, dense.down))
     assert d.damage is not None
@@ -189,14 +200,26 @@ def _replace_path(obj: Any, path: tuple[str, ...], damage: Damage) -> Any:
     return dataclasses.replace(obj, **{path[0]: _replace_path(getattr(obj, path[0]), path[1:], damage)})
 
 
-class SwappedExperts(ExpertBank):
-    """A prepared expert bank with two experts' places exchanged."""
+def swapped_experts(bank: ExpertBank, a: int, b: int) -> ExpertBank:
+    """`bank` with experts `a` and `b` in each other's places."""
+    return _swapped_experts_class()(bank, a, b)
 
-    on_device = True
 
-    def __init__(self, bank: ExpertBank, a: int, b: int) -> None:
-        self._bank, self._swap = bank, {a: b, b: a}
-        self.num, self.nbytes = bank.num, bank.nbytes
+@functools.cache
+def _swapped_experts_class() -> type:
+    """The ExpertBank subclass, made at first use (its base imports torch)."""
+    from glmconv.models.weights import ExpertBank, Swiglu
 
-    def get(self, expert: int) -> Swiglu:
-        return self._bank.get(self._swap.get(expert, expert))
+    class SwappedExperts(ExpertBank):
+        """A prepared expert bank with two experts' places exchanged."""
+
+        on_device = True
+
+        def __init__(self, bank: ExpertBank, a: int, b: int) -> None:
+            self._bank, self._swap = bank, {a: b, b: a}
+            self.num, self.nbytes = bank.num, bank.nbytes
+
+        def get(self, expert: int) -> Swiglu:
+            return self._bank.get(self._swap.get(expert, expert))
+
+    return SwappedExperts

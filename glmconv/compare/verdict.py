@@ -18,8 +18,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmconv.compare.weight_diff import DIFFER
-
 MARGIN = 2.0  # an aligned pair stays at or under 1 x noise (triangle inequality); a divergence is named above 2 x
 STREAM_FLOOR = 1e-5  # the smallest stream rel err ever named (a rounding-sized convention at fp32 stays ~1e-6)
 SELECTION_FLOOR = 1e-3  # the smallest selection disagreement ever named (a near-tie flip at the real sizes: ~1e-7)
@@ -55,6 +53,8 @@ def add_noise_fields(rec: dict[str, Any]) -> None:
 
 def reasons(rec: dict[str, Any], floors: Floors, check_weights: bool = True) -> list[str]:
     """Why the record diverges ([] when it does not): which checks fire."""
+    from glmconv.compare.weight_diff import DIFFER  # here: the CLI reads MARGIN and STREAM_FLOOR without torch
+
     out = []
     if check_weights and rec.get("weights") == DIFFER:
         out.append("weights differ")
@@ -101,6 +101,8 @@ class Judge:
         return True
 
     def _cause(self, rec: dict[str, Any], switches: list[str]) -> str:
+        from glmconv.compare.weight_diff import DIFFER
+
         if self.check_weights and rec.get("weights") == DIFFER:
             return WEIGHTS
         if switches:
