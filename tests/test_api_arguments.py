@@ -57,6 +57,24 @@ def test_export_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -
     assert _refusal(glmconv.export, NOWHERE, NOWHERE + "-out", **kw) == message
 
 
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"workers": 0}, "--workers 0: expected a count from 1 to 256, or auto"),
+    ({"read_threads": 65}, "--read-threads 65: expected a whole number from 0 to 64"),
+    ({"device": "tpu"}, "--device tpu: choose from auto, cpu, cuda"),
+    ({"progress": "yes"}, "--progress yes: expected True or False"),
+])
+def test_verify_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -> None:
+    assert _refusal(glmconv.verify, NOWHERE, NOWHERE + "-mc", **kw) == message
+
+
+@pytest.mark.parametrize("command", ["convert", "export", "verify"])
+def test_the_shared_read_threads_option_refuses_what_the_api_refuses(command: str) -> None:
+    res = CliRunner().invoke(cli, [command, NOWHERE, NOWHERE + "-2", "--read-threads", "65"])
+    assert res.exit_code == 2 and "65 is not in the range 0<=x<=64" in res.output
+    with pytest.raises(GlmconvError):
+        arguments.read_threads(65)
+
+
 def test_relayout_refuses_an_unknown_target_layout() -> None:
     assert _refusal(glmconv.relayout, NOWHERE, NOWHERE + "-out", to="nemo") == "--to nemo: choose from miles, mcore"
 

@@ -155,3 +155,27 @@ def test_device_cuda_without_a_gpu_is_one_error_line(converted: dict[str, tuple[
     assert res.exit_code == 2
     assert res.stderr == ("error: --device cuda: no CUDA device is visible (torch.cuda.is_available() is False); "
                           "use --device cpu or auto\n")
+
+
+@pytest.mark.parametrize(("workers", "threads"), [(1, 0), (1, 2), (2, 2)])
+def test_a_nan_code_in_an_fp8_weight_is_refused_whatever_the_workers_and_threads(
+        converted: dict[str, tuple[Path, Path]], tmp_path: Path, workers: int, threads: int) -> None:
+    """Issue 25's refusal at dequantisation holds on verify's read-ahead path: one error line naming the tensor."""
+    from test_bad_input import edit_tensor
+
+    hf, mc = converted["tiny-fp8"]
+    shutil.copytree(hf, tmp_path / "hf")
+    name = _mapping(hf, R.DENSE_FC2).hf[0].name
+
+    def plant(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(torch.uint8)[1, 2] = 0x7F
+        return t
+
+    edit_tensor(tmp_path / "hf", name, plant)
+    res = CliRunner().invoke(cli, ["verify", str(tmp_path / "hf"), str(mc), "--workers", str(workers),
+                                   "--read-threads", str(threads)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith(
+        f"error: {name} (") and "1 non-finite value (NaN/Inf), the first FP8 code 0x7F in block [0, 0] at index " \
+        "[1, 2]; glmconv refuses NaN/Inf weights" in res.stderr, res.stderr
