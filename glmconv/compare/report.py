@@ -294,7 +294,7 @@ def weight_lines(report: dict[str, Any]) -> list[str]:
         return []
     diffs = report.get("weight_diffs", [])
     if not diffs:
-        return ["weights: every sub-block's, the batch's embedding rows and the head equal bit for bit"]
+        return ["weights: every sub-block's, the embedding's and the head's equal bit for bit"]
     shown = [f"weights differ at {_site(d)}: {weight_text(d)}" for d in diffs[:6]]
     return shown + ([f"... and {len(diffs) - 6} more differing tensors (report.json: weight_diffs)"]
                     if len(diffs) > 6 else [])
