@@ -158,3 +158,37 @@ def test_embedding_rows_the_batch_never_reads_are_still_named(pairs: dict, tmp_p
     (d,) = fd["weight_diffs"]
     assert d["rows"] == f"{rows.start}-{rows.stop - 1}" and d["megatron"] == ["embedding.word_embeddings.weight"]
     assert d["hf"] == ["model.language_model.embed_tokens.weight"]
+
+
+def _f32_copy(src: Path, dst: Path) -> Path:
+    """A copy of an HF checkpoint with every BF16 tensor stored as F32 (as a trainer's fp32 save would)."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for shard in sorted(dst.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            tensors, meta = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()
+        save_file({n: t.float() if t.dtype == torch.bfloat16 else t for n, t in tensors.items()}, shard, metadata=meta)
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        import json
+
+        data = json.loads(index.read_text())
+        data.get("metadata", {}).pop("total_size", None)
+        index.write_text(json.dumps(data))
+    return dst
+
+
+def test_a_convert_dtype_bf16_pair_runs_against_the_rounded_weights(pairs: dict, tmp_path: Path) -> None:
+    """An F32 checkpoint converted with `--dtype bf16`: parity reads the serve side's F32 tensors rounded as the
+    train side holds them, so the pair agrees exactly (and says how many it rounded)."""
+    hf = _f32_copy(pairs["tiny"][0], tmp_path / "hf32")
+    res = CliRunner().invoke(cli, ["convert", str(hf), str(tmp_path / "mc"), "--dtype", "bf16"])
+    assert res.exit_code == 0, res.output
+    r = _parity((hf, tmp_path / "mc"), train_conventions="serve")
+    assert r["first_divergence"] is None and r["passed"] and r["serve_rounded_to_bf16"] > 100
+    assert all(rec["rel_err"] == 0.0 and rec["weights"] == "equal" for rec in r["layers"])
