@@ -122,3 +122,73 @@ def test_unknown_defects_are_refused_with_the_catalog() -> None:
     with pytest.raises(GlmconvError, match="unknown nope .*kda-q-rows-permuted"):
         select("nope,router-bias")
     assert [d.name for d in select("router-bias")] == ["router-bias"] and len(select(None)) == len(NAMES)
+
+
+def _rows_scaled_copy(src: Path, dst: Path, name: str, rows: slice, factor: float) -> Path:
+    """A copy of an HF checkpoint with some rows of one tensor multiplied (same names, shapes, dtypes, shards)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for shard in sorted(dst.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            if name not in f.keys():
+                continue
+            tensors, meta = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()
+        t = tensors[name].clone()
+        t[rows] = (t[rows].float() * factor).to(t.dtype)
+        save_file({**tensors, name: t}, shard, metadata=meta)
+        return dst
+    raise AssertionError(f"{name} is not in {src}")
+
+
+@pytest.mark.parametrize("rows,first_rows", [(slice(300, 302), False), (slice(0, 8), True)])
+def test_embedding_rows_the_batch_never_reads_are_still_named(pairs: dict, tmp_path: Path, rows: slice,
+                                                              first_rows: bool) -> None:
+    """A defect in rows the batch's tokens never look up is still a conversion defect; one in the fingerprint's
+    own rows is named too, not refused as an unrelated checkpoint (the head's rows still agree)."""
+    hf = pairs["tiny"][0]
+    bad = _rows_scaled_copy(hf, tmp_path / "hf", "model.language_model.embed_tokens.weight", rows, 2.0)
+    mc = _convert(bad, tmp_path / "mc")
+    r = _parity((hf, mc), train_conventions="serve", tokens=8, sequences=1)
+    fd = r["first_divergence"]
+    assert (fd["layer"], fd["sub_block"], fd["cause"]) == (None, "embed", "weights") and not r["passed"]
+    (d,) = fd["weight_diffs"]
+    assert d["rows"] == f"{rows.start}-{rows.stop - 1}" and d["megatron"] == ["embedding.word_embeddings.weight"]
+    assert d["hf"] == ["model.language_model.embed_tokens.weight"]
+
+
+def _f32_copy(src: Path, dst: Path) -> Path:
+    """A copy of an HF checkpoint with every BF16 tensor stored as F32 (as a trainer's fp32 save would)."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for shard in sorted(dst.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            tensors, meta = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()
+        save_file({n: t.float() if t.dtype == torch.bfloat16 else t for n, t in tensors.items()}, shard, metadata=meta)
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        import json
+
+        data = json.loads(index.read_text())
+        data.get("metadata", {}).pop("total_size", None)
+        index.write_text(json.dumps(data))
+    return dst
+
+
+def test_a_convert_dtype_bf16_pair_runs_against_the_rounded_weights(pairs: dict, tmp_path: Path) -> None:
+    """An F32 checkpoint converted with `--dtype bf16`: parity reads the serve side's F32 tensors rounded as the
+    train side holds them, so the pair agrees exactly (and says how many it rounded)."""
+    hf = _f32_copy(pairs["tiny"][0], tmp_path / "hf32")
+    res = CliRunner().invoke(cli, ["convert", str(hf), str(tmp_path / "mc"), "--dtype", "bf16"])
+    assert res.exit_code == 0, res.output
+    r = _parity((hf, tmp_path / "mc"), train_conventions="serve")
+    assert r["first_divergence"] is None and r["passed"] and r["serve_rounded_to_bf16"] > 100
+    assert all(rec["rel_err"] == 0.0 and rec["weights"] == "equal" for rec in r["layers"])

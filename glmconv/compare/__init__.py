@@ -100,6 +100,7 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
                       judge=judge, variants=variants)
     layout = getattr(getattr(train, "weights", None), "layout", None)  # the train side's Megatron layout
     report = build_report(cap, opts, batch, conventions, train_layout=layout)
+    report["serve_rounded_to_bf16"] = len(getattr(getattr(serve, "weights", None), "rounded", ()))
     report["peak_memory"] = peak_memory(device)
     return report
 
@@ -158,6 +159,7 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
     if not opts.stream_layers:
         check_resident_fits(config, dtype, torch.device(device))
     serve_w, train_w = HfWeights(opts.hf_dir, device=device), MegatronWeights(opts.mcore_dir)
+    serve_w.round_like(train_w)  # a `convert --dtype bf16` pair: serve runs the BF16 weights the train side holds
     if not opts.allow_different_weights:
         check_same_weights(serve_w, train_w, opts.hf_dir, opts.mcore_dir)
     has_hc_head = train_w.hc_head() is not None

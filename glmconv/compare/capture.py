@@ -37,7 +37,6 @@ from glmconv.compare.inputs import Batch
 from glmconv.compare.replay import Replay
 from glmconv.compare.verdict import SELECTIONS, Judge
 from glmconv.errors import GlmconvError
-from glmconv.rules import roles as R
 from glmconv.text import printable
 
 MODES = ("propagated", "isolated")
@@ -174,11 +173,7 @@ class _Run:
         for side in self.out.sides:  # every side embeds with the clean side's table (defects plant in layers)
             side.x = xt if not self.isolated else None
             side.x_ref = xt.float() if side.precise is not None and not self.isolated else side.x
-        if _has_weights(s.model, self.clean.model):
-            self.out.weights_checked = True
-            d = weight_diff.tensor_diff(s.x[:, 0], xt[:, 0], ("weight",))
-            if d is not None:  # rows of the batch's embedding: report the token positions as rows
-                self.out.weight_diffs.append(d.as_dict(None, R.EMBED, s.model.weights, self.clean.model.weights))
+        self.out.weights_checked = _has_weights(s.model, self.clean.model)
 
     def sub_block(self, layer: int, sub_block: str) -> None:
         s = self.serve
@@ -262,8 +257,8 @@ class _Run:
         s, clean = self.serve, self.clean
         logits_s = s.model.head(s.x)
         logits_t = clean.model.head(s.x if self.isolated else clean.x)
-        if self.out.weights_checked:
-            for role, d in weight_diff.head_diffs(s.model.weights, clean.model.weights):
+        if self.out.weights_checked:  # the embedding's every row, not only the batch's: a defect is a defect
+            for role, d in weight_diff.model_wide_diffs(s.model.weights, clean.model.weights):
                 self.out.weight_diffs.append(d.as_dict(None, role, s.model.weights, clean.model.weights))
         return metrics.logit_stats(logits_t, logits_s, self.batch.ids, self.batch.cu_seqlens).summary()
 

@@ -292,9 +292,11 @@ def weight_lines(report: dict[str, Any]) -> list[str]:
     """Whether both sides hold the same weights, and each differing tensor (the first few)."""
     if not report.get("weights_checked"):
         return []
-    diffs = report.get("weight_diffs", [])
+    diffs, rounded = report.get("weight_diffs", []), report.get("serve_rounded_to_bf16", 0)
+    note = (f" (the serve side read {count(rounded, 'F32 tensor')} rounded to the BF16 the torch_dist checkpoint "
+            "stores: a convert --dtype bf16 pair)" if rounded else "")
     if not diffs:
-        return ["weights: every sub-block's, the batch's embedding rows and the head equal bit for bit"]
+        return [f"weights: every sub-block's, the embedding's and the head's equal bit for bit{note}"]
     shown = [f"weights differ at {_site(d)}: {weight_text(d)}" for d in diffs[:6]]
     return shown + ([f"... and {len(diffs) - 6} more differing tensors (report.json: weight_diffs)"]
                     if len(diffs) > 6 else [])

@@ -110,16 +110,17 @@ def status(diffs: list[TensorDiff]) -> str:
     return DIFFER if any(d.kind == DIFFER for d in diffs) else ROUNDED
 
 
-def head_diffs(serve: WeightSource, train: WeightSource) -> Iterator[tuple[str, TensorDiff]]:
-    """The final norm and the output head, window by window (never the whole head at once)."""
+def model_wide_diffs(serve: WeightSource, train: WeightSource) -> Iterator[tuple[str, TensorDiff]]:
+    """The embedding, the final norm and the output head, the tables window by window (never whole at once)."""
+    for role in (R.EMBED, R.LM_HEAD):
+        for start, stop in serve.row_windows(role):
+            d = tensor_diff(serve.row_range(role, start, stop), train.row_range(role, start, stop), ("weight",))
+            if d is not None:
+                d.rows = [r + start for r in d.rows]
+                yield role, d
     d = tensor_diff(serve.final_norm(), train.final_norm(), ("weight",))
     if d is not None:
         yield R.FINAL_NORM, d
-    for start, stop in serve.row_windows(R.LM_HEAD):
-        d = tensor_diff(serve.row_range(R.LM_HEAD, start, stop), train.row_range(R.LM_HEAD, start, stop), ("weight",))
-        if d is not None:
-            d.rows = [r + start for r in d.rows]
-            yield R.LM_HEAD, d
 
 
 # ---- names ----------------------------------------------------------------------------------------------------

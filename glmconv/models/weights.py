@@ -294,18 +294,38 @@ class HfWeights(WeightSource):
         super().__init__(ck.config, ck.text_prefix)
         self._src = HfTensorSource({n: shard_path(Path(hf_dir), t.file) for n, t in ck.tensors.items()})
         self._fp8 = {n for n, t in ck.tensors.items() if t.dtype == FP8}
+        self._f32 = {n for n, t in ck.tensors.items() if t.dtype == "F32"}
+        self.rounded: frozenset[str] = frozenset()  # names read rounded to BF16 (`round_like`)
         self._device = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
 
     def close(self) -> None:
         self._src.close()
 
     def read(self, name: str) -> torch.Tensor:
-        """As stored, except FP8 weights, which come back dequantised to BF16 (what convert writes)."""
-        return self._src.weight(name, torch.bfloat16, self._device) if name in self._fp8 else self._src.raw(name)
+        """As stored, except FP8 weights, which come back dequantised to BF16 (what convert writes), and the
+        `rounded` ones, which come back rounded to BF16."""
+        if name in self._fp8:
+            return self._src.weight(name, torch.bfloat16, self._device)
+        t = self._src.raw(name)
+        return t.to(torch.bfloat16) if name in self.rounded else t
+
+    def round_like(self, train: WeightSource) -> int:
+        """Read rounded to BF16 every F32 tensor that `train` stores in BF16 (a `convert --dtype bf16` pair), so
+        both sides run the weights the train side holds; how many tensors that is."""
+        dtypes = getattr(train, "stored_dtype", None)
+        if dtypes is None:
+            return 0
+        names = set()
+        for key, m in self._roles.items():
+            other = train._roles.get(key)
+            if other is not None and all(dtypes(s.name) == torch.bfloat16 for s in other.mcore):
+                names |= {s.name for s in m.hf if s.name in self._f32}
+        self.rounded = frozenset(names)
+        return len(names)
 
     def row_range(self, role: str, start: int, stop: int) -> torch.Tensor:
         (spec,) = self.mapping(None, role).hf
-        if spec.name in self._fp8:  # FP8 blocks span 128 rows: dequantise whole (the release keeps these BF16)
+        if spec.name in self._fp8 or spec.name in self.rounded:  # FP8 blocks span 128 rows: dequantise whole
             return self.read(spec.name)[start:stop]
         return self._src.raw(spec.name, (start, stop))
 
@@ -374,6 +394,9 @@ class MegatronWeights(WeightSource):
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self._reader.read(name, rows)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self._reader.dtype(name)
 
     def row_cuts(self, name: str) -> set[int]:
         """Rows where a stored chunk of `name` starts (chunks split along dim 0)."""

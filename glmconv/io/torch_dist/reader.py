@@ -66,6 +66,10 @@ class DcpReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in self._entry(name).size)
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The torch dtype `name` is stored in."""
+        return self._entry(name).properties.dtype
+
     def chunks(self, name: str) -> list[Box]:
         """(offsets, sizes) of every stored chunk of `name`, as the metadata lists them."""
         return [(tuple(int(o) for o in c.offsets), tuple(int(z) for z in c.sizes)) for c in self._entry(name).chunks]
