@@ -60,11 +60,6 @@ class StandIn:
         self.__dict__.update(state)
 
 
-def is_stand_in(obj: Any, name: str) -> bool:
-    """`obj` is the `StandIn` of the allow-listed class `name` (nothing else of that name gets in)."""
-    return isinstance(obj, StandIn) and type(obj).__name__ == name
-
-
 _ALLOWED_BY_NAME = {name: (module, name) for module, name in ALLOWED}
 
 
