@@ -18,14 +18,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmconv.compare.weight_diff import DIFFER
-
 MARGIN = 2.0  # an aligned pair stays at or under 1 x noise (triangle inequality); a divergence is named above 2 x
 STREAM_FLOOR = 1e-5  # the smallest stream rel err ever named (a rounding-sized convention at fp32 stays ~1e-6)
 SELECTION_FLOOR = 1e-3  # the smallest selection disagreement ever named (a near-tie flip at the real sizes: ~1e-7)
 SELECTIONS = (("topk", "topk_overlap"), ("experts", "expert_overlap"))
 
 WEIGHTS, CONVENTIONS, UPSTREAM, NUMERICS = "weights", "conventions", "upstream", "numerics"
+EQUAL, ROUNDED, DIFFER = "equal", "rounded", "differ"  # a sub-block's weights (glmconv.compare.weight_diff)
 
 
 @dataclass(frozen=True)
