@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from glmconv.compare import DEFAULT_TOKENS
-from glmconv.compare.defects import NAMES as DEFECT_NAMES
+from glmconv.compare.catalog import NAMES as DEFECT_NAMES
 from glmconv.compare.verdict import MARGIN, STREAM_FLOOR
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console

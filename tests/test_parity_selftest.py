@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import glmconv.compare as parity_mod
 from glmconv.compare import ParityOptions
-from glmconv.compare.defects import CATALOG, NAMES, select
+from glmconv.compare.catalog import CATALOG, NAMES, select
 from glmconv.errors import GlmconvError
 from glmconv_cli.main import cli
 

@@ -3,8 +3,8 @@ README says it prints.
 
 The Quick start's console transcript is checked line by line (`...` stands for a path or a time); the Commands
 block's commands must exit 0; the Quick start's transformers example runs in a fresh interpreter of the project's
-environment (no GPU needed). Left out: `make` lines (they build the environment the tests run in), parity lines
-(the parity section's own tests) and shells that are not installed.
+environment (no GPU needed). Left out: `make` lines (they build the environment the tests run in) and shells that
+are not installed.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def transcript() -> list[tuple[str, list[str]]]:
 
 
 def command_lines() -> list[str]:
-    """The Commands section's glmconv lines, comments dropped, parity left to its own tests."""
+    """The Commands section's glmconv lines, comments dropped."""
     lines = [line.split("  #")[0].strip() for block in _blocks(_section("Commands"), "bash")
              for line in block.splitlines()]
-    return [line for line in lines if line.startswith("glmconv ") and not line.startswith("glmconv parity")]
+    return [line for line in lines if line.startswith("glmconv ")]
 
 
 def _run_glmconv(command: str) -> tuple[int, str]:
@@ -84,11 +84,16 @@ def test_the_quick_start_transcript_prints_what_the_readme_shows_twice_in_a_row(
 
 def test_the_commands_section_runs_twice_in_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert len(command_lines()) == 7
+    assert len(command_lines()) == 11
     for _ in range(2):
+        gates = []
         for command in command_lines():
             code, out = _run_glmconv(command)
             assert code == 0, (command, out)
+            gates += [line for line in out.splitlines() if line.startswith("PASSED")]
+        assert gates == ["PASSED (the verdict and the self-test)", "PASSED (the verdict)",
+                         "PASSED (the verdict and the self-test)", "PASSED (the --fail-on bounds)"]
+        assert (tmp_path / "rep" / "report.json").is_file()
 
 
 def test_the_quick_start_transformers_example_runs_on_a_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -117,11 +117,12 @@ def self_test_sides(config: GlmConfig, train: Model, train_precise: Model | None
     """One train side per applicable catalog defect, planted in memory over the train side's weights."""
     from glmconv.compare import defects
     from glmconv.compare.capture import Side
+    from glmconv.compare.catalog import select
     from glmconv.models.conventions import Conventions
 
     train_conv = Conventions(**conventions["train"])
     sides = []
-    for defect in defects.select(opts.defects):
+    for defect in select(opts.defects):
         planted = defects.plant(defect, config, train_conv)
         if planted is None:
             continue

@@ -103,6 +103,8 @@ class Capture:
 
 
 Step = Callable[[str], None]
+Result = tuple[torch.Tensor, dict]  # a sub-block's streams and its aux (selections)
+SelectionState = tuple[torch.Tensor | None, torch.Tensor | None] | None  # GlmModel.selection_state()
 
 
 @dataclass
@@ -232,7 +234,7 @@ class _Run:
             rec["weight_diffs"] = named[:WEIGHT_DIFFS_PER_RECORD]
 
     def _attribute(self, side: Side, layer: int, sub_block: str, so: _Out, switches: list[str],
-                   state: Any) -> dict[str, Any] | None:
+                   state: SelectionState) -> dict[str, Any] | None:
         """Shapley shares of the differing switches at this sub-block, rerun on the fp32 references."""
         from glmconv.models.conventions import Conventions
 
@@ -282,7 +284,7 @@ def _has_weights(*models: Model) -> bool:
     return all(hasattr(m, "sub_block_weights") and hasattr(m, "weights") for m in models)
 
 
-def _selection_state(model: Model | None) -> Any:
+def _selection_state(model: Model | None) -> SelectionState:
     return model.selection_state() if model is not None and hasattr(model, "selection_state") else None
 
 
@@ -292,8 +294,10 @@ def _switches(serve: _Serve, side: Side, layer: int, sub_block: str) -> list[str
     return acting_at_sub_block(serve.conventions, side.conventions, sub_block, serve.model.attn_types[layer] == "dsa")
 
 
-def _noise(rec: dict[str, Any], t: tuple, s: tuple, tr: tuple, sr: tuple, serve_ref: bool, train_ref: bool) -> None:
-    """Each side's distance from its fp32 reference twin, and the twins' distance from each other."""
+def _noise(rec: dict[str, Any], t: Result, s: Result, tr: Result, sr: Result, serve_ref: bool,
+           train_ref: bool) -> None:
+    """Each side's distance from its fp32 reference twin (t: train, s: serve, tr / sr: their twins' results), and
+    the twins' distance from each other."""
     rec["noise_serve"] = metrics.rel_err(s[0], sr[0]) if serve_ref else 0.0
     rec["noise_train"] = metrics.rel_err(t[0], tr[0]) if train_ref else 0.0
     rec["ref_rel_err"] = metrics.rel_err(tr[0], sr[0])

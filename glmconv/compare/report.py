@@ -96,7 +96,7 @@ def _first(first: dict[str, Any] | None, cap: Capture, opts: ParityOptions) -> d
 
 def _self_test_row(side: Side) -> dict[str, Any]:
     """One planted defect: where it went and what the verdict says of it."""
-    from glmconv.compare.defects import CATALOG
+    from glmconv.compare.catalog import CATALOG
 
     defect = next(d for d in CATALOG if d.name == side.name)
     sites = sorted(side.sites or ())

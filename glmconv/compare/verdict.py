@@ -24,6 +24,7 @@ SELECTION_FLOOR = 1e-3  # the smallest selection disagreement ever named (a near
 SELECTIONS = (("topk", "topk_overlap"), ("experts", "expert_overlap"))
 
 WEIGHTS, CONVENTIONS, UPSTREAM, NUMERICS = "weights", "conventions", "upstream", "numerics"
+EQUAL, ROUNDED, DIFFER = "equal", "rounded", "differ"  # a sub-block's weights (glmconv.compare.weight_diff)
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,6 @@ def add_noise_fields(rec: dict[str, Any]) -> None:
 
 def reasons(rec: dict[str, Any], floors: Floors, check_weights: bool = True) -> list[str]:
     """Why the record diverges ([] when it does not): which checks fire."""
-    from glmconv.compare.weight_diff import DIFFER  # here: the CLI reads MARGIN and STREAM_FLOOR without torch
-
     out = []
     if check_weights and rec.get("weights") == DIFFER:
         out.append("weights differ")
@@ -101,8 +100,6 @@ class Judge:
         return True
 
     def _cause(self, rec: dict[str, Any], switches: list[str]) -> str:
-        from glmconv.compare.weight_diff import DIFFER
-
         if self.check_weights and rec.get("weights") == DIFFER:
             return WEIGHTS
         if switches:

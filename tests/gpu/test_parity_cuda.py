@@ -9,9 +9,9 @@ breaks differently on CPU and CUDA (one token in 128 then attends to another poo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+import gpu_pairs
 import pytest
 import torch
 
@@ -22,16 +22,7 @@ TOKENS, SEQUENCES = 128, 2  # past the tiny fixture's index_topk, so the kpool i
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    given = os.environ.get("GLMCONV_GPU_FIXTURES")
-    if given:
-        return Path(given) / "hf-tiny", Path(given) / "mc-tiny"
-    from glmconv.fixtures.generate import make_fixture
-    from glmconv.runners.convert import RunOptions, convert, prepare
-
-    d = tmp_path_factory.mktemp("gpu")
-    make_fixture(d / "hf-tiny", "tiny", seed=0, init="unit")
-    convert(prepare(d / "hf-tiny", d / "mc-tiny"), RunOptions(progress=False))
-    return d / "hf-tiny", d / "mc-tiny"
+    return gpu_pairs.tiny_pair(tmp_path_factory, "tiny", init="unit")
 
 
 @pytest.fixture(autouse=True)

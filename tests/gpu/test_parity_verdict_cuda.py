@@ -8,9 +8,9 @@ DIR/mc-tiny-realistic pre-made (the generator needs transformers' Glm5Next class
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+import gpu_pairs
 import pytest
 import torch
 
@@ -19,16 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    given = os.environ.get("GLMCONV_GPU_FIXTURES")
-    if given:
-        return Path(given) / "hf-tiny-realistic", Path(given) / "mc-tiny-realistic"
-    from glmconv.fixtures.generate import make_fixture
-    from glmconv.runners.convert import RunOptions, convert, prepare
-
-    d = tmp_path_factory.mktemp("gpu-verdict")
-    make_fixture(d / "hf-tiny", "tiny", seed=0)
-    convert(prepare(d / "hf-tiny", d / "mc-tiny"), RunOptions(progress=False))
-    return d / "hf-tiny", d / "mc-tiny"
+    return gpu_pairs.tiny_pair(tmp_path_factory, "tiny-realistic", init="realistic")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
