@@ -135,6 +135,7 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
     `config_option`: the caller's option naming a config.json, offered when `src` has none (None: no option)."""
     from glmconv.checkpoint_layout import checkpoint_layout
     from glmconv.io.torch_dist.common_state import read_common_state
+    from glmconv.io.torch_dist.stored_objects import check_stored_objects
     from glmconv.megatron_args import check_stored_args
 
     src_p = Path(src)
@@ -143,6 +144,7 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
                               f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
     common = read_common_state(ck.iter_dir)
+    check_stored_objects(ck.iter_dir, ck.objects)  # what a trainer's load unpickles: each loadable
     cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir, config_option)
     cfg = load_config(cfg_path)
     check_stored_args(common.get("args"), cfg, str(ck.iter_dir))  # another model than its config: refused now
