@@ -104,7 +104,7 @@ class ExportOptions:
     workers: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
-    check_finite: bool = False  # refuse a NaN/Inf in any Megatron tensor read
+    check_finite: bool = True  # refuse a NaN/Inf in any Megatron tensor read (always: copied bytes are scanned)
     zero_copy: bool = field(default_factory=lambda: os.environ.get(ZERO_COPY_ENV, "1") != "0")
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/encoder threads per worker, ahead of its writer (0: none)
@@ -399,6 +399,16 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
     return route
 
 
+def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> list[Extent]:
+    """`route_extents`, the bytes scanned for NaN/Inf as they are copied (the HF tensor's own index and block)."""
+    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.finite import require_finite_extents
+
+    extents = route_extents(reader, spans)
+    require_finite_extents(extents, TORCH_DTYPES[t.dtype], tuple(t.shape), t.name, str(reader.iter_dir))
+    return extents
+
+
 def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:
     """The file extents of one HF tensor's spans, in order (every chunk was located by `byte_route`)."""
     extents: list[Extent] = []
@@ -455,7 +465,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step]:
         for m, planned in zip(share, outputs):
             yield from export_steps(m, planned, readers, job, chunk_bytes, stats, like,
-                                    zero_copy=zero_copy and not check_finite, like_src=like_src)
+                                    zero_copy=zero_copy, like_src=like_src)
             consumed.extend(t.name for t in m.mcore)  # from --like: accounted for, as the audit says
 
     try:
@@ -486,7 +496,7 @@ def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReader
         assert like_src is not None
         read = from_hf(m, like_src)
     elif (route := byte_route(m, readers.get(), job.dtypes) if zero_copy else None) is not None:
-        yield Step(0, lambda: [(t.name, route_extents(readers.get(), route[t.name])) for t in planned])
+        yield Step(0, lambda: [(t.name, scanned_extents(readers.get(), route[t.name], t)) for t in planned])
         return
     else:
         read = stored_read(m, readers.get, job.stored_rows)

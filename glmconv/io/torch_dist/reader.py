@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 class DcpReader:
     """Random access to the tensors of one torch_dist checkpoint (tracker root or iteration directory)."""
 
-    def __init__(self, path: str | Path, *, check_finite: bool = False) -> None:
+    def __init__(self, path: str | Path, *, check_finite: bool = True) -> None:
         self.ckpt: DcpCheckpoint = inspect_torch_dist(path)  # tracker, metadata.json, data files present
         self._check_finite = check_finite
         metadata = load_metadata(self.ckpt.iter_dir / DCP_METADATA_NAME)
