@@ -33,7 +33,7 @@ from glmconv_cli.workers import device_option, read_threads_option, workers_opti
 @click.option("--group-size", type=SIZE, default="1GB", show_default=True,
               help="Bytes per data file (bounds memory per worker).")
 @click.option("--check-finite", is_flag=True,
-              help="Refuse NaN/Inf in any source tensor (checked after FP8 dequantisation), naming the first one.")
+              help="Always on (kept for old scripts): NaN/Inf in any source tensor is refused, naming the first one.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=KEEP, show_default=True,
               help="What Megatron gets: keep = what the source stores (bit-exact round trip); bf16 rounds F32 "
               "weights (counted in the summary); fp32 widens. F32 state (A_log, hc, biases) stays F32.")

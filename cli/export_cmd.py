@@ -33,7 +33,8 @@ from glmconv_cli.workers import read_threads_option, workers_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
-@click.option("--check-finite", is_flag=True, help="Refuse NaN/Inf in any Megatron tensor, naming the first one.")
+@click.option("--check-finite", is_flag=True,
+              help="Always on (kept for old scripts): NaN/Inf in any Megatron tensor is refused.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, estimated time, free space at OUT_DIR); "
               "write nothing.")
 @click.option("--no-space-check", "no_space_check", is_flag=True,

@@ -76,7 +76,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
            space_check=space_check)
     job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
     opts = RunOptions(workers=worker_count(workers, job.bytes_in, fp8_bytes(job.plan.mappings)),
-                      group_bytes=group_bytes, progress=progress, check_finite=check_finite, space_check=space_check,
+                      group_bytes=group_bytes, progress=progress, check_finite=True, space_check=space_check,
                       device=device, threads=read_threads)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
@@ -117,7 +117,7 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
                   layout=layout)
     opts = ExportOptions(workers=worker_count(workers, bytes_in(job), fp8_work_bytes(job)), progress=progress,
-                         check_finite=check_finite, space_check=space_check, threads=read_threads)
+                         check_finite=True, space_check=space_check, threads=read_threads)
     return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
 
 

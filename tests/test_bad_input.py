@@ -415,11 +415,11 @@ MCORE_CASES = [
     Case("mcore-config-vs-checkpoint-layers", "export", "mc", lambda m, t: cut_config_layers(m, 3),  # args first
          r"release: the stored Megatron args say 4 decoder layers \(num_layers\) but the config says 3: this "
          r"checkpoint is another model than its config\.json$"),
-    Case("inf-weight-check-finite", "export", "mc",
+    Case("inf-weight-copied-bytes", "export", "mc",
          lambda m, t: (rewrite_torch_dist(m, t / "edited", set_mcore(EXPERTS_FC2, float("inf"), (5, 3, 7))),
-                       shutil.rmtree(m), (t / "edited").rename(m), ["--check-finite"])[3],
-         _q(f"{EXPERTS_FC2} (") + r".*release\): 1 non-finite value \(NaN/Inf\), the first inf in block \[5, 0, 0\] "
-         r"at index \[5, 3, 7\]"),
+                       shutil.rmtree(m), (t / "edited").rename(m), [])[3],
+         _q(f"{TEXT}layers.3.mlp.experts.5.down_proj.weight (") + r".*release\): 1 non-finite value \(NaN/Inf\), "
+         r"the first inf in block \[0, 0\] at index \[3, 7\]"),
     Case("empty-directory", "export", "mc", _empty,
          _q(f"src: not a torch_dist checkpoint (no {TRACKER_NAME} or metadata.json)")),
     Case("tracker-non-ascii-digit", "export", "mc", lambda m, t: (m / TRACKER_NAME).write_text("\u00b2"),
@@ -483,13 +483,48 @@ def test_bad_input_is_one_error_line_and_nothing_published(case: Case, sources: 
     _run_case(case, sources, tmp_path)
 
 
-def test_nan_passes_without_check_finite(tiny_ckpt: Path, tmp_path: Path) -> None:
-    """--check-finite is opt-in: without it a NaN weight converts like any other value."""
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_a_non_finite_weight_whose_bytes_convert_only_copies_is_refused(value: float, dtype: str, tiny_ckpt: Path,
+                                                                      tmp_path: Path) -> None:
+    """No flag needed: the copied bytes are scanned as they pass (a BF16 or F32 source weight, one bad value)."""
     src = tmp_path / "src"
     shutil.copytree(tiny_ckpt, src)
-    edit_tensor(src, DOWN0, set_first(float("nan"), (3, 17)))
-    got = invoke(["convert", str(src), str(tmp_path / "out"), "--json"])
-    assert got.exit_code == 0, got.stderr
+    stored = {"BF16": torch.bfloat16, "F32": torch.float32}[dtype]
+    edit_tensor(src, DOWN0, lambda t: set_first(value, (3, 17))(t.to(stored)))
+    assert_refused(["convert", str(src), str(tmp_path / "out")], [src], tmp_path / "out",
+                   rf"^error: {re.escape(DOWN0)} \(model-0000\d-of-00004\.safetensors\): 1 non-finite value "
+                   rf"\(NaN/Inf\), the first {value} in block \[0, 0\] at index \[3, 17\]; glmconv refuses")
+
+
+@pytest.fixture(scope="module")
+def converted_pairs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("nonfinite")
+    for dtype in ("bf16", "fp32"):
+        assert invoke(["convert", str(tiny_ckpt), str(root / dtype), "--dtype", dtype]).exit_code == 0
+    return {"BF16": root / "bf16", "F32": root / "fp32"}
+
+
+@pytest.mark.parametrize("command", ["export", "relayout", "verify"])
+@pytest.mark.parametrize("value", NON_FINITE)
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_a_non_finite_megatron_weight_is_refused_by_every_command(command: str, value: float, dtype: str,
+                                                                 converted_pairs: dict[str, Path], tiny_ckpt: Path,
+                                                                 tmp_path: Path) -> None:
+    """A trainer's divergence in a torch_dist checkpoint: export (bytes copied), relayout (bytes copied) and
+    verify refuse it, naming the tensor, its block and the count; nothing published."""
+    edited, out = tmp_path / "edited", tmp_path / "out"
+    rewrite_torch_dist(converted_pairs[dtype], edited, set_mcore("decoder.layers.0.mlp.linear_fc2.weight", value,
+                                                                 (30, 130)))
+    args = {"export": ["export", str(edited), str(out)], "relayout": ["relayout", str(edited), str(out), "--to",
+                                                                      "mcore"],
+            "verify": ["verify", str(tiny_ckpt), str(edited)]}[command]
+    name = r"(model\.language_model\.layers\.0\.mlp\.down_proj|decoder\.layers\.0\.mlp\.linear_fc2)\.weight"
+    assert_refused(args, [edited], out, rf"^error: {name} \(.*\): 1 non-finite value \(NaN/Inf\), the first "
+                                        rf"{value} in block \[0, 1\] at index \[30, 130\]; glmconv refuses")
 
 
 # ---- output locations that refuse writes -------------------------------------------------------------

@@ -171,14 +171,20 @@ def test_an_item_the_reader_cannot_locate_is_read_through_torch_load(tiny_ckpt: 
     assert raw_tensors(tmp_path / "hf") == raw_tensors(tiny_ckpt)
 
 
-def test_check_finite_reads_every_tensor_through_torch_load(tiny_ckpt: Path, tiny_mc: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    def never(*a: object) -> None:
-        raise AssertionError("byte_route called with --check-finite")
+def test_the_finite_check_keeps_zero_copy_and_scans_every_copied_tensor(tiny_ckpt: Path, tiny_mc: Path,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN/Inf is checked always (issue 25): bytes copied file to file are scanned, not read through torch.load."""
+    import glmconv.io.finite as finite
 
-    monkeypatch.setattr(export_mod, "byte_route", never)
+    scan = finite.require_finite_extents
+    scanned: list[str] = []
+    monkeypatch.setattr(finite, "require_finite_extents",
+                        lambda extents, dtype, shape, name, where: scanned.append(name) or scan(extents, dtype, shape,
+                                                                                                 name, where))
     _export_with(tiny_mc, tmp_path / "hf", check_finite=True)
     assert raw_tensors(tmp_path / "hf") == raw_tensors(tiny_ckpt)
+    assert scanned and len(scanned) == len(set(scanned))  # each copied HF tensor once
 
 
 def test_plain_requantisation_keeps_codes_but_not_scales(tiny_fp8_ckpt: Path) -> None:

@@ -63,5 +63,5 @@ def test_export_fp8_refuses_a_non_finite_weight_instead_of_wiping_its_block(valu
     rewrite_torch_dist(mc, tmp_path / "edited", set_mcore(name, value, (30, 130)))
     edited, hf = tmp_path / "edited", tmp_path / "hf"
     assert_refused(["export", str(edited), str(hf), "--fp8"], [edited], hf,
-                   r"^error: model\.language_model\.layers\.0\.mlp\.down_proj\.weight \(export --fp8\): "
+                   r"^error: decoder\.layers\.0\.mlp\.linear_fc2\.weight \(.*/edited/release\): "
                    rf"1 non-finite value \(NaN/Inf\), the first {value} in block \[0, 1\] at index \[30, 130\]")

@@ -51,9 +51,9 @@ def test_a_worker_killed_right_after_it_starts_ends_the_run_at_once(monkeypatch:
     """Killed from outside before it ran a line of glmconv (as the OOM killer would, while it imports torch)."""
     collect = ranks._collect
 
-    def kill_rank_1_first(results: Any, procs: list[Any], done: Any) -> Any:
+    def kill_rank_1_first(links: Any, procs: list[Any]) -> Any:
         procs[1].kill()
-        return collect(results, procs, done)
+        return collect(links, procs)
 
     monkeypatch.setattr(ranks, "_collect", kill_rank_1_first)
     with pytest.raises(GlmconvError, match=r"^a test worker died \(rank 1 killed by SIGKILL\); nothing published$"):

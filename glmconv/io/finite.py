@@ -3,12 +3,15 @@ naming the tensor, the 128x128 block of the first bad value, and how many there 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
+
+    from glmconv.io.byte_copy import Extent
 
 BLOCK = 128  # the FP8 scale block: where a bad value is, in the grid the release's scales use
 E4M3_NAN = 0x7F  # e4m3fn has no Inf; S.1111.111 is NaN
@@ -60,3 +63,81 @@ def _value(t: torch.Tensor, flat: int) -> str:
     if t.dtype == torch.float8_e4m3fn:
         return f"FP8 code 0x{int(t.reshape(-1)[flat].view(torch.uint8)):02X}"
     return str(t.reshape(-1)[flat].item())
+
+
+# ---- bytes that are only copied (zero-copy paths): scanned as raw integers ----
+
+_SCAN_BYTES = 1 << 24  # scanned a window at a time: memory stays at a few windows whatever the tensor
+
+
+def require_finite_extents(extents: Sequence[Extent], dtype: torch.dtype, shape: tuple[int, ...], name: str,
+                           where: str) -> None:
+    """`require_finite` for a tensor whose bytes are `extents` of files, in C order, never loaded as a tensor:
+    each window viewed as integers, a value non-finite where its exponent bits are all ones (FP8: its NaN codes)."""
+
+    bits = _exponent_bits(dtype)
+    if bits is None:
+        return
+    ints, mask = bits
+    first, count, done = -1, 0, 0
+    for e in extents:
+        local, n = _scan(e, ints, mask)
+        if n and first < 0:
+            first = done + local
+        count += n
+        done += e.length // dtype.itemsize
+    if count:
+        _refuse_at(first, count, extents, dtype, shape, name, where)
+
+
+def _exponent_bits(dtype: torch.dtype) -> tuple[Any, int] | None:
+    import numpy as np
+    import torch
+
+    return {torch.bfloat16: (np.uint16, 0x7F80), torch.float16: (np.uint16, 0x7C00),
+            torch.float32: (np.uint32, 0x7F800000), torch.float64: (np.uint64, 0x7FF0000000000000),
+            torch.float8_e4m3fn: (np.uint8, E4M3_NAN)}.get(dtype)
+
+
+def _scan(e: Extent, ints: Any, mask: int) -> tuple[int, int]:
+    """(first non-finite element, count) in one extent, read through a mapping a window at a time."""
+    import mmap
+
+    import numpy as np
+
+    if e.length == 0:
+        return -1, 0
+    first, count = -1, 0
+    with open(e.path, "rb") as fh:
+        start = e.offset - e.offset % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fh.fileno(), e.offset + e.length - start, access=mmap.ACCESS_READ, offset=start) as mm:
+            base = e.offset - start
+            for at in range(0, e.length, _SCAN_BYTES):
+                n = min(_SCAN_BYTES, e.length - at)
+                words = np.frombuffer(mm, dtype=np.uint8, count=n, offset=base + at).view(ints)
+                bad = (words & mask) == mask
+                found = int(np.count_nonzero(bad))
+                if found and first < 0:
+                    first = at // words.itemsize + int(np.argmax(bad))
+                count += found
+                del words, bad  # no view of the mapping outlives it
+    return first, count
+
+
+def _refuse_at(first: int, count: int, extents: Sequence[Extent], dtype: torch.dtype, shape: tuple[int, ...],
+               name: str, where: str) -> None:
+    import torch
+
+    size = dtype.itemsize
+    at = first * size
+    for e in extents:
+        if at < e.length:
+            with open(e.path, "rb") as fh:
+                fh.seek(e.offset + at)
+                value = torch.frombuffer(bytearray(fh.read(size)), dtype=dtype)
+            break
+        at -= e.length
+    index = [int(i) for i in torch.unravel_index(torch.tensor(first), shape)] if shape else []
+    shown = f"FP8 code 0x{int(value.view(torch.uint8)):02X}" if dtype == torch.float8_e4m3fn else str(value.item())
+    raise NonFiniteError(f"{name} ({where}): {count:,} non-finite value{'s' * (count != 1)} (NaN/Inf), the first "
+                         f"{shown} in block {block_of(index)} at index {index}; glmconv refuses NaN/Inf weights")

@@ -166,8 +166,19 @@ def mapping_steps(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Step]:
 def _moved_chunks(m: Mapping, source: Any, dtype: torch.dtype, layout: list[list[Piece]]) -> list[Chunk]:
     from glmconv.io.torch_dist.writer import Chunk
 
-    extents = [source.entry(t.name)[1] for t in m.hf]
+    extents = _scanned(m, source, range(len(m.hf)), dtype)
     return [Chunk(spec.name, _file_tensor(spec.shape, dtype, pieces, extents)) for spec, pieces in zip(m.mcore, layout)]
+
+
+def _scanned(m: Mapping, source: Any, picks: range | list[int], dtype: torch.dtype) -> list[Extent]:
+    """The source extents of `m`'s HF tensors, those in `picks` scanned for NaN/Inf as their bytes are copied."""
+    from glmconv.io.finite import require_finite_extents
+
+    extents = [source.entry(t.name)[1] for t in m.hf]
+    for i in picks:
+        t, e = m.hf[i], extents[i]
+        require_finite_extents([e], dtype, tuple(t.shape), t.name, e.path.name)
+    return extents
 
 
 def _computed_chunks(m: Mapping, source: Any, dtype: torch.dtype) -> list[Chunk]:
@@ -180,7 +191,7 @@ def _computed_chunks(m: Mapping, source: Any, dtype: torch.dtype) -> list[Chunk]
 
 def byte_layout(m: Mapping, source: Any) -> list[list[Piece]] | None:
     """The transform's byte layout when this mapping is a pure byte move on this source, else None."""
-    return None if source.check_finite else m.byte_layout([source.stored_dtype(t.name) for t in m.hf])
+    return m.byte_layout([source.stored_dtype(t.name) for t in m.hf])
 
 
 def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], extents: list[Extent]) -> Any:
@@ -199,18 +210,19 @@ def _row_steps(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
     row_bytes = spec.nbytes // spec.shape[0]
     for rows, picks in m.row_steps(chunk_bytes) or []:
         if layout is not None:
-            yield Step(0, lambda rows=rows: [_moved_rows(m, source, dtype, layout[0], rows, row_bytes)])
+            yield Step(0, lambda rows=rows, picks=picks: [_moved_rows(m, source, dtype, layout[0], rows, picks,
+                                                                      row_bytes)])
         else:
             yield Step(len(rows) * row_bytes, lambda rows=rows, picks=picks: [_computed_rows(m, source, dtype, rows,
                                                                                              picks)])
 
 
 def _moved_rows(m: Mapping, source: Any, dtype: torch.dtype, layout: list[Piece], rows: range,
-                row_bytes: int) -> Chunk:
+                picks: range | list[int], row_bytes: int) -> Chunk:
     from glmconv.io.torch_dist.writer import Chunk
 
     spec = m.mcore[0]
-    extents = [source.entry(t.name)[1] for t in m.hf]
+    extents = _scanned(m, source, picks, dtype)
     pieces = take(layout, rows.start * row_bytes, rows.stop * row_bytes)
     shape = (len(rows), *spec.shape[1:])
     return Chunk(spec.name, _file_tensor(shape, dtype, pieces, extents), row=rows.start, shape=spec.shape)
@@ -302,7 +314,7 @@ class RunOptions:
     group_bytes: int = DEFAULT_GROUP_BYTES
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
-    check_finite: bool = False  # refuse a NaN/Inf in any source tensor (after FP8 dequantisation)
+    check_finite: bool = True  # refuse a NaN/Inf in any source tensor (always: copied bytes are scanned)
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/dequantiser threads per worker, ahead of its writer (0: none)
     device: str = "auto"  # where FP8 is dequantised: cpu, cuda, auto (glmconv.io.dequant.resolve_device)

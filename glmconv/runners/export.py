@@ -107,7 +107,7 @@ class ExportOptions:
     workers: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
-    check_finite: bool = False  # refuse a NaN/Inf in any Megatron tensor read
+    check_finite: bool = True  # refuse a NaN/Inf in any Megatron tensor read (always: copied bytes are scanned)
     zero_copy: bool = field(default_factory=lambda: os.environ.get(ZERO_COPY_ENV, "1") != "0")
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/encoder threads per worker, ahead of its writer (0: none)
@@ -155,6 +155,7 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
     `config_option`: the caller's option naming a config.json, offered when `src` has none (None: no option)."""
     from glmconv.checkpoint_layout import checkpoint_layout
     from glmconv.io.torch_dist.common_state import read_common_state
+    from glmconv.io.torch_dist.stored_objects import check_stored_objects
     from glmconv.megatron_args import check_stored_args
 
     src_p = Path(src)
@@ -163,6 +164,7 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
                               f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
     common = read_common_state(ck.iter_dir)
+    check_stored_objects(ck.iter_dir, ck.objects)  # what a trainer's load unpickles: each loadable
     cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir, config_option)
     cfg = load_config(cfg_path)
     check_stored_args(common.get("args"), cfg, str(ck.iter_dir))  # another model than its config: refused now
@@ -417,6 +419,16 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
     return route
 
 
+def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> list[Extent]:
+    """`route_extents`, the bytes scanned for NaN/Inf as they are copied (the HF tensor's own index and block)."""
+    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.finite import require_finite_extents
+
+    extents = route_extents(reader, spans)
+    require_finite_extents(extents, TORCH_DTYPES[t.dtype], tuple(t.shape), t.name, str(reader.iter_dir))
+    return extents
+
+
 def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:
     """The file extents of one HF tensor's spans, in order (every chunk was located by `byte_route`)."""
     extents: list[Extent] = []
@@ -474,7 +486,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step]:
         for m, planned in zip(share, outputs):
             yield from export_steps(m, planned, readers, job, chunk_bytes, stats, like,
-                                    zero_copy=zero_copy and not check_finite, like_src=like_src)
+                                    zero_copy=zero_copy, like_src=like_src)
             consumed.extend(t.name for t in m.mcore)  # from --like: accounted for, as the audit says
 
     try:
@@ -505,7 +517,7 @@ def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReader
         assert like_src is not None
         read = from_hf(m, like_src)
     elif (route := byte_route(m, readers.get(), job.dtypes) if zero_copy else None) is not None:
-        yield Step(0, lambda: [(t.name, route_extents(readers.get(), route[t.name])) for t in planned])
+        yield Step(0, lambda: [(t.name, scanned_extents(readers.get(), route[t.name], t)) for t in planned])
         return
     else:
         read = stored_read(m, readers.get, job.stored_rows)

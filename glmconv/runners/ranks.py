@@ -11,11 +11,14 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from glmconv import interrupt, output
 from glmconv.errors import GlmconvError
 from glmconv.output import STAGING_SUFFIX
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 RankFn = Callable[..., dict[str, Any]]
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -224,18 +227,22 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
     hold = (stage.path, stage.run) if stage is not None else None
     with tempfile.TemporaryDirectory(prefix="glmconv-pg-") as tmp:
         ctx = mp.get_context("spawn")
-        results, done = ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=_worker, args=(fn, args, r, workers, Path(tmp) / "store", results, os.getpid(),
-                                                   hold, done))
-                 for r in range(workers)]
+        links = [_Link(ctx) for _ in range(workers)]
+        procs = [ctx.Process(target=_worker, args=(fn, args, r, workers, Path(tmp) / "store", link.out_send,
+                                                   os.getpid(), hold, link.done_recv))
+                 for r, link in enumerate(links)]
         try:
-            with _sigint_ignored_by_children():
-                for p in procs:
+            with _sigint_ignored_by_children(), _tracker_relaunch_quiet():
+                for p, link in zip(procs, links):
                     p.start()
-            outcomes, died = _collect(results, procs, done)
+                    link.started()
+            outcomes, died = _collect(links, procs)
         except BaseException:
             _kill(procs)
             raise
+        finally:
+            for link in links:
+                link.close()
     dead = died or [f"rank {r} {_how(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode]
     if dead:  # first: the survivors' errors are only the echo of a lost peer
         raise GlmconvError(f"a {what} worker died ({', '.join(dead)}); nothing published")
@@ -267,6 +274,17 @@ def _sigint_ignored_by_children() -> Iterator[None]:
         signal.signal(signal.SIGINT, before)
 
 
+@contextmanager
+def _tracker_relaunch_quiet() -> Iterator[None]:
+    """Starting a worker relaunches a killed resource tracker with a UserWarning that resources might leak;
+    the workers' pipes register none (`_Link`), so nothing can: the warning is not shown."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="resource_tracker: process died unexpectedly")
+        yield
+
+
 def _kill(procs: list[Any]) -> None:
     """SIGKILL every started worker and wait for it: nothing of theirs writes after this returns."""
     for p in procs:
@@ -288,27 +306,57 @@ def _how(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def _collect(results: Any, procs: list[Any], done: Any) -> tuple[list[Any], list[str]]:
+class _Link:
+    """The parent's two pipes to one worker: its outcome comes back on one, closing the other releases it.
+
+    Plain pipes, not multiprocessing's Queue and Event: those hold named semaphores registered with
+    multiprocessing's resource tracker, and a tracker killed mid-run is relaunched empty, then told to
+    unregister semaphores it never saw (a KeyError traceback on the user's terminal). A pipe registers nothing.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self.out_recv, self.out_send = ctx.Pipe(duplex=False)
+        self.done_recv, self.done_send = ctx.Pipe(duplex=False)
+
+    def started(self) -> None:
+        """The worker holds its own ends now: the parent's copies closed, so a dead worker reads as EOF."""
+        self.out_send.close()
+        self.done_recv.close()
+
+    def release(self) -> None:
+        self.done_send.close()
+
+    def close(self) -> None:
+        for conn in (self.out_recv, self.out_send, self.done_recv, self.done_send):
+            conn.close()
+
+
+def _collect(links: list[_Link], procs: list[Any]) -> tuple[list[Any], list[str]]:
     """One outcome per worker, and the workers that died (killed, or exited non-zero) before all were in.
 
     A dead worker is noticed at once, whatever phase it died in (importing torch, joining the group, inside a
-    collective): its peers would wait for it forever, so they are killed too. `done` releases the workers once
-    every outcome is in: no rank leaves while a peer may still be in a collective.
+    collective): its peers would wait for it forever, so they are killed too. Closing the release pipes lets
+    the workers go once every outcome is in: no rank leaves while a peer may still be in a collective.
     """
-    import queue
+    from multiprocessing.connection import wait
 
     outcomes: list[Any] = []
     died: list[str] = []
+    waiting = {link.out_recv: link for link in links}
     try:
-        while len(outcomes) < len(procs) and not died:
-            try:
-                outcomes.append(results.get(timeout=DEATH_POLL_S))
-            except queue.Empty:
-                died = [f"rank {r} {_how(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode]
-                if not any(p.is_alive() for p in procs):
-                    break
+        while waiting and not died:
+            for conn in wait(list(waiting), timeout=DEATH_POLL_S):
+                del waiting[conn]
+                try:
+                    outcomes.append(conn.recv())
+                except (EOFError, OSError):
+                    pass  # ended without an outcome: its exit code says how
+            died = [f"rank {r} {_how(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode]
+            if waiting and not any(p.is_alive() for p in procs) and not wait(list(waiting), timeout=0):
+                break
     finally:
-        done.set()
+        for link in links:
+            link.release()
     if died:
         _kill(procs)
     for p in procs:
@@ -316,8 +364,8 @@ def _collect(results: Any, procs: list[Any], done: Any) -> tuple[list[Any], list
     return outcomes, died
 
 
-def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Path, results: Any, parent: int,
-            hold: tuple[Path, str] | None, done: Any) -> None:
+def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Path, results: Connection, parent: int,
+            hold: tuple[Path, str] | None, done: Connection) -> None:
     """One rank of --workers: bound to its parent's life, holding the run's staging directory, never publishing.
 
     It ends with `os._exit`, never tearing gloo down: a gloo group destroyed, or its threads met by the
@@ -333,7 +381,7 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
         if hold is not None:
             _HELD.append(output.join_stage(*hold))  # kept open (flocked) until this process ends
     except GlmconvError as exc:
-        results.put(str(exc))
+        _send(results, str(exc))
         return
     import torch
     import torch.distributed as dist
@@ -342,25 +390,35 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     ok = False
     try:
-        results.put(_then_barrier(fn(*args, rank, world, dist.group.WORLD)))
+        _send(results, _then_barrier(fn(*args, rank, world, dist.group.WORLD)))
         ok = True
     except GlmconvError as exc:
-        results.put(str(exc))
+        _send(results, str(exc))
     except Exception as exc:
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        results.put(f"rank {rank}: {type(exc).__name__}: {line}")
+        _send(results, f"rank {rank}: {type(exc).__name__}: {line}")
     finally:
         _leave(results, done if ok else None)
 
 
-def _leave(results: Any, done: Any | None) -> None:
-    """Flush this worker's outcome to the parent, wait for `done` when given, and end without any teardown."""
+def _send(results: Connection, outcome: Any) -> None:
+    try:
+        results.send(outcome)
+    except OSError:
+        pass  # the parent is gone or gave up on this run: nothing to tell
+
+
+def _leave(results: Connection, done: Connection | None) -> None:
+    """Close the outcome pipe (sent in full), wait for the parent to release this rank when `done` is given,
+    and end without any teardown."""
     import sys
 
     results.close()
-    results.join_thread()
     if done is not None:
-        done.wait()
+        try:
+            done.recv()  # the parent closes its end once every outcome is in
+        except (EOFError, OSError):
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

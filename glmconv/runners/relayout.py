@@ -223,8 +223,11 @@ def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]
     import torch
 
     from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.finite import require_finite_extents
     from glmconv.io.torch_dist.torch_save import FileTensor
 
+    where = str(extents[0].path.parent) if extents else spec.name
+    require_finite_extents(extents, TORCH_DTYPES[spec.dtype], tuple(shape), spec.name, where)  # copied, scanned
     return FileTensor(torch.Size(shape), TORCH_DTYPES[spec.dtype], tuple(extents))
 
 

@@ -29,7 +29,7 @@ class HfTensorSource:
     threads at once.
     """
 
-    def __init__(self, files: dict[str, Path], *, check_finite: bool = False,
+    def __init__(self, files: dict[str, Path], *, check_finite: bool = True,
                  dequantize: Dequantize | None = None) -> None:
         self._files = files
         self._check_finite = check_finite

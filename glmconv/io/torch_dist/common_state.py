@@ -259,7 +259,7 @@ def _with_torch(data: bytes, source: str) -> Any:
             raise CheckpointError(f"{source}: common state holds the disallowed global {found.group(1)}; "
                                   "refusing to unpickle it") from None
         raise CheckpointError(f"{source}: common state is not a readable torch archive ({_why(exc)})") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+    except Exception as exc:  # any failure of the weights-only unpickler: a damaged archive
         raise CheckpointError(f"{source}: common state is not a readable torch archive ({_line(exc)})") from None
     return obj
 

@@ -23,6 +23,7 @@ import re
 import struct
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata_check import load_metadata
 from glmconv.io.torch_dist.safe_unpickle import is_a
+from glmconv.io.torch_dist.stored_objects import check_tensor_archive
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
 class DcpReader:
     """Random access to the tensors of one torch_dist checkpoint (tracker root or iteration directory)."""
 
-    def __init__(self, path: str | Path, *, check_finite: bool = False) -> None:
+    def __init__(self, path: str | Path, *, check_finite: bool = True) -> None:
         self.ckpt: DcpCheckpoint = inspect_torch_dist(path)  # tracker, metadata.json, data files present
         self._check_finite = check_finite
         metadata = load_metadata(self.ckpt.iter_dir / DCP_METADATA_NAME)
@@ -150,10 +152,15 @@ class DcpReader:
         dtype = self._entry(name).properties.dtype
         sizes = tuple(int(z) for z in chunk.sizes)
         try:
-            return locate_tensor_data(path, int(info.offset), int(info.length), dtype, sizes)
+            found = locate_tensor_data(path, int(info.offset), int(info.length), dtype, sizes)
         except (OSError, ValueError, EOFError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError, KeyError,
                 TypeError, AttributeError, IndexError):
             return None
+        if found is not None:  # its bytes will be copied unread: the rest of the archive checked as torch.load would
+            with open(path, "rb") as fh:
+                check_tensor_archive(_Slice(fh, int(info.offset), int(info.length)), f"{path.name}: {name}", dtype,
+                                     sizes)
+        return found
 
     def drop_cache(self) -> None:
         """Forget the last chunk read (kept so that row-by-row reads of one chunk load it once)."""
@@ -201,7 +208,7 @@ class DcpReader:
                                     weights_only=True)
         except OSError as exc:
             raise CheckpointError(f"{path.name}: cannot read {name} ({exc.strerror or exc})") from None
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        except Exception as exc:  # whatever torch.load raises on a damaged archive
             raise CheckpointError(f"{path.name}: {name}: chunk is not a readable tensor ({_line(exc)})") from None
         want = tuple(int(s) for s in chunk.sizes)
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != want or tensor.dtype != self._entry(
@@ -327,9 +334,9 @@ def locate_tensor_data(path: Path, offset: int, length: int, dtype: Any, sizes: 
             return None
         prefix = pickles[0][:-len("/data.pkl")]
         order = infos.get(f"{prefix}/byteorder")
-        if order is not None and _record(fh, offset, length, order, 16) != b"little":
+        if order is not None and stored_record(fh, offset, length, order, 16) != b"little":
             return None
-        record = _describe(_record(fh, offset, length, infos[pickles[0]], _MAX_PICKLE))
+        record = _describe(stored_record(fh, offset, length, infos[pickles[0]], _MAX_PICKLE))
         if record is None:
             return None
         st = record.storage
@@ -362,7 +369,7 @@ def _record_start(fh: Any, offset: int, length: int, info: zipfile.ZipInfo) -> i
     return offset + start
 
 
-def _record(fh: Any, offset: int, length: int, info: zipfile.ZipInfo, limit: int) -> bytes | None:
+def stored_record(fh: Any, offset: int, length: int, info: zipfile.ZipInfo, limit: int) -> bytes | None:
     """A small stored record's bytes (no CRC check: torch.load does none, and writers may leave it 0)."""
     if info.file_size > limit:
         return None
@@ -432,24 +439,34 @@ def read_metadata(ckpt_dir: str | Path) -> Any:
 
 
 def read_bytes_entry(ckpt_dir: str | Path, key: str) -> bytes:
-    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state); the metadata is read as
+    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state)."""
+    return next(iter_bytes_entries(ckpt_dir, [key]))[1]
+
+
+def iter_bytes_entries(ckpt_dir: str | Path, keys: list[str]) -> Iterator[tuple[str, bytes]]:
+    """(data file name, raw bytes) of each BYTE_IO entry `keys`, in order; `.metadata` is read once, as
     `StandIn`s, so this needs no torch."""
     d = Path(ckpt_dir)
     path = d / DCP_METADATA_NAME
     if not path.exists():
         raise CheckpointError(f"{path}: missing; not a torch_dist checkpoint")
     md = load_metadata(path, stand_ins=True)
-    info = next((v for k, v in (md.storage_data or {}).items() if k.fqn == key and k.offset is None), None)
-    if not is_a(md.state_dict_metadata.get(key), "BytesStorageMetadata") or info is None:
-        raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
-    if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
-        raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
+    for key in keys:
+        info = next((v for k, v in (md.storage_data or {}).items() if k.fqn == key and k.offset is None), None)
+        if not is_a(md.state_dict_metadata.get(key), "BytesStorageMetadata") or info is None:
+            raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
+        if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
+        yield info.relative_path, _read_range(d / info.relative_path, int(info.offset), int(info.length), key)
+
+
+def _read_range(path: Path, offset: int, length: int, key: str) -> bytes:
     try:
-        with open(d / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
     except OSError as exc:
-        raise CheckpointError(f"{d / info.relative_path}: {exc.strerror or exc}") from None
-    if len(data) != info.length:
-        raise CheckpointError(f"{d / info.relative_path}: truncated ({len(data)} of {info.length} bytes for {key})")
+        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+    if len(data) != length:
+        raise CheckpointError(f"{path}: truncated ({len(data)} of {length} bytes for {key})")
     return data

@@ -1,0 +1,137 @@
+"""Every stored object of a torch_dist checkpoint, checked the way a trainer's load will read it.
+
+A Megatron load reads each non-tensor DCP entry (`_extra_state`, the common state, any other ShardedObject)
+with `torch.load(weights_only=False)` (torch 2.13 `DefaultLoadPlanner.load_bytes`) and each tensor archive with
+`torch.load(map_location="cpu", weights_only=True)` (`FileSystemReader.read_data`). glmconv never unpickles
+with `weights_only=False`; instead an object must load through torch's weights-only unpickler (the allow-list),
+and its pickles must also pass the real unpickler with every global replaced by an inert stand-in
+(`_InertUnpickler`: nothing is built or called), which refuses what weights-only tolerates but a real load
+does not (an unsupported protocol number). Tensor archives whose bytes are copied without being read
+(export's zero-copy path) are loaded on the meta device: every check torch makes but the data's copy.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from glmconv.errors import CheckpointError
+from glmconv.io.file_names import COMMON_STATE_KEY
+
+_MAX_PICKLE = 1 << 26  # a stored object's pickle record larger than this is refused unread
+
+
+def check_stored_objects(iter_dir: Path, keys: list[str]) -> None:
+    """Load every non-tensor entry `keys` of the checkpoint in `iter_dir` as a trainer would; refuse the first
+    that fails, naming the entry and its data file."""
+    from glmconv.io.torch_dist.common_state import load_common_state
+    from glmconv.io.torch_dist.reader import iter_bytes_entries
+
+    for key, (file, data) in zip(keys, iter_bytes_entries(iter_dir, keys)):
+        where = f"{iter_dir / file}: {key}"
+        if key == COMMON_STATE_KEY:
+            load_common_state(data, source=where)
+        check_object(data, where)
+
+
+def check_object(data: bytes, where: str) -> None:
+    """One stored object: weights-only torch.load, then its pickles through the real unpickler (inert globals)."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_common_classes()):
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        for pkl in _pickles(data):
+            _InertUnpickler(io.BytesIO(pkl)).load()
+    except Exception as exc:  # any failure: a trainer's torch.load fails too
+        raise CheckpointError(f"{where}: stored object is not loadable by torch.load ({_line(exc)})") from None
+
+
+def check_tensor_archive(fh: Any, where: str, dtype: Any, sizes: tuple[int, ...]) -> None:
+    """A tensor archive whose data bytes are copied unread: every other check torch.load makes, on the meta
+    device; `fh` is the archive's window (seekable, positioned anywhere)."""
+    import torch
+
+    try:
+        fh.seek(0)
+        tensor = torch.load(fh, map_location="meta", weights_only=True)
+        for pkl in _pickles_of(fh):
+            _InertUnpickler(io.BytesIO(pkl)).load()
+    except Exception as exc:
+        raise CheckpointError(f"{where}: chunk is not a readable tensor ({_line(exc)})") from None
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != sizes or tensor.dtype != dtype:
+        got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise CheckpointError(f"{where}: chunk holds {got}, metadata says {sizes} {dtype}")
+
+
+def _pickles(data: bytes) -> list[bytes]:
+    return _pickles_of(io.BytesIO(data))
+
+
+def _pickles_of(fh: Any) -> list[bytes]:
+    """The top-level `*/data.pkl` records of a torch.save archive (no CRC check: torch.load makes none)."""
+    from glmconv.io.torch_dist.reader import stored_record
+
+    fh.seek(0, io.SEEK_END)
+    length = fh.tell()
+    fh.seek(0)
+    with zipfile.ZipFile(fh) as z:
+        infos = [i for i in z.infolist() if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+    out = []
+    for info in infos:
+        record = stored_record(fh, 0, length, info, _MAX_PICKLE)
+        if record is None:
+            raise pickle.UnpicklingError(f"{info.filename} is not a stored record")
+        out.append(record)
+    return out
+
+
+class _Inert:
+    """What every global and persistent id becomes in `_InertUnpickler`: accepts anything, does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
+        return _Inert()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _InertUnpickler(pickle.Unpickler):
+    """The real unpickler (protocol, opcodes, stack, memo) over a pickle whose globals build nothing."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _Inert  # a type: REDUCE calls it, NEWOBJ builds it, BUILD sets its state; none does anything
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Inert()
+
+
+def _common_classes() -> list[Any]:
+    from glmconv.io.torch_dist.common_state import _OPAQUE, SAFE_CLASSES
+
+    return [*SAFE_CLASSES, *_OPAQUE]
+
+
+def _line(exc: BaseException) -> str:
+    """The reason in one line: the weights-only unpickler's own words when it refused something."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+)|(Trying to load unsupported GLOBAL [\w.]+)", str(exc))
+    if found:
+        return "refused by the weights-only unpickler: " + (found.group(1) or found.group(2)).strip()
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
