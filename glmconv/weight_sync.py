@@ -214,11 +214,12 @@ def _from_checkpoint(src: Path, config: GlmConfig | str | Path | None, fp8: bool
                      chunk_bytes: int) -> Iterator[Named]:
     """Export's own stream of `src` (its checks first: plan, stored args, shapes), without writing anything."""
     from glmconv.io.torch_dist.reader import DcpReader
-    from glmconv.runners.export import mapping_tensors, source_job
+    from glmconv.runners.export import check_loadable, mapping_tensors, source_job
 
     if isinstance(config, GlmConfig):
         raise GlmconvError("hf_weights: for a torch_dist directory, pass the config as a path (or none)")
     job = source_job(src, config=config, fp8=fp8, config_option=None)
+    check_loadable(job.src)
     want = {**job.dtypes, **(dtypes or {})}
 
     def stream() -> Iterator[Named]:

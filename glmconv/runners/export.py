@@ -155,7 +155,6 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
     `config_option`: the caller's option naming a config.json, offered when `src` has none (None: no option)."""
     from glmconv.checkpoint_layout import checkpoint_layout
     from glmconv.io.torch_dist.common_state import read_common_state
-    from glmconv.io.torch_dist.stored_objects import check_stored_objects
     from glmconv.megatron_args import check_stored_args
 
     src_p = Path(src)
@@ -164,7 +163,6 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
                               f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
     common = read_common_state(ck.iter_dir)
-    check_stored_objects(ck.iter_dir, ck.objects)  # what a trainer's load unpickles: each loadable
     cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir, config_option)
     cfg = load_config(cfg_path)
     check_stored_args(common.get("args"), cfg, str(ck.iter_dir))  # another model than its config: refused now
@@ -685,9 +683,19 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
             **space_plan(job, opts.space_check)}
 
 
+def check_loadable(src: Path) -> None:
+    """Every stored object of `src` (each `_extra_state`, the common state) loads as a trainer's torch.load would:
+    a run checks it before any work (a dry run does not: it imports no torch)."""
+    from glmconv.io.torch_dist.stored_objects import check_stored_objects
+
+    ck = inspect_torch_dist(src)
+    check_stored_objects(ck.iter_dir, ck.objects)
+
+
 def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     start = time.monotonic()
+    check_loadable(job.src)
     inputs = _inputs(job.src, job.like, job.config_path)
 
     summary = publish_run(ExportRun(job, opts), job.out, inputs, force, opts.workers,

@@ -365,7 +365,9 @@ def dry_run_summary(job: RelayoutJob, opts: RelayoutOptions) -> dict[str, Any]:
 
 def relayout(job: RelayoutJob, opts: RelayoutOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the relayout; returns the summary. Raises GlmconvError on any failure."""
+    from glmconv.runners.export import check_loadable
 
+    check_loadable(job.src)
     return publish_run(RelayoutRun(job, opts), job.out, {"input": job.src}, force, 1,
                        (lambda: space_plan(job, True)) if opts.space_check else None)
 

@@ -64,6 +64,7 @@ def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     check_pair("verify", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
     check_same_model(hf_dir, mcore_dir)  # a checkpoint of another model: before its args are read
     mc = export.source_job(mcore_dir, config=hf_dir)
+    export.check_loadable(mc.src)  # every stored object a trainer will load
     hf = convert.source_job(hf_dir, layout=mc.plan.layout)  # the pairs meet under the Megatron side's names
     of_hf = hf.plan.mapping_of_mcore
     unpaired = [n for n in mc.plan.mcore_index if n not in of_hf]
