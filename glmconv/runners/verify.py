@@ -131,7 +131,7 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Any, opts: VerifyOption
     from glmconv.io.dequant import share_dequantizer
     from glmconv.io.safetensors.reader import HfTensorSource
 
-    readers = export.ThreadReaders(job.mcore.src, check_finite=False)
+    readers = export.ThreadReaders(job.mcore.src, check_finite=True)  # a non-finite value is refused, never compared
     fp8 = convert.fp8_bytes([job.pairs[i][0] for i in mine])
     found: list[tuple[int, Mismatch]] = []
 
