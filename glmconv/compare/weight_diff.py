@@ -19,7 +19,6 @@ from glmconv.compare.verdict import DIFFER, EQUAL, ROUNDED
 from glmconv.models.weights import ExpertBank, FieldSource, WeightSource, field_source
 from glmconv.rules import roles as R
 
-EXPERT_CHUNK = 16  # stacked experts compared at once (bounds the temporary mask on the device)
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
