@@ -3,7 +3,7 @@
     python benchmarks/bench_fp8_dequant.py [--rows 2048,154880] [--cols 4096] [--threads 1,2,16] [--reps 3] [--json]
 
 For each [rows, cols] weight (random codes, realistic scales) it times, best of `--reps`:
-`reference tN` (dequantize_fp8_blocks with torch's intra-op threads = N), `slabs tN` (glmconv.io.dequant's
+`reference tN` (dequantize_fp8_blocks with torch's intra-op threads = N), `slabs tN` (glmconv.numerics.dequant's
 CpuDequantizer with N threads, intra-op 1, as convert runs it) and, when CUDA is visible, `cuda` (codes pinned,
 to the GPU, dequantised, back to pinned memory: what convert's --device cuda pays per weight). Every result is
 checked bit for bit against the reference. Reports values per second (G values/s).
@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from glmconv.io.dequant import CpuDequantizer, CudaDequantizer, torch_threads
-from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+from glmconv.numerics.dequant import CpuDequantizer, CudaDequantizer, torch_threads
+from glmconv.numerics.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 
 
 def best(fn: Callable[[], torch.Tensor], reps: int) -> tuple[float, torch.Tensor]:

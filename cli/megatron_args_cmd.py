@@ -23,7 +23,7 @@ def megatron_args(config: Path, layers: int | None, as_json: bool, layout: str) 
 
     KDA, DSA and mHC layer layouts are the training plugin's own settings and are not printed.
     """
-    from glmconv.config import load_config
+    from glmconv.io.config_file import load_config
     from glmconv.megatron_args import command_line, model_args
 
     cfg = load_config(config)

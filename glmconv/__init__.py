@@ -15,8 +15,9 @@ message. `load_config` and `build_plan` give the tensor plan (every tensor on bo
 """
 
 from glmconv.api import audit, convert, export, hf_weights, parity, relayout, verify
-from glmconv.config import GlmConfig, load_config
+from glmconv.config import GlmConfig
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
+from glmconv.io.config_file import load_config
 from glmconv.plan import Plan, build_plan
 
 __version__ = "0.1.0"

@@ -58,10 +58,10 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
     filesystem is refused before anything is written (glmconv/space.py).
 
     `workers`: processes on this machine, or `auto` (glmconv/runners/workers.py); `device`: where FP8 weights
-    are dequantised, `cpu`, `cuda` or `auto` (glmconv/io/dequant.py; the same bits everywhere); `read_threads`:
+    are dequantised, `cpu`, `cuda` or `auto` (glmconv/numerics/dequant.py; the same bits everywhere); `read_threads`:
     threads reading and dequantising ahead of each worker's writer (0: one step at a time).
     """
-    from glmconv.io.dequant import DEVICES
+    from glmconv.numerics.dequant import DEVICES
     from glmconv.rules.layouts import LAYOUT_CHOICES
     from glmconv.rules.table import DTYPE_CHOICES
     from glmconv.runners.convert import RunOptions, dry_run_summary, fp8_bytes, prepare

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from glmconv.errors import ConfigError
@@ -101,25 +100,6 @@ class GlmConfig:
 
     def to_json(self) -> dict[str, Any]:
         return copy.deepcopy(self.raw)
-
-
-def load_config(path: str | Path) -> GlmConfig:
-    """Read a config.json (file, or a checkpoint directory holding one)."""
-    from glmconv.io.file_names import CONFIG_NAME
-    from glmconv.io.jsonfile import load_json_file
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / CONFIG_NAME
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such config file")
-    raw = load_json_file(p, error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p}: expected a JSON object")
-    try:
-        return parse_config(raw)
-    except ConfigError as exc:
-        raise ConfigError(f"{p}: {exc}") from None
 
 
 def parse_config(raw: dict[str, Any]) -> GlmConfig:

@@ -60,8 +60,8 @@ def check_pair(command: str, hf_dir: str | Path, mcore_dir: str | Path) -> None:
 
 def check_same_model(hf_dir: str | Path, mcore_dir: str | Path) -> None:
     """Refuse MCORE_DIR whose config.json (convert leaves one) describes another model than HF_DIR's."""
-    from glmconv.config import load_config
     from glmconv.io.checkpoint_files import optional_file
+    from glmconv.io.config_file import load_config
     from glmconv.io.file_names import CONFIG_NAME
 
     if not (Path(hf_dir).is_dir() and Path(mcore_dir).is_dir()):

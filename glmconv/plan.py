@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from glmconv.config import DSA, MOE, GlmConfig
 from glmconv.io.dtypes import DTYPE_SIZES
-from glmconv.io.fp8 import scale_shape
+from glmconv.numerics.fp8 import scale_shape
 from glmconv.rules import layouts, names
 from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.rules.table import BF16, F32, FP8, GLOBAL, KEEP, LAYER, MTP, VISION, Rule, rules_in

@@ -8,108 +8,26 @@ stacked experts -> per-expert tensors, a few experts at a time). Which names gro
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Mapping as Dict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glmconv.config import GlmConfig, load_config
-from glmconv.errors import CheckpointError, GlmconvError
-from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan
+from glmconv.config import GlmConfig
+from glmconv.errors import GlmconvError
+from glmconv.io.config_file import load_config
+from glmconv.plan import Plan, TensorSpec, build_plan
 from glmconv.rules import names
 from glmconv.rules.layouts import DEFAULT_LAYOUT
+from glmconv.runners.backward import Fp8Stats, Named, Read, mapping_hf
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.fp8_reuse import LikeFp8
-
-Rows = tuple[int, int] | None
-Read = Callable[[str, Rows], "torch.Tensor"]  # a Megatron tensor of the mapping, whole or rows [start, stop)
-Named = tuple[str, "torch.Tensor"]
-_STATS_LOCK = threading.Lock()
-
-
-@dataclass
-class Fp8Stats:
-    """What FP8 encoding did: weights and blocks written, those re-quantised (the rest are --like's own bytes),
-    and of those, scales moved off amax/448 and blocks not reproduced exactly."""
-
-    tensors: int = 0
-    blocks: int = 0
-    scale_adjusted_blocks: int = 0
-    inexact_blocks: int = 0
-    requantized_tensors: int = 0
-    requantized_blocks: int = 0
-
-    def add(self, other: Fp8Stats) -> None:
-        for k in vars(other):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
 # ---- one mapping backward: the code export and weight sync share ------------------------------------------
-
-def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
-               like: LikeFp8 | None = None) -> Iterator[Named]:
-    """The HF tensors of `m` (FP8 weights followed by their scales), its Megatron tensors taken from `read`;
-    stacked experts come `chunk_bytes` of experts at a time, never whole."""
-    for _, make in mapping_hf_steps(m, read, dtypes, chunk_bytes, stats, like):
-        yield from make()
-
-
-def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
-                     like: LikeFp8 | None = None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
-    """`mapping_hf` step by step: the Megatron bytes each step reads and what makes its HF tensors, so that
-    export can run steps ahead on threads (`stats` is added to under a lock)."""
-    steps = m.row_steps(chunk_bytes)
-    if steps is None:
-        def whole() -> list[Named]:
-            hf = m.rule.transform.backward([read(t.name, None) for t in m.mcore], [t.shape for t in m.hf])
-            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like)
-
-        yield m.mcore_bytes, whole
-        return
-    row_bytes = m.mcore_bytes // max(1, m.mcore[0].shape[0])
-    for rows, picks in steps:
-        def part(rows: range = rows, picks: list[int] = picks) -> list[Named]:
-            hf = m.rule.transform.backward([read(m.mcore[0].name, (rows.start, rows.stop))], [])
-            return _encoded(m, picks, hf, dtypes, stats, like)
-
-        yield len(rows) * row_bytes, part
-
-
-def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
-             stats: Fp8Stats, like: LikeFp8 | None) -> list[Named]:
-    return [out for i, tensor in zip(picks, tensors, strict=True)
-            for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like)]
-
-
-def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
-           stats: Fp8Stats, like: LikeFp8 | None = None) -> Iterator[Named]:
-    """One HF tensor in the dtype it is written as; an FP8 one as codes and then its block scales."""
-    from glmconv.io.dtypes import TORCH_DTYPES
-
-    if tuple(t.shape) != spec.shape:
-        raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
-    dtype = dtypes.get(spec.name, spec.dtype)
-    if dtype != FP8:
-        yield spec.name, t.to(TORCH_DTYPES[dtype]).contiguous()
-        return
-    if scale is None:
-        raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
-    from glmconv.io.finite import require_finite
-    from glmconv.io.fp8_reuse import encode as encode_fp8
-
-    require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
-    fp8 = encode_fp8(t, like.pair(spec.name) if like is not None else None)
-    with _STATS_LOCK:  # export encodes on reader threads
-        stats.add(Fp8Stats(1, fp8.scales.numel(), fp8.scale_adjusted, fp8.inexact, int(fp8.requantized > 0),
-                           fp8.requantized))
-    yield spec.name, fp8.codes
-    yield scale.name, fp8.scales
 
 
 # ---- in-process: parameters pushed one at a time, in any order ----------------------------------------------

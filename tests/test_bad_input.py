@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_export import _rewrite as rewrite_torch_dist
 
-from glmconv.config import load_config
+from glmconv.io.config_file import load_config
 from glmconv.io.file_names import COMMON_STATE_KEY, CONFIG_NAME, DCP_METADATA_NAME, INDEX_NAME, RELEASE, TRACKER_NAME
 from glmconv.io.torch_dist.safe_unpickle import safe_load
 from glmconv.runners import convert as convert_mod

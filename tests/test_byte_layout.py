@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmconv.io.byte_copy import Extent, FileCopier, Piece, merge, read_into, take
+from glmconv.io.byte_copy import Extent, FileCopier, merge, read_into
 from glmconv.rules.ops import Concat, Rename, SplitVector, StackExperts, Transform
+from glmconv.rules.pieces import Piece, take
 
 
 def _assemble(layout: list[Piece], inputs: list[torch.Tensor]) -> bytes:

@@ -6,8 +6,9 @@ import json
 import pytest
 from repo_files import REAL_CONFIG as REAL
 
-from glmconv.config import DENSE, DSA, KDA, MOE, load_config, parse_config
+from glmconv.config import DENSE, DSA, KDA, MOE, parse_config
 from glmconv.errors import ConfigError
+from glmconv.io.config_file import load_config
 
 
 @pytest.fixture()

@@ -44,7 +44,7 @@ def converted(src: Path, out: Path, **opts: Any) -> dict[str, object]:
 def test_threads_ahead_of_the_writer_give_the_serial_paths_files_byte_for_byte(
         fixture: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Serial: one step at a time, the reference dequantisation; ahead: 3 readers, FP8 in 128-row slabs on 3 threads."""
-    import glmconv.io.dequant as dequant
+    import glmconv.numerics.dequant as dequant
 
     src = request.getfixturevalue(fixture)
     serial = converted(src, tmp_path / "serial", threads=0, fp8_threads=1, device="cpu", **SMALL)
@@ -162,7 +162,7 @@ def test_one_two_and_auto_workers_write_the_same_tensors(tiny_fp8_ckpt: Path, tm
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import mcore_helpers as mh
 
-    import glmconv.io.dequant as dequant
+    import glmconv.numerics.dequant as dequant
     import glmconv.runners.workers as workers
     from glmconv import api
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from hf_helpers import raw_tensors
 
-from glmconv.config import load_config
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.config_file import load_config
 from glmconv.io.file_names import (
     COMMON_PT_NAME,
     CONFIG_NAME,
@@ -25,11 +25,11 @@ from glmconv.io.file_names import (
     RELEASE,
     TRACKER_NAME,
 )
-from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from glmconv.io.safetensors.writer import ShardWriter
 from glmconv.io.torch_dist.common_state import read_common_state
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter
+from glmconv.numerics.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from glmconv.plan import build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import SplitVector

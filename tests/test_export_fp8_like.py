@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from hf_helpers import raw_tensors
 
 from glmconv.io.file_names import MANIFEST_NAME
-from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from glmconv.io.fp8_reuse import encode
 from glmconv.io.torch_dist.metadata import inspect_torch_dist
 from glmconv.io.torch_dist.reader import DcpReader
+from glmconv.numerics.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+from glmconv.numerics.fp8_reuse import encode
 from glmconv.rules import names
 from glmconv.runners import convert as convert_mod
 from glmconv.runners import export as export_mod

@@ -55,7 +55,7 @@ def test_fp8_export_round_trips_the_release_with_threads(mcs: dict[str, Path], t
 
 def test_auto_workers_weigh_fp8_encoding_like_convert_weighs_dequantisation(mcs: dict[str, Path], tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import glmconv.io.dequant as dequant
+    import glmconv.numerics.dequant as dequant
     import glmconv.runners.workers as workers
 
     asked = []

@@ -19,7 +19,7 @@ from glmconv import api
 from glmconv.config import DSA, KDA, parse_config
 from glmconv.fixtures import FixtureError, make_fixture, preset_config, real
 from glmconv.fixtures.generate import fixture_tensors, upstream_shapes
-from glmconv.io.fp8 import dequantize_fp8_blocks
+from glmconv.numerics.fp8 import dequantize_fp8_blocks
 from glmconv.plan import FP8
 from glmconv.rules import names
 from glmconv_cli.main import cli

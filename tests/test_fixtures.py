@@ -16,8 +16,8 @@ from glmconv.config import DSA, KDA, parse_config
 from glmconv.errors import GlmconvError
 from glmconv.fixtures import FixtureError, generate, make_fixture, preset_config
 from glmconv.io.file_names import INDEX_NAME
-from glmconv.io.fp8 import dequantize_fp8_blocks, scale_shape
 from glmconv.io.safetensors.writer import ShardWriter
+from glmconv.numerics.fp8 import dequantize_fp8_blocks, scale_shape
 from glmconv.plan import FP8, build_plan
 from glmconv.rules import names
 from glmconv.rules.table import MTP, VISION

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from glmconv.errors import GlmconvError
-from glmconv.io.fp8 import E4M3_MAX, Fp8FormatError, dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
+from glmconv.numerics.fp8 import E4M3_MAX, Fp8FormatError, dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
 
 REL = 2.0**-4  # e4m3 has 3 mantissa bits: round-to-nearest relative error <= 2^-4 for normals
 SUB = 2.0**-10  # half the subnormal spacing (2^-9), in units of the block scale

@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 
 from glmconv.errors import GlmconvError
-from glmconv.io.dequant import AUTO_CUDA_BYTES, CpuDequantizer, resolve_device
-from glmconv.io.fp8 import Fp8FormatError, dequantize_fp8_blocks, scale_shape
+from glmconv.numerics.dequant import AUTO_CUDA_BYTES, CpuDequantizer, resolve_device
+from glmconv.numerics.fp8 import Fp8FormatError, dequantize_fp8_blocks, scale_shape
 from glmconv_cli.main import cli
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
@@ -97,7 +97,7 @@ def test_device_cpu_runs_and_the_summary_says_where(tiny_fp8_ckpt: Path, tmp_pat
 def test_a_nan_code_is_refused_naming_its_block_never_dequantised(code: int, where: tuple[int, int],
                                                                   threads: int) -> None:
     """Issue 25: NaN codes (0x7F, 0xFF) anywhere are refused by the CPU paths, naming the block and the count."""
-    from glmconv.io.finite import NonFiniteError
+    from glmconv.numerics.finite import NonFiniteError
 
     codes, scales = every_code((1000, 700))
     codes.view(torch.uint8)[where] = code

@@ -28,8 +28,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from test_bad_input import add_tensor, assert_refused, edit_shard, invoke, mc_ckpt, weight_map  # noqa: F401
 
-from glmconv.config import LAC_SCHEMA, TEXT_SCHEMA, VISION_SCHEMA, load_config
+from glmconv.config import LAC_SCHEMA, TEXT_SCHEMA, VISION_SCHEMA
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME, INDEX_NAME, RELEASE
 from glmconv.plan import FP8, build_plan
 from glmconv.progress import Progress

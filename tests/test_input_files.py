@@ -189,7 +189,7 @@ def test_fp8_scale_that_is_not_positive_finite_normal_is_refused(value: float, s
 
 
 def test_fp8_scale_error_names_the_first_bad_block_and_counts_them(tmp_path: Path) -> None:
-    from glmconv.io.fp8 import Fp8FormatError, check_scales
+    from glmconv.numerics.fp8 import Fp8FormatError, check_scales
 
     scales = torch.ones(3, 4)
     scales[1, 2] = 0.0
@@ -199,7 +199,7 @@ def test_fp8_scale_error_names_the_first_bad_block_and_counts_them(tmp_path: Pat
 
 
 def test_smallest_normal_fp8_scale_is_accepted() -> None:
-    from glmconv.io.fp8 import check_scales
+    from glmconv.numerics.fp8 import check_scales
 
     check_scales(torch.tensor([[torch.finfo(torch.float32).tiny, 448.0]]), "w_scale_inv")
 

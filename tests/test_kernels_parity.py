@@ -14,7 +14,7 @@ from glmconv.kernels import op_set
 
 
 def _model(hf: Path, kernels: str = "auto"):  # type: ignore[no-untyped-def]
-    from glmconv.config import load_config
+    from glmconv.io.config_file import load_config
     from glmconv.models.conventions import Conventions
     from glmconv.models.model import GlmModel
     from glmconv.models.weights import HfWeights

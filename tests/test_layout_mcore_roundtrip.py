@@ -92,7 +92,7 @@ def test_what_the_layout_has_no_parameter_for_is_counted_and_kept(converted: dic
 
 
 def test_the_same_tensors_hold_the_same_bytes_in_both_layouts(converted: dict, tiny_miles: Path) -> None:
-    from glmconv.config import load_config
+    from glmconv.io.config_file import load_config
     from glmconv.plan import build_plan
 
     _, mc, _ = converted["tiny"]

@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 from repo_files import REAL_CONFIG
 
-from glmconv.config import load_config
 from glmconv.errors import CheckpointError
+from glmconv.io.config_file import load_config
 from glmconv.megatron_args import check_stored_args, command_line, layer_pattern, model_args
 from glmconv_cli.main import cli
 

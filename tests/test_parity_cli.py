@@ -580,7 +580,7 @@ def test_each_replay_removes_only_its_own_selection_difference(tiny_ckpt: Path, 
 
 def _serve_selections(hf: Path, mc: Path, batch: Any) -> dict[str, torch.Tensor]:
     """The serve side's expert ids and indexer top-k over `batch`, stacked as a replay file holds them."""
-    from glmconv.config import load_config
+    from glmconv.io.config_file import load_config
 
     serve, _, _ = parity_mod.build_models(load_config(hf), ParityOptions(hf_dir=hf, mcore_dir=mc))
     experts, topk = [], []

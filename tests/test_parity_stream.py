@@ -14,7 +14,7 @@ from glmconv.compare import ParityOptions, run_parity
 from glmconv.compare import memory as memory_mod
 from glmconv.compare.capture import capture
 from glmconv.compare.inputs import random_batch
-from glmconv.config import load_config
+from glmconv.io.config_file import load_config
 from glmconv.models import weights as weights_mod
 from glmconv.models.conventions import Conventions
 from glmconv.models.model import GlmModel

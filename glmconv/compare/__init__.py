@@ -77,7 +77,7 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     from glmconv.compare.memory import peak_memory, start_peak
     from glmconv.compare.replay import Replay, load_replay_file
     from glmconv.compare.report import build_report
-    from glmconv.config import load_config
+    from glmconv.io.config_file import load_config
 
     if opts.dtype not in DTYPES:
         raise GlmconvError(f"--dtype {opts.dtype!r}: choose from {', '.join(DTYPES)}")
@@ -209,8 +209,8 @@ def check_device(device: str) -> str:
 
 def _check_same_config(config: GlmConfig, mcore_dir: Path) -> None:
     """A converted checkpoint carries its config.json: refuse a pair that describes different models."""
-    from glmconv.config import load_config
     from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file
+    from glmconv.io.config_file import load_config
     from glmconv.io.file_names import CONFIG_NAME
 
     path = optional_file(check_checkpoint_dir(Path(mcore_dir)), CONFIG_NAME)

@@ -30,29 +30,6 @@ class Extent:
     length: int
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Bytes [offset, offset + length) of input tensor `source` (an index into a transform's inputs)."""
-
-    source: int
-    offset: int
-    length: int
-
-
-def take(pieces: Iterable[Piece], begin: int, end: int) -> list[Piece]:
-    """The part of a byte layout covering output bytes [begin, end), pieces clipped at both ends."""
-    out: list[Piece] = []
-    pos = 0
-    for p in pieces:
-        lo, hi = max(begin, pos), min(end, pos + p.length)
-        if lo < hi:
-            out.append(Piece(p.source, p.offset + lo - pos, hi - lo))
-        pos += p.length
-        if pos >= end:
-            break
-    return out
-
-
 def merge(extents: Iterable[Extent]) -> list[Extent]:
     """Adjacent extents of the same file fused, so one syscall copies what the source holds contiguously."""
     out: list[Extent] = []

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from glmconv.config import DSA, KDA, MOE, GlmConfig, load_config
+from glmconv.config import DSA, KDA, MOE, GlmConfig
 from glmconv.errors import CheckpointError
+from glmconv.io.config_file import load_config
 from glmconv.ops.dsa import DsaTensors
 from glmconv.ops.kda import KdaTensors
 from glmconv.ops.kpool import IndexerTensors

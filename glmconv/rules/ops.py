@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from glmconv.io.byte_copy import Piece
+from glmconv.rules.pieces import Piece
 
 if TYPE_CHECKING:  # torch is imported lazily: planning and auditing names never need it
     import torch

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmconv.config import GlmConfig, load_config
+from glmconv.config import GlmConfig
 from glmconv.errors import CheckpointError
+from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, is_hf_checkpoint
 from glmconv.io.torch_dist.metadata import config_path

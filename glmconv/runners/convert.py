@@ -122,7 +122,7 @@ def fp8_bytes(mappings: list[Mapping]) -> int:
 
 def fp8_thread_count(workers: int) -> int:
     """CPU dequantisation threads of one worker: its share of this machine's cores."""
-    from glmconv.io.dequant import cpu_count
+    from glmconv.numerics.dequant import cpu_count
 
     return max(1, cpu_count() // max(1, workers))
 
@@ -247,7 +247,7 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any,
               chunk_bytes: int, check_finite: bool = False, threads: int = DEFAULT_THREADS,
               ahead_bytes: int = DEFAULT_AHEAD_BYTES, dequantize: Any = None) -> ShareResult:
     """Convert one worker's mappings into its own data files, reading and dequantising on `threads` threads
-    ahead of the writer (at most `ahead_bytes` made ahead), FP8 by `dequantize` (glmconv/io/dequant.py; None:
+    ahead of the writer (at most `ahead_bytes` made ahead), FP8 by `dequantize` (glmconv/numerics/dequant.py; None:
     the reference call); the files are those of the serial path, byte for byte.
     """
     from glmconv.io.safetensors.reader import HfTensorSource
@@ -317,7 +317,7 @@ class RunOptions:
     check_finite: bool = True  # refuse a NaN/Inf in any source tensor (always: copied bytes are scanned)
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/dequantiser threads per worker, ahead of its writer (0: none)
-    device: str = "auto"  # where FP8 is dequantised: cpu, cuda, auto (glmconv.io.dequant.resolve_device)
+    device: str = "auto"  # where FP8 is dequantised: cpu, cuda, auto (glmconv.numerics.dequant.resolve_device)
     fp8_threads: int = 0  # CPU dequantisation threads per worker (0: this worker's share of the cores)
     ahead_bytes: int = DEFAULT_AHEAD_BYTES  # chunks made ahead of the writer hold at most this, per worker
 
@@ -351,7 +351,7 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
-    from glmconv.io.dequant import resolve_device
+    from glmconv.numerics.dequant import resolve_device
 
     if opts.device == "cuda":
         resolve_device(opts.device, fp8_bytes(job.plan.mappings))  # no GPU: refused before anything is written
@@ -381,8 +381,8 @@ class ConvertRun(PlanRun):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
-        from glmconv.io.dequant import share_dequantizer
         from glmconv.io.torch_dist.writer import DcpWriter
+        from glmconv.numerics.dequant import share_dequantizer
 
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
         o = self.opts

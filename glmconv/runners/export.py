@@ -15,9 +15,9 @@ path can be switched off (`ExportOptions(zero_copy=False)`, or `GLMCONV_ZERO_COP
 both paths write byte-identical files (tests/test_export.py).
 
 FP8 (`--fp8`): the codes are re-quantised and each block's scale moved so that every value dequantises to
-exactly the bf16 being exported (`glmconv.io.fp8_exact`; why and what was measured: docs/fp8.md). With `--like`
+exactly the bf16 being exported (`glmconv.numerics.fp8_exact`; why and what was measured: docs/fp8.md). With `--like`
 an FP8 checkpoint, each 128x128 block whose --like codes and scale still give back the exported weight keeps
-them byte for byte; only the other blocks are re-quantised, and counted (`glmconv.io.fp8_reuse`).
+them byte for byte; only the other blocks are re-quantised, and counted (`glmconv.numerics.fp8_reuse`).
 """
 
 from __future__ import annotations
@@ -27,79 +27,55 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv import source_dtypes
-from glmconv.config import GlmConfig, load_config
-from glmconv.errors import CheckpointError, ConfigError, GlmconvError
-from glmconv.io import sidecars
-from glmconv.io.checkpoint_files import optional_file
+from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.file_names import (
-    COMMON_PT_NAME,
-    COMMON_STATE_KEY,
     CONFIG_NAME,
-    DCP_METADATA_NAME,
     INDEX_NAME,
     MANIFEST_NAME,
     SHARD_NAME,
 )
-from glmconv.io.jsonfile import load_json_file
-from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint
-from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
-from glmconv.io.torch_dist.metadata import config_path as mcore_config_path
+from glmconv.io.torch_dist.byte_route import Span, scanned_extents
 from glmconv.mistakes import expect_torch_dist
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
-from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, retyped
+from glmconv.plan import FP8, Mapping
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
+from glmconv.runners.backward import (
+    Fp8Stats,
+    ThreadReaders,
+    mapping_hf_steps,
+    stored_read,
+)
+from glmconv.runners.export_job import (
+    DEFAULT_SHARD_BYTES,
+    LIKE,
+    ExportJob,
+    _is_padding,
+    check_loadable,
+    from_hf,
+    from_like_summary,
+    like_tensors,
+    source_job,
+)
 from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, balanced, check_once, publish_run, shares
-from glmconv.text import count
-from glmconv.weight_sync import Fp8Stats, Read, mapping_hf, mapping_hf_steps
 
 if TYPE_CHECKING:
-    import torch
 
-    from glmconv.io.byte_copy import Extent
-    from glmconv.io.fp8_reuse import LikeFp8
     from glmconv.io.safetensors.like_files import LikeFiles
+    from glmconv.io.safetensors.like_fp8 import LikeFp8
     from glmconv.io.safetensors.reader import HfTensorSource
     from glmconv.io.safetensors.writer import PlannedTensor, Shard
     from glmconv.io.torch_dist.reader import DcpReader
 
-DEFAULT_SHARD_BYTES = 5 * 10**9
 ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
-VOCAB_DIM = "vocab"
-LIKE, CONVERTED, PLAN = "--like", "converted checkpoint", "plan"  # where dtypes and sidecars come from
 _RANK_DIR = ".rank-{:05d}"
-
-
-@dataclass
-class ExportJob:
-    """Everything decided before a byte of tensor data is read."""
-
-    src: Path
-    out: Path  # `source_job` leaves the source here: only `prepare` names an output
-    plan: Plan
-    config_json: dict[str, Any]
-    dtypes: dict[str, str]  # HF tensor (and FP8 scale) -> safetensors dtype to write
-    stored_rows: dict[str, int] = field(default_factory=dict)  # vocab-padded Megatron tensors: rows on disk
-    iteration: str = ""
-    like: Path | None = None
-    config_path: Path | None = None
-    source_text_prefix: str | None = None  # from convert's manifest, when there is one
-    source_fp8: bool | None = None
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES
-    like_files: LikeFiles | None = None  # --like's own files, when no --max-shard-size is given and they fit
-    like_files_unfit: str | None = None  # why --like's files could not be followed (shards cut by size instead)
-    sidecars: dict[str, Path] = field(default_factory=dict)  # HF files to copy: --like's, else convert's record
-    dtypes_from: str = PLAN  # LIKE, CONVERTED (glmconv.json's record) or PLAN (an older glmconv's checkpoint)
-    sidecars_from: str | None = None  # LIKE, CONVERTED or None
-    from_like: frozenset[tuple[str, ...]] = frozenset()  # keys of homeless mappings SRC lacks, taken from --like
 
 
 @dataclass(frozen=True)
@@ -144,228 +120,13 @@ def with_like_files(job: ExportJob) -> ExportJob:
     return dataclasses.replace(job, like_files=got)
 
 
-def source_job(src: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
-               fp8: bool = False, layout: str | None = None, config_option: str | None = "--config") -> ExportJob:
-    """What export would write from `src`, decided and checked (plan, stored args, shapes, dtypes), with no output:
-    `prepare` and the weight-sync API (`glmconv.weight_sync`) both start here.
-
-    `layout`: the Megatron layout to read `src` in; None: the one glmconv.json records, else the one its names
-    are spelled in (glmconv.checkpoint_layout). Tensors kept under glmconv_kept. are exported like any other;
-    where SRC has none (its trainer, with no parameter for them, saved none), they come unchanged from --like.
-    `config_option`: the caller's option naming a config.json, offered when `src` has none (None: no option)."""
-    from glmconv.checkpoint_layout import checkpoint_layout
-    from glmconv.io.torch_dist.common_state import read_common_state
-    from glmconv.megatron_args import check_stored_args
-
-    src_p = Path(src)
-    ck = inspect_torch_dist(src_p)
-    if ck.common_state is None:
-        raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
-                              f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
-    common = read_common_state(ck.iter_dir)
-    cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir, config_option)
-    cfg = load_config(cfg_path)
-    check_stored_args(common.get("args"), cfg, str(ck.iter_dir))  # another model than its config: refused now
-    like_ck = inspect_hf_checkpoint(like) if like is not None else None
-    if like_ck is not None:
-        _check_like_config(cfg, like_ck)
-    prefix = (like_ck.text_prefix if like_ck is not None else None) or names.HF_TEXT_PREFIX
-    parts = names.mcore_parts_present(ck.tensors)
-    plan = build_plan(cfg, fp8=fp8, mtp="mtp" in parts, vision="vision" in parts, text_prefix=prefix,
-                      layout=checkpoint_layout(src_p, cfg, ck.tensors, layout))
-    from_like = homeless_from_like(plan, ck, like_ck)
-    stored_rows = check_source(plan, ck, from_like)
-    plan = retyped(plan, {n: ck.tensors[n].dtype for n in plan.mcore_index if n in ck.tensors})
-    manifest = _manifest(src_p)
-    dtypes, dtypes_from = _dtypes(plan, like_ck, manifest, src_p)
-    files, files_from = _sidecars(like_ck, manifest, src_p)  # refused before any work when not plain files inside
-    return ExportJob(
-        src=src_p, out=src_p, plan=plan, config_json=_config_json(like_ck.config if like_ck else cfg, plan),
-        dtypes=dtypes, stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
-        like=Path(like) if like is not None else None, config_path=Path(config) if config is not None else None,
-        source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
-        sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from, from_like=from_like)
-
-
-def homeless_from_like(plan: Plan, ck: DcpCheckpoint, like: HfCheckpoint | None) -> frozenset[tuple[str, ...]]:
-    """The homeless mappings (no trainer parameter holds them: the kpool compression in the mcore layout) that SRC
-    lacks altogether, as a checkpoint saved by that layout's trainer does: their HF tensors are --like's, which
-    training cannot have changed. Without --like, or with a --like that lacks one, refused naming it."""
-    absent = [m for m in plan.homeless() if not any(t.name in ck.tensors for t in m.mcore)]
-    if not absent:
-        return frozenset()
-    first = absent[0]
-    if like is None:
-        more = f" (and {len(absent) - 1} more such mappings)" if len(absent) > 1 else ""
-        raise CheckpointError(f"{first.mcore[0].name}: missing from {ck.iter_dir}{more}: the {plan.layout} layout has "
-                              f"no trainer parameter for {', '.join(t.name for t in first.hf)}, so a checkpoint its "
-                              "trainer saved has none; pass --like with the HF checkpoint training started from")
-    for m in absent:
-        for t in m.hf:
-            got = like.tensors.get(t.name)
-            if got is None or got.shape != t.shape:
-                found = "absent" if got is None else str(list(got.shape))
-                raise CheckpointError(f"{t.name}: {found} in --like {like.path}, expected {list(t.shape)} (SRC has "
-                                      f"no {m.mcore[0].name} to export it from)")
-    return frozenset(m.key for m in absent)
-
-
 def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> dict[str, Path | None]:
     """What OUT may not overlap: the torch_dist checkpoint, the --like checkpoint, the --config file."""
     return {"input": src, "--like directory": Path(like) if like is not None else None,
             "--config file": Path(config) if config is not None else None}
 
 
-def _manifest(src: Path) -> dict[str, Any]:
-    """What convert recorded; the dtype record and the sidecar list are checked where they are used."""
-    path = optional_file(src, MANIFEST_NAME)
-    data = load_json_file(path, source=str(src / MANIFEST_NAME)) if path is not None else {}
-    types = {"text_prefix": str, "fp8_source": bool}  # convert wrote it, anyone may have edited it
-    out = {k: data[k] for k, kind in types.items() if isinstance(data, dict) and type(data.get(k)) is kind}
-    records = (source_dtypes.KEY, sidecars.KEY)
-    return {**out, **{k: data[k] for k in records if isinstance(data, dict) and k in data}}
-
-
-def _check_like_config(cfg: GlmConfig, like: HfCheckpoint) -> None:
-    """--like must describe the same model: every dimension and the layer schedules."""
-    a = audit_mod.Side(Path("mcore"), audit_mod.CONFIG, cfg, None)
-    b = audit_mod.Side(like.path, audit_mod.CONFIG, like.config, None)
-    findings = audit_mod.config_findings(a, b, "like")
-    if findings:
-        f = findings[0]
-        raise ConfigError(f"{like.path / CONFIG_NAME}: --like is another model: {f.tensor} is {f.found}, "
-                          f"the torch_dist config says {f.expected}")
-
-
-def _dtypes(plan: Plan, like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) -> tuple[dict[str, str], str]:
-    """The dtype to write per HF tensor and where it comes from: --like's header where the plan accepts it, else
-    the source dtypes convert recorded, else (an older glmconv's checkpoint) the plan's."""
-    found: dict[str, str] = {}
-    if like is not None:
-        found = {n: t.dtype for n, t in like.tensors.items()}
-    elif source_dtypes.KEY in manifest:
-        prefix = manifest.get("text_prefix", names.HF_TEXT_PREFIX)
-        found = source_dtypes.restore(plan, manifest[source_dtypes.KEY], prefix, src)
-    out = {name: found[name] if name in found and spec.accepts(found[name]) else spec.dtype
-           for name, spec in plan.hf_index.items()}
-    return out, LIKE if like is not None else CONVERTED if source_dtypes.KEY in manifest else PLAN
-
-
-def _sidecars(like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) -> tuple[dict[str, Path], str | None]:
-    """The HF files to copy: --like's when given (it wins), else those convert stored, checked against its sha256."""
-    if like is not None:
-        return sidecars.find(like.path), LIKE
-    if sidecars.KEY in manifest:
-        return sidecars.stored(src, manifest[sidecars.KEY]), CONVERTED
-    return {}, None
-
-
-def _config_json(cfg: GlmConfig, plan: Plan) -> dict[str, Any]:
-    """The config to publish: FP8 quantization_config exactly when the tensors are FP8."""
-    from glmconv.fixtures.presets import modules_not_converted, quantization_config
-
-    raw = cfg.to_json()
-    q = raw.pop("quantization_config", None)
-    if plan.fp8:
-        fp8_q = isinstance(q, dict) and q.get("quant_method") == "fp8"
-        raw["quantization_config"] = q if fp8_q else quantization_config(modules_not_converted(raw))
-    return raw
-
-
-def check_source(plan: Plan, ck: DcpCheckpoint, from_like: frozenset[tuple[str, ...]] = frozenset()) -> dict[str, int]:
-    """Every planned Megatron tensor present with its shape and dtype (but those of `from_like` mappings, absent),
-    nothing else; returns vocab-padded rows."""
-    where = ck.iter_dir
-    elsewhere = {t.name for key in from_like for t in plan.mapping_of_key[key].mcore}
-    missing = [n for n in plan.mcore_index if n not in ck.tensors and n not in elsewhere]
-    if missing:
-        needs = ", ".join(t.name for t in plan.mapping_of_mcore[missing[0]].hf)
-        more = f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{missing[0]}: missing from {where} (needed for {needs}){more}")
-    extra = sorted(n for n in set(ck.tensors) - set(plan.mcore_index) if not names.is_training_state(n))
-    if extra:
-        more = f" ({len(extra)} tensors are not in the plan)" if len(extra) > 1 else ""
-        raise CheckpointError(f"{extra[0]}: in {where} but not in the export plan{more}")
-    padded: dict[str, int] = {}
-    for name, spec in plan.mcore_index.items():
-        if name in elsewhere:
-            continue
-        got = ck.tensors[name]
-        if not spec.accepts(got.dtype):
-            raise CheckpointError(f"{name}: {got.dtype} in {where}, the plan says {spec.expected_dtypes()}")
-        if got.shape != spec.shape:
-            padded[name] = padded_rows(plan, spec, got.shape, where)
-    return padded
-
-
-def padded_rows(plan: Plan, spec: TensorSpec, shape: tuple[int, ...], where: str | Path) -> int:
-    """Megatron pads the vocabulary to a multiple (of 128 x TP): more rows are stripped, fewer are an error."""
-    m = plan.mapping_of_mcore[spec.name]
-    vocab = m.rule.shapes[0][0] == VOCAB_DIM
-    if vocab and len(shape) == len(spec.shape) and shape[1:] == spec.shape[1:]:
-        if shape[0] > spec.shape[0]:
-            return shape[0]
-        raise CheckpointError(f"{spec.name}: {shape[0]} vocabulary rows in {where}, fewer than vocab_size "
-                              f"{spec.shape[0]}")
-    raise CheckpointError(f"{spec.name}: {list(shape)} in {where}, the plan says {list(spec.shape)}")
-
-
 # ---- producing HF tensors ----------------------------------------------------------------------------
-
-def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str, str] | None = None, *,
-                    stored_rows: dict[str, int] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    stats: Fp8Stats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors (FP8 weights followed by their scales) of `mappings`, read and transformed one group at a time."""
-    for m in mappings:
-        yield from mapping_tensors(m, reader, dtypes or {}, stored_rows or {}, chunk_bytes, stats or Fp8Stats())
-
-
-def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], stored_rows: dict[str, int],
-                    chunk_bytes: int, stats: Fp8Stats,
-                    like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """One mapping backward, read from the `.distcp` files (a padded vocabulary: its first rows) through the
-    weight-sync code (`glmconv.weight_sync.mapping_hf`); stacked experts `chunk_bytes` at a time, never whole."""
-    try:
-        yield from mapping_hf(m, stored_read(m, lambda: reader, stored_rows), dtypes, chunk_bytes, stats, like)
-    finally:
-        reader.drop_cache()
-
-
-def from_hf(m: Mapping, source: HfTensorSource) -> Read:
-    """`m`'s Megatron tensors made from HF tensors (`--like`'s): forward, in F32 (BF16 and F32 widen exactly;
-    FP8 is dequantised), so that the export path's backward and encoding give them back as stored."""
-    import torch
-
-    made: dict[str, torch.Tensor] = {}
-
-    def read(name: str, rows: tuple[int, int] | None) -> torch.Tensor:
-        if not made:
-            hf = [source.weight(t.name, torch.float32) for t in m.hf]
-            made.update(zip((t.name for t in m.mcore), m.rule.transform.forward(hf, len(m.mcore))))
-        return made[name] if rows is None else made[name][rows[0]:rows[1]]
-
-    return read
-
-
-def like_tensors(like: Path | None, share: list[Mapping],
-                 from_like: frozenset[tuple[str, ...]]) -> AbstractContextManager[HfTensorSource | None]:
-    """--like's tensors, open while this share makes the mappings SRC lacks (export, relayout); None when it has
-    none of them."""
-    from contextlib import nullcontext
-
-    from glmconv.io.safetensors.checkpoint import shard_path
-    from glmconv.io.safetensors.reader import HfTensorSource
-
-    if like is None or not any(m.key in from_like for m in share):
-        return nullcontext(None)
-    ck = inspect_hf_checkpoint(like)
-    return HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
-
-
-def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int]) -> Read:
-    """How `mapping_hf` reads `m`'s Megatron tensors: whole ones as stored, a padded vocabulary by its first rows."""
-    plain = {t.name: (0, t.shape[0]) if t.name in stored_rows else None for t in m.mcore}
-    return lambda name, rows: reader().read(name, plain[name] if rows is None else rows)
 
 
 def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> list[PlannedTensor]:
@@ -384,9 +145,6 @@ def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> lis
                 raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
             out.append(PlannedTensor(scale.name, dtypes.get(scale.name, scale.dtype), scale.shape))
     return out
-
-
-Span = tuple[str, int, int]  # bytes [begin, end) of a Megatron tensor (global, C order)
 
 
 def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[str, list[Span]] | None:
@@ -417,27 +175,6 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
     return route
 
 
-def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> list[Extent]:
-    """`route_extents`, the bytes scanned for NaN/Inf as they are copied (the HF tensor's own index and block)."""
-    from glmconv.io.dtypes import TORCH_DTYPES
-    from glmconv.io.finite import require_finite_extents
-
-    extents = route_extents(reader, spans)
-    require_finite_extents(extents, TORCH_DTYPES[t.dtype], tuple(t.shape), t.name, str(reader.iter_dir))
-    return extents
-
-
-def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:
-    """The file extents of one HF tensor's spans, in order (every chunk was located by `byte_route`)."""
-    extents: list[Extent] = []
-    for name, begin, end in spans:
-        found = reader.byte_extents(name, begin, end)
-        if found is None:
-            raise CheckpointError(f"{name}: bytes {begin}..{end} could not be located after all")
-        extents.extend(found)
-    return extents
-
-
 # ---- one rank's share --------------------------------------------------------------------------------
 
 @dataclass
@@ -456,7 +193,7 @@ def like_fp8(job: ExportJob) -> AbstractContextManager[LikeFp8 | None]:
     """--like's FP8 codes and scales to reuse, when both the export and --like are FP8-capable; else None."""
     from contextlib import nullcontext
 
-    from glmconv.io.fp8_reuse import LikeFp8
+    from glmconv.io.safetensors.like_fp8 import LikeFp8
 
     return LikeFp8(job.like) if job.plan.fp8 and job.like is not None else nullcontext(None)
 
@@ -521,33 +258,6 @@ def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReader
         read = stored_read(m, readers.get, job.stored_rows)
     for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like):
         yield Step(nbytes, make)
-
-
-class ThreadReaders:
-    """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
-
-    def __init__(self, src: Path, check_finite: bool) -> None:
-        import threading
-
-        self._src, self._check_finite = src, check_finite
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._all: list[DcpReader] = []
-
-    def get(self) -> DcpReader:
-        from glmconv.io.torch_dist.reader import DcpReader
-
-        reader = getattr(self._local, "reader", None)
-        if reader is None:
-            reader = self._local.reader = DcpReader(self._src, check_finite=self._check_finite)
-            with self._lock:
-                self._all.append(reader)
-        return reader
-
-    @property
-    def bytes_read(self) -> int:
-        with self._lock:
-            return sum(r.bytes_read for r in self._all)
 
 
 def own_shards(job: ExportJob, arrival: list[PlannedTensor]) -> list[Shard] | None:
@@ -637,14 +347,6 @@ def verify_staged(job: ExportJob, stage: Path) -> None:
                              not (f.side == "against" and f.tensor in objects | liked)])
 
 
-def _is_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
-    """The audit sees a padded vocabulary as a shape mismatch on the source; export stripped it on purpose."""
-    spec = job.plan.mcore_index.get(f.tensor)
-    rows = job.stored_rows.get(f.tensor)
-    return f.side == "against" and f.kind == "shape" and spec is not None and rows is not None and \
-        f.found == str([rows, *spec.shape[1:]])
-
-
 # ---- running: one process, --workers N, or torchrun ranks ---------------------------------------------
 
 def bytes_in(job: ExportJob) -> int:
@@ -681,15 +383,6 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
             "bytes_out": bytes_out(job), "workers": opts.workers, **shards_from(job), **origins(job),
             **_from_like(job),
             **space_plan(job, opts.space_check)}
-
-
-def check_loadable(src: Path) -> None:
-    """Every stored object of `src` (each `_extra_state`, the common state) loads as a trainer's torch.load would:
-    a run checks it before any work (a dry run does not: it imports no torch)."""
-    from glmconv.io.torch_dist.stored_objects import check_stored_objects
-
-    ck = inspect_torch_dist(src)
-    check_stored_objects(ck.iter_dir, ck.objects)
 
 
 def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
@@ -759,7 +452,6 @@ def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int,
             "published": str(job.out)}
 
 
-
 def shards_from(job: ExportJob) -> dict[str, Any]:
     """How the shards are cut: as --like's files, or at `max_shard_bytes` (and why not as --like's, if it was given
     without --max-shard-size)."""
@@ -770,17 +462,6 @@ def shards_from(job: ExportJob) -> dict[str, Any]:
 
 def _from_like(job: ExportJob) -> dict[str, Any]:
     return from_like_summary(job.plan, job.from_like, job.src, job.like)
-
-
-def from_like_summary(plan: Plan, from_like: frozenset[tuple[str, ...]], src: Path,
-                      like: Path | None) -> dict[str, Any]:
-    """HF tensors SRC had none of (homeless in its layout), taken unchanged from --like, and a line saying so
-    (export, relayout)."""
-    taken = sorted(t.name for key in from_like for t in plan.mapping_of_key[key].hf)
-    warning = (f"warning: {count(len(taken), 'HF tensor')} that the {plan.layout} layout has no trainer parameter "
-               f"for ({', '.join(sorted({plan.mapping_of_key[k].rule.role for k in from_like}))}) are not in "
-               f"{src}: taken unchanged from --like {like}") if taken else None
-    return {"taken_from_like": taken, "taken_from_like_warning": warning}
 
 
 def fp8_stats(results: list[ShareResult]) -> Fp8Stats:

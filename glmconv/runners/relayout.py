@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io import sidecars
-from glmconv.io.byte_copy import Extent, Piece, take
+from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.jsonfile import load_json_file
@@ -38,6 +38,7 @@ from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import layouts, names
 from glmconv.rules.ops import Rename
+from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import F32, KEEP
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.convert import DEFAULT_GROUP_BYTES, layout_summary

@@ -90,7 +90,7 @@ class VerifyOptions:
 def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> dict[str, Any]:
     """Compare every pair; the summary says whether all are equal, with the first and the worst mismatch (the
     same whatever the workers and threads: mismatches are put back in the pairs' order)."""
-    from glmconv.io.dequant import resolve_device
+    from glmconv.numerics.dequant import resolve_device
     from glmconv.runners.ranks import run_ranks
 
     if opts.device == "cuda":
@@ -128,8 +128,8 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Any, opts: VerifyOption
                   world: int) -> list[tuple[int, Mismatch]]:
     """Compare pairs `mine` on `opts.threads` threads (each with its own DcpReader), FP8 dequantised where
     convert would dequantise it; mismatches tagged with their pair's index."""
-    from glmconv.io.dequant import share_dequantizer
     from glmconv.io.safetensors.reader import HfTensorSource
+    from glmconv.numerics.dequant import share_dequantizer
 
     readers = export.ThreadReaders(job.mcore.src, check_finite=True)  # a non-finite value is refused, never compared
     fp8 = convert.fp8_bytes([job.pairs[i][0] for i in mine])

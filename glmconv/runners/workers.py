@@ -24,6 +24,6 @@ def worker_count(workers: int | str, bytes_in: int, fp8_bytes: int) -> int:
     """`workers` itself, or the auto rule's count on this machine's cores."""
     if workers != AUTO:
         return int(workers)
-    from glmconv.io.dequant import cpu_count
+    from glmconv.numerics.dequant import cpu_count
 
     return auto_workers(bytes_in, fp8_bytes, cpu_count())

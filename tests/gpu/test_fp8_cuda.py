@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmconv.io.dequant import CudaDequantizer
-from glmconv.io.fp8 import dequantize_fp8_blocks, scale_shape
+from glmconv.numerics.dequant import CudaDequantizer
+from glmconv.numerics.fp8 import dequantize_fp8_blocks, scale_shape
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -40,7 +40,7 @@ def test_the_gpu_gives_the_cpus_bits(shape: tuple[int, int]) -> None:
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
 def test_the_gpu_refuses_a_nan_code_as_the_cpu_does(code: int) -> None:
     """Issue 25: a NaN code is refused on the GPU too, with the CPU's words."""
-    from glmconv.io.finite import NonFiniteError
+    from glmconv.numerics.finite import NonFiniteError
 
     codes, scales = every_code((1000, 700))
     codes.view(torch.uint8)[300, 130] = code

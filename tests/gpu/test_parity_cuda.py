@@ -34,7 +34,7 @@ def no_tf32() -> None:
 
 def _logits(hf: Path, device: str, dtype: torch.dtype) -> torch.Tensor:
     from glmconv.compare.inputs import random_batch
-    from glmconv.config import load_config
+    from glmconv.io.config_file import load_config
     from glmconv.models.conventions import Conventions
     from glmconv.models.model import GlmModel
     from glmconv.models.weights import HfWeights
@@ -112,7 +112,7 @@ def test_streamed_parity_on_cuda_equals_resident_with_kernels(tiny_pair: tuple[P
 
 def test_fp8_dequantised_on_the_gpu_has_the_cpu_bits() -> None:
     """HfWeights(device=cuda) dequantises FP8 there: one fp32 multiply and a BF16 cast, so bit-identical."""
-    from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+    from glmconv.numerics.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 
     g = torch.Generator().manual_seed(3)
     for shape in ((2048, 4096), (300, 200)):

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmconv.config import GlmConfig, load_config
+from glmconv.config import GlmConfig
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file, require_file
+from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safetensors.header import read_header

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
-from glmconv.io.finite import require_finite
 from glmconv.io.safetensors.header import HeaderEntry, SafetensorsHeader, read_header
+from glmconv.numerics.finite import require_finite
 from glmconv.rules import names
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ class HfTensorSource:
 
     Shard headers are read (and validated) once per shard, and each shard is opened once; `entry` tells
     where a tensor's bytes sit so that a writer can copy them file to file without reading them at all.
-    `dequantize` (glmconv/io/dequant.py: CPU slabs on threads, or the GPU) replaces the reference call with the
+    `dequantize` (glmconv/numerics/dequant.py: CPU slabs on threads, or the GPU) replaces the reference call with the
     same bits; one with `pinned` set gets FP8 codes read straight into pinned memory. Readable from several
     threads at once.
     """
@@ -94,7 +94,7 @@ class HfTensorSource:
         """
         import torch
 
-        from glmconv.io.fp8 import check_scales, dequantize_fp8_blocks
+        from glmconv.numerics.fp8 import check_scales, dequantize_fp8_blocks
 
         pin = getattr(self._dequantize, "pinned", False) and device is None and self.stored_dtype(name) == "F8_E4M3"
         t = self.raw(name, pin=pin)

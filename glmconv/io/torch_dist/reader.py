@@ -32,12 +32,12 @@ from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import require_file
 from glmconv.io.file_names import DCP_METADATA_NAME
-from glmconv.io.finite import require_finite
 from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata_check import load_metadata
 from glmconv.io.torch_dist.safe_unpickle import is_a
 from glmconv.io.torch_dist.stored_objects import check_tensor_archive
+from glmconv.numerics.finite import require_finite
 
 if TYPE_CHECKING:
     import torch

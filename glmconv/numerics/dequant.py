@@ -1,6 +1,6 @@
 """Where and how FP8 weights are dequantised during convert: CPU slabs on threads, or the GPU.
 
-Both give the bits of `dequantize_fp8_blocks` (glmconv/io/fp8.py): every value is fp8 -> fp32 (exact), one fp32
+Both give the bits of `dequantize_fp8_blocks` (glmconv/numerics/fp8.py): every value is fp8 -> fp32 (exact), one fp32
 multiply by its block's scale (IEEE, correctly rounded on any device) and a round-to-nearest-even cast to BF16.
 On the CPU a weight is cut into slabs of whole 128-row blocks, each dequantised alone on a pool thread (torch's
 own intra-op threads scale poorly on this elementwise chain: measured in benchmarks/RESULTS.md). On the GPU the
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.arguments import DEVICE_CHOICES
 from glmconv.errors import GlmconvError
-from glmconv.io.fp8 import FP8_BLOCK, dequantize_fp8_blocks
+from glmconv.numerics.fp8 import FP8_BLOCK, dequantize_fp8_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -150,7 +150,7 @@ def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
     """The reference's checks on the whole weight: dtypes, the scale grid, NaN codes."""
     import torch
 
-    from glmconv.io.fp8 import Fp8FormatError, refuse_nan_codes, scale_shape
+    from glmconv.numerics.fp8 import Fp8FormatError, refuse_nan_codes, scale_shape
 
     if fp8.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise Fp8FormatError(f"expected a float8_e4m3fn weight and F32 block scales, got {fp8.dtype} and "

@@ -9,16 +9,10 @@ bit and the scale is one convert accepts; every other block is re-quantised whol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
-
-from glmconv.rules import names
-from glmconv.rules.table import F32, FP8
 
 if TYPE_CHECKING:
     import torch
-
-    from glmconv.io.safetensors.reader import HfTensorSource
 
 _INT_VIEW_BYTES = (2, 4)  # bf16/f16 and f32 weights are compared as int16/int32 bit patterns
 
@@ -38,7 +32,7 @@ def encode(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> F
     """`w` as FP8: --like's blocks where they reproduce `w` bit for bit, the others re-quantised."""
     import torch
 
-    from glmconv.io.fp8_exact import quantize_fp8_exact_blocks
+    from glmconv.numerics.fp8_exact import quantize_fp8_exact_blocks
 
     keep = reusable_blocks(w, *like) if like is not None else None
     if keep is not None and bool(keep.all()):
@@ -57,8 +51,8 @@ def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     """Per block: do --like's codes and scale give back `w` exactly (and is the scale valid)? None: not comparable."""
     import torch
 
-    from glmconv.io.fp8 import dequantize_fp8_blocks, scale_shape
-    from glmconv.io.fp8_exact import block_any
+    from glmconv.numerics.fp8 import dequantize_fp8_blocks, scale_shape
+    from glmconv.numerics.fp8_exact import block_any
 
     if (w.dim() != 2 or w.element_size() not in _INT_VIEW_BYTES or codes.dtype != torch.float8_e4m3fn
             or tuple(codes.shape) != tuple(w.shape) or scales.dtype != torch.float32
@@ -73,32 +67,7 @@ def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 
 def _elements(blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A per-block mask spread over the elements of a `shape` weight."""
-    from glmconv.io.fp8 import FP8_BLOCK
+    from glmconv.numerics.fp8 import FP8_BLOCK
 
     rows, cols = shape
     return blocks.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-
-
-class LikeFp8:
-    """The --like checkpoint's FP8 codes and scales, read one weight at a time (bounded memory)."""
-
-    def __init__(self, like: Path) -> None:
-        from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
-        from glmconv.io.safetensors.reader import HfTensorSource
-
-        ck = inspect_hf_checkpoint(like)
-        self._stored = {n: t.dtype for n, t in ck.tensors.items()}
-        self._source: HfTensorSource = HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
-
-    def __enter__(self) -> LikeFp8:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._source.close()
-
-    def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(codes, scales) of FP8 weight `name` in --like, or None where --like does not store it as FP8."""
-        scale = names.scale_name(name)
-        if self._stored.get(name) != FP8 or self._stored.get(scale) != F32:
-            return None
-        return self._source.raw(name), self._source.raw(scale)

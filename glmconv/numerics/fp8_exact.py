@@ -23,10 +23,10 @@ def quantize_fp8_exact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int
 
 def quantize_fp8_exact_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`quantize_fp8_exact` with per-block masks (scale moved, not reproduced): callers that keep some blocks
-    (export --like, glmconv/io/fp8_reuse.py) count only the blocks they take."""
+    (export --like, glmconv/numerics/fp8_reuse.py) count only the blocks they take."""
     import torch
 
-    from glmconv.io.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+    from glmconv.numerics.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 
     w = w.contiguous()
     q, s = quantize_fp8_blocks(w)
@@ -64,8 +64,8 @@ def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tens
     """Reduce a 2-D tensor over its 128x128 blocks (edge blocks padded with `fill`)."""
     import torch
 
-    from glmconv.io.fp8 import FP8_BLOCK as B
-    from glmconv.io.fp8 import scale_shape
+    from glmconv.numerics.fp8 import FP8_BLOCK as B
+    from glmconv.numerics.fp8 import scale_shape
 
     rows, cols = x.shape
     sr, sc = scale_shape((rows, cols), B)

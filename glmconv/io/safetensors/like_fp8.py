@@ -1,0 +1,37 @@
+"""`export --fp8 --like`'s source of FP8 codes and scales: the --like checkpoint, one weight at a time
+(`glmconv.numerics.fp8_reuse` decides which of its blocks are kept)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.rules import names
+from glmconv.rules.table import F32, FP8
+
+if TYPE_CHECKING:
+    import torch
+
+
+class LikeFp8:
+    """The --like checkpoint's FP8 codes and scales, read one weight at a time (bounded memory)."""
+
+    def __init__(self, like: Path) -> None:
+        ck = inspect_hf_checkpoint(like)
+        self._stored = {n: t.dtype for n, t in ck.tensors.items()}
+        self._source: HfTensorSource = HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
+
+    def __enter__(self) -> LikeFp8:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._source.close()
+
+    def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(codes, scales) of FP8 weight `name` in --like, or None where --like does not store it as FP8."""
+        scale = names.scale_name(name)
+        if self._stored.get(name) != FP8 or self._stored.get(scale) != F32:
+            return None
+        return self._source.raw(name), self._source.raw(scale)

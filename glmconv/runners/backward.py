@@ -1,0 +1,168 @@
+"""One mapping backward: Megatron tensors -> HF-named tensors (FP8 encoded where asked), in bounded memory.
+
+Export writes these tensors and the weight-sync API yields them (`glmconv.weight_sync`), so the two cannot differ.
+A parameter split on one side is reassembled whatever order its parts arrive in; a fused one is split, stacked
+experts a few at a time. Which names group is the rules table's business."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from glmconv.errors import CheckpointError
+from glmconv.plan import FP8, Mapping, TensorSpec
+from glmconv.rules import names
+from glmconv.runners.flow import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmconv.io.safetensors.like_fp8 import LikeFp8
+    from glmconv.io.torch_dist.reader import DcpReader
+
+
+
+import threading
+from collections.abc import Iterable
+from collections.abc import Mapping as Dict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmconv.io.safetensors.like_fp8 import LikeFp8
+
+
+
+Rows = tuple[int, int] | None
+
+Read = Callable[[str, Rows], "torch.Tensor"]  # a Megatron tensor of the mapping, whole or rows [start, stop)
+
+Named = tuple[str, "torch.Tensor"]
+
+_STATS_LOCK = threading.Lock()
+
+@dataclass
+class Fp8Stats:
+    """What FP8 encoding did: weights and blocks written, those re-quantised (the rest are --like's own bytes),
+    and of those, scales moved off amax/448 and blocks not reproduced exactly."""
+
+    tensors: int = 0
+    blocks: int = 0
+    scale_adjusted_blocks: int = 0
+    inexact_blocks: int = 0
+    requantized_tensors: int = 0
+    requantized_blocks: int = 0
+
+    def add(self, other: Fp8Stats) -> None:
+        for k in vars(other):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
+               like: LikeFp8 | None = None) -> Iterator[Named]:
+    """The HF tensors of `m` (FP8 weights followed by their scales), its Megatron tensors taken from `read`;
+    stacked experts come `chunk_bytes` of experts at a time, never whole."""
+    for _, make in mapping_hf_steps(m, read, dtypes, chunk_bytes, stats, like):
+        yield from make()
+
+def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
+                     like: LikeFp8 | None = None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
+    """`mapping_hf` step by step: the Megatron bytes each step reads and what makes its HF tensors, so that
+    export can run steps ahead on threads (`stats` is added to under a lock)."""
+    steps = m.row_steps(chunk_bytes)
+    if steps is None:
+        def whole() -> list[Named]:
+            hf = m.rule.transform.backward([read(t.name, None) for t in m.mcore], [t.shape for t in m.hf])
+            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like)
+
+        yield m.mcore_bytes, whole
+        return
+    row_bytes = m.mcore_bytes // max(1, m.mcore[0].shape[0])
+    for rows, picks in steps:
+        def part(rows: range = rows, picks: list[int] = picks) -> list[Named]:
+            hf = m.rule.transform.backward([read(m.mcore[0].name, (rows.start, rows.stop))], [])
+            return _encoded(m, picks, hf, dtypes, stats, like)
+
+        yield len(rows) * row_bytes, part
+
+def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
+             stats: Fp8Stats, like: LikeFp8 | None) -> list[Named]:
+    return [out for i, tensor in zip(picks, tensors, strict=True)
+            for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like)]
+
+def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
+           stats: Fp8Stats, like: LikeFp8 | None = None) -> Iterator[Named]:
+    """One HF tensor in the dtype it is written as; an FP8 one as codes and then its block scales."""
+    from glmconv.io.dtypes import TORCH_DTYPES
+
+    if tuple(t.shape) != spec.shape:
+        raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
+    dtype = dtypes.get(spec.name, spec.dtype)
+    if dtype != FP8:
+        yield spec.name, t.to(TORCH_DTYPES[dtype]).contiguous()
+        return
+    if scale is None:
+        raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
+    from glmconv.numerics.finite import require_finite
+    from glmconv.numerics.fp8_reuse import encode as encode_fp8
+
+    require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
+    fp8 = encode_fp8(t, like.pair(spec.name) if like is not None else None)
+    with _STATS_LOCK:  # export encodes on reader threads
+        stats.add(Fp8Stats(1, fp8.scales.numel(), fp8.scale_adjusted, fp8.inexact, int(fp8.requantized > 0),
+                           fp8.requantized))
+    yield spec.name, fp8.codes
+    yield scale.name, fp8.scales
+
+
+def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str, str] | None = None, *,
+                    stored_rows: dict[str, int] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                    stats: Fp8Stats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors (FP8 weights followed by their scales) of `mappings`, read and transformed one group at a time."""
+    for m in mappings:
+        yield from mapping_tensors(m, reader, dtypes or {}, stored_rows or {}, chunk_bytes, stats or Fp8Stats())
+
+def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], stored_rows: dict[str, int],
+                    chunk_bytes: int, stats: Fp8Stats,
+                    like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One mapping backward, read from the `.distcp` files (a padded vocabulary: its first rows) through the
+    weight-sync code (`glmconv.weight_sync.mapping_hf`); stacked experts `chunk_bytes` at a time, never whole."""
+    try:
+        yield from mapping_hf(m, stored_read(m, lambda: reader, stored_rows), dtypes, chunk_bytes, stats, like)
+    finally:
+        reader.drop_cache()
+
+def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int]) -> Read:
+    """How `mapping_hf` reads `m`'s Megatron tensors: whole ones as stored, a padded vocabulary by its first rows."""
+    plain = {t.name: (0, t.shape[0]) if t.name in stored_rows else None for t in m.mcore}
+    return lambda name, rows: reader().read(name, plain[name] if rows is None else rows)
+
+class ThreadReaders:
+    """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
+
+    def __init__(self, src: Path, check_finite: bool) -> None:
+        import threading
+
+        self._src, self._check_finite = src, check_finite
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[DcpReader] = []
+
+    def get(self) -> DcpReader:
+        from glmconv.io.torch_dist.reader import DcpReader
+
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = self._local.reader = DcpReader(self._src, check_finite=self._check_finite)
+            with self._lock:
+                self._all.append(reader)
+        return reader
+
+    @property
+    def bytes_read(self) -> int:
+        with self._lock:
+            return sum(r.bytes_read for r in self._all)
+
+
