@@ -7,9 +7,11 @@ import sys
 from itertools import groupby
 
 import click
+from rich.table import Table
+from rich.text import Text
 
 from glmconv import api
-from glmconv.rules.layouts import LAYOUT_CHOICES
+from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
@@ -92,8 +94,6 @@ def _layout_lines(report: AuditReport) -> list[str]:
 
 
 def _table(report: AuditReport) -> object:
-    from rich.table import Table
-    from rich.text import Text
 
     sides = report.against is not None
     title = f"audit-names {report.src}" + (f" --against {report.against}" if sides else "")
@@ -114,7 +114,6 @@ def _table(report: AuditReport) -> object:
 
 def _cells(f: Finding, sides: bool) -> list[object]:
     """Plain text (`[bold]` in a name is not markup), escaped (a newline or ANSI escape in a name is shown)."""
-    from rich.text import Text
 
     cells = (f.kind, *([f.side] if sides else []), f.tensor, f.file, f.expected, f.found)
     return [Text(printable(c)) for c in cells]

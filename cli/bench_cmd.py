@@ -7,6 +7,11 @@ import json
 import sys
 
 import click
+from rich.table import Table
+
+from glmconv.errors import GlmconvError
+from glmconv.kernels.bench import run
+from glmconv.text import console
 
 
 @click.group("bench")
@@ -22,22 +27,18 @@ def kernels(tokens: int, as_json: bool) -> None:
     """kpool indexer (one sequence and packed 4097/2048/1023/130/2), KDA and DSA SparseMLA at the real dims."""
     import torch
 
-    from glmconv.errors import GlmconvError
 
     if tokens < 64:
         raise GlmconvError(f"--tokens {tokens}: at least 64")
     if not torch.cuda.is_available():
         raise GlmconvError("glmconv bench kernels needs a CUDA device (the kernels are GPU-only)")
-    from glmconv.kernels.bench import run
 
     with contextlib.redirect_stdout(sys.stderr):  # tilelang logs its compiles to stdout: keep --json clean
         rows = run(tokens=tokens, dsa_tokens=max(64, tokens // 2))
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
         return
-    from rich.table import Table
 
-    from glmconv.text import console
 
     t = Table(title=f"glmconv bench kernels ({torch.cuda.get_device_name()})")
     for col in ("op", "shape", "kernel ms", "reference ms", "speedup", "reference", "check"):

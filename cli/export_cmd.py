@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
+from glmconv import api
+from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
-from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.text import count, printable, show
 from glmconv_cli.convert_cmd import plan_lines, warn_homeless
 from glmconv_cli.sizes import SIZE
@@ -52,7 +53,6 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
     removed).
     """
     say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
-    from glmconv import api
 
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
                          workers=workers, force=force, check_finite=check_finite, dry_run=dry_run,

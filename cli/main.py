@@ -13,7 +13,17 @@ import click
 from glmconv import __version__, interrupt
 from glmconv.errors import GlmconvError
 from glmconv.interrupt import Interrupted
+from glmconv.runners import ranks
 from glmconv.text import printable
+from glmconv_cli.audit_cmd import audit_names
+from glmconv_cli.bench_cmd import bench
+from glmconv_cli.convert_cmd import convert
+from glmconv_cli.export_cmd import export
+from glmconv_cli.fixture_cmd import fixture
+from glmconv_cli.megatron_args_cmd import megatron_args
+from glmconv_cli.parity_cmd import parity
+from glmconv_cli.relayout_cmd import relayout
+from glmconv_cli.verify_cmd import verify
 
 INTERNAL_EXIT = 3  # a bug in glmconv: 1 keeps meaning "findings"/"bound broken", 2 "bad input"
 REPORT_HINT = "please report this on the glmconv issue tracker with the command line"
@@ -97,15 +107,6 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from glmconv_cli.audit_cmd import audit_names
-    from glmconv_cli.bench_cmd import bench
-    from glmconv_cli.convert_cmd import convert
-    from glmconv_cli.export_cmd import export
-    from glmconv_cli.fixture_cmd import fixture
-    from glmconv_cli.megatron_args_cmd import megatron_args
-    from glmconv_cli.parity_cmd import parity
-    from glmconv_cli.relayout_cmd import relayout
-    from glmconv_cli.verify_cmd import verify
 
     cli.add_command(audit_names)
     cli.add_command(bench)
@@ -122,7 +123,6 @@ _register()
 
 
 def main() -> None:
-    from glmconv.runners import ranks
 
     ranks.cli_ends_the_process()
     interrupt.cli_process()  # once published, a late SIGINT/SIGTERM is ignored until the process exits

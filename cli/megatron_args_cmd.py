@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
-from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
+from glmconv.defaults import DEFAULT_LAYOUT, LAYOUT_CHOICES
+from glmconv.io.config_file import load_config
+from glmconv.megatron_args import command_line, model_args
 from glmconv.text import printable
 
 
@@ -23,8 +25,6 @@ def megatron_args(config: Path, layers: int | None, as_json: bool, layout: str) 
 
     KDA, DSA and mHC layer layouts are the training plugin's own settings and are not printed.
     """
-    from glmconv.io.config_file import load_config
-    from glmconv.megatron_args import command_line, model_args
 
     cfg = load_config(config)
     if layers is not None:

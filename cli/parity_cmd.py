@@ -7,9 +7,11 @@ from pathlib import Path
 
 import click
 
-from glmconv.compare import DEFAULT_TOKENS
+from glmconv import api
 from glmconv.compare.catalog import NAMES as DEFECT_NAMES
+from glmconv.compare.report import divergence_line, print_table, to_json
 from glmconv.compare.verdict import MARGIN, STREAM_FLOOR
+from glmconv.defaults import DEFAULT_TOKENS
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
@@ -86,8 +88,6 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
     on the fp32 references (weights and conventions alone) beyond --threshold, or when the observed error
     exceeds twice the noise the run measured on that input (its dtype, its kernels).
     """
-    from glmconv import api
-    from glmconv.compare.report import to_json
 
     report = api.parity(hf_dir, mcore_dir, tokens=tokens, sequences=sequences, prompt_file=prompt_file,
                         fail_on=fail_on, threshold=threshold, report_dir=report_dir, seed=seed, mode=mode,
@@ -109,7 +109,6 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
 
 def failure(report: dict) -> str:
     """What failed the gate, in one line."""
-    from glmconv.compare.report import divergence_line
 
     broken = [b["bound"] for b in report["bounds"] if b["broken"]]
     missed = [r["defect"] for r in report.get("self_test", []) if not r["named"]]
@@ -120,7 +119,6 @@ def failure(report: dict) -> str:
 
 
 def _print(report: dict, paths: list[Path]) -> None:
-    from glmconv.compare.report import print_table
 
     console = text_console()
     print_table(report, console)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
+from glmconv import api
+from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
-from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.text import count, printable
 from glmconv_cli.convert_cmd import plan_lines, warn_homeless
 from glmconv_cli.sizes import SIZE
@@ -40,7 +41,6 @@ def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_s
     if to is None:
         raise click.UsageError(f"Missing option '--to' (choose {' or '.join(LAYOUT_CHOICES)}).")
     say("relayout", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
-    from glmconv import api
 
     summary = api.relayout(mcore_dir, out_dir, to=to, force=force, group_bytes=group_size, dry_run=dry_run,
                            progress=not as_json, space_check=not no_space_check, like=like)

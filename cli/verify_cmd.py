@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.table import Table
+from rich.text import Text
 
+from glmconv import api
 from glmconv.progress import PLAN, say
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
@@ -31,7 +34,6 @@ def verify(hf_dir: Path, mcore_dir: Path, as_json: bool, workers: int | str, rea
     differs (the first and the worst are named), 2 on bad input (including stored args of another model).
     """
     say("verify", PLAN, f"reading and checking {hf_dir} and {mcore_dir}", enabled=not as_json)
-    from glmconv import api
 
     summary = api.verify(hf_dir, mcore_dir, progress=not as_json, workers=workers, read_threads=read_threads,
                          device=device)
@@ -67,8 +69,6 @@ def _print(s: dict[str, Any]) -> None:
 
 
 def _table(s: dict[str, Any]) -> object:
-    from rich.table import Table
-    from rich.text import Text
 
     table = Table(title=Text(printable(f"verify {s['hf']} {s['mcore']}")))
     for col in ("HF tensor", "Megatron tensor", "values differing", "max abs diff"):

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from glmconv import arguments
+from glmconv import arguments, defaults
 
 
 class Workers(click.ParamType):
@@ -27,19 +27,21 @@ WORKERS = Workers()
 
 def workers_option(fp8_when: str) -> Callable[[Any], Any]:
     """`--workers`; `fp8_when`: when the auto rule counts FP8 work (the FP8 source, or --fp8)."""
-    return click.option("--workers", type=WORKERS, default="1", show_default=True,
+    return click.option("--workers", type=WORKERS, default=str(defaults.DEFAULT_WORKERS), show_default=True,
                         help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 "
                         f"cores ({fp8_when}) or 2 cores, at most 8 (under torchrun, one per rank instead).")
 
 
 def read_threads_option(work: str, same: str = "") -> Callable[[Any], Any]:
     """`--read-threads`; `work`: what the threads do ahead of the worker's writer, `same`: what stays the same."""
-    return click.option("--read-threads", type=click.IntRange(*arguments.READ_THREADS), default=2, show_default=True,
+    return click.option("--read-threads", type=click.IntRange(*defaults.READ_THREADS_RANGE),
+                        default=defaults.DEFAULT_THREADS, show_default=True,
                         help=f"Threads per worker {work} (0: one step at a time){same}.")
 
 
 def device_option(what: str) -> Callable[[Any], Any]:
     """`--device`: where FP8 weights are dequantised; `what`: after which they are cast or compared."""
-    return click.option("--device", type=click.Choice(arguments.DEVICE_CHOICES), default="auto", show_default=True,
+    return click.option("--device", type=click.Choice(defaults.DEVICE_CHOICES),
+                        default=defaults.DEFAULT_DEVICE, show_default=True,
                         help=f"Where FP8 weights are dequantised and {what} (the same bits everywhere); auto: the "
                         "GPU when one is visible and a worker has at least 1 GiB of FP8 codes.")

@@ -19,8 +19,7 @@ from glmconv.config import GlmConfig
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.config_file import load_config
 from glmconv.plan import Plan, build_plan
-
-__version__ = "0.1.0"
+from glmconv.version import __version__
 
 __all__ = ["CheckpointError", "ConfigError", "GlmConfig", "GlmconvError", "Plan", "__version__", "audit",
            "build_plan", "convert", "export", "hf_weights", "load_config", "parity", "relayout", "verify"]

@@ -8,21 +8,38 @@ inside the calls, so `import glmconv` stays cheap.
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv import arguments as A
+from glmconv import weight_sync
 from glmconv.arguments import keywords_checked
+from glmconv.compare import ParityOptions, run_parity
+from glmconv.compare.metrics import parse_bound
+from glmconv.compare.report import write_report
+from glmconv.config import GlmConfig
+from glmconv.defaults import DEFAULT_GROUP_BYTES, DEFAULT_TOKENS, DEVICE_CHOICES, DTYPE_CHOICES, LAYOUT_CHOICES
+from glmconv.errors import GlmconvError
+from glmconv.mistakes import check_pair, check_same_model
+from glmconv.output import claim_report_dir
+from glmconv.runners import audit as audit_runner
+from glmconv.runners import convert as convert_runner
+from glmconv.runners import export as export_runner
+from glmconv.runners import relayout as relayout_runner
+from glmconv.runners import verify as verify_runner
+from glmconv.runners.audit import AuditReport
+from glmconv.runners.ranks import torchrun_env
+from glmconv.runners.workers import worker_count
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator, Sequence
 
     import torch
 
-    from glmconv.config import GlmConfig
-    from glmconv.runners.audit import AuditReport
 
-DEFAULT_GROUP_BYTES = 1 << 30
+
 
 
 def _flags(**flags: object) -> None:
@@ -34,7 +51,6 @@ def _flags(**flags: object) -> None:
 def lead_process() -> bool:
     """Whether this process reports the result: False on a torchrun rank other than 0 (every rank returns the
     same summary; only rank 0 prints it, so `torchrun ... --json` yields one JSON document)."""
-    from glmconv.runners.ranks import torchrun_env
 
     env = torchrun_env()
     return env is None or env[0] == 0
@@ -61,24 +77,18 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
     are dequantised, `cpu`, `cuda` or `auto` (glmconv/numerics/dequant.py; the same bits everywhere); `read_threads`:
     threads reading and dequantising ahead of each worker's writer (0: one step at a time).
     """
-    from glmconv.numerics.dequant import DEVICES
-    from glmconv.rules.layouts import LAYOUT_CHOICES
-    from glmconv.rules.table import DTYPE_CHOICES
-    from glmconv.runners.convert import RunOptions, dry_run_summary, fp8_bytes, prepare
-    from glmconv.runners.convert import convert as run
-    from glmconv.runners.workers import worker_count
 
     A.path("HF_DIR", hf_dir), A.path("OUT_DIR", out_dir)
     workers, read_threads = A.workers(workers), A.read_threads(read_threads)
     A.size("--group-size", group_bytes), A.choice("--dtype", dtype, DTYPE_CHOICES)
-    A.choice("--device", device, DEVICES), A.choice("--layout", layout, LAYOUT_CHOICES)
+    A.choice("--device", device, DEVICE_CHOICES), A.choice("--layout", layout, LAYOUT_CHOICES)
     _flags(force=force, mtp=mtp, vision=vision, check_finite=check_finite, dry_run=dry_run, progress=progress,
            space_check=space_check)
-    job = prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
-    opts = RunOptions(workers=worker_count(workers, job.bytes_in, fp8_bytes(job.plan.mappings)),
-                      group_bytes=group_bytes, progress=progress, check_finite=True, space_check=space_check,
-                      device=device, threads=read_threads)
-    return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
+    job = convert_runner.prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
+    n = worker_count(workers, job.bytes_in, convert_runner.fp8_bytes(job.plan.mappings))
+    opts = convert_runner.RunOptions(workers=n, group_bytes=group_bytes, progress=progress, check_finite=True,
+                                     space_check=space_check, device=device, threads=read_threads)
+    return convert_runner.dry_run_summary(job, opts) if dry_run else convert_runner.convert(job, opts, force=force)
 
 
 @keywords_checked
@@ -103,10 +113,6 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s filesystem is refused before
     anything is written (glmconv/space.py).
     """
-    from glmconv.rules.layouts import LAYOUT_CHOICES
-    from glmconv.runners.export import ExportOptions, bytes_in, dry_run_summary, fp8_work_bytes, prepare
-    from glmconv.runners.export import export as run
-    from glmconv.runners.workers import worker_count
 
     A.path("MCORE_DIR", mcore_dir), A.path("OUT_DIR", out_dir)
     A.optional(A.path, "--like", like), A.optional(A.path, "--config", config)
@@ -114,11 +120,12 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     A.optional(A.size, "--max-shard-size", max_shard_bytes), A.optional(A.choice, "--layout", layout, LAYOUT_CHOICES)
     _flags(fp8=fp8, force=force, check_finite=check_finite, dry_run=dry_run, progress=progress,
            space_check=space_check)
-    job = prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
-                  layout=layout)
-    opts = ExportOptions(workers=worker_count(workers, bytes_in(job), fp8_work_bytes(job)), progress=progress,
-                         check_finite=True, space_check=space_check, threads=read_threads)
-    return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
+    job = export_runner.prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
+                                layout=layout)
+    n = worker_count(workers, export_runner.bytes_in(job), export_runner.fp8_work_bytes(job))
+    opts = export_runner.ExportOptions(workers=n, progress=progress, check_finite=True, space_check=space_check,
+                                       threads=read_threads)
+    return export_runner.dry_run_summary(job, opts) if dry_run else export_runner.export(job, opts, force=force)
 
 
 @keywords_checked
@@ -135,16 +142,13 @@ def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool
     none: `like`, the HF checkpoint training started from, gives them (`taken_from_like`). `dry_run` returns the
     plan and writes nothing; `space_check` as for convert.
     """
-    from glmconv.rules.layouts import LAYOUT_CHOICES
-    from glmconv.runners.relayout import RelayoutOptions, dry_run_summary, prepare
-    from glmconv.runners.relayout import relayout as run
 
     A.path("MCORE_DIR", mcore_dir), A.path("OUT_DIR", out_dir), A.optional(A.path, "--like", like)
     A.choice("--to", to, LAYOUT_CHOICES), A.size("--group-size", group_bytes)
     _flags(force=force, dry_run=dry_run, progress=progress, space_check=space_check)
-    job = prepare(mcore_dir, out_dir, to=to, like=like)
-    opts = RelayoutOptions(group_bytes=group_bytes, progress=progress, space_check=space_check)
-    return dry_run_summary(job, opts) if dry_run else run(job, opts, force=force)
+    job = relayout_runner.prepare(mcore_dir, out_dir, to=to, like=like)
+    opts = relayout_runner.RelayoutOptions(group_bytes=group_bytes, progress=progress, space_check=space_check)
+    return relayout_runner.dry_run_summary(job, opts) if dry_run else relayout_runner.relayout(job, opts, force=force)
 
 
 @keywords_checked
@@ -159,18 +163,14 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
 
     `workers`, `read_threads` and `device` as convert's (the same mismatches, first and worst, whatever they are).
     """
-    from glmconv.runners.convert import fp8_bytes
-    from glmconv.runners.verify import VerifyOptions, prepare
-    from glmconv.runners.verify import verify as run
-    from glmconv.runners.workers import worker_count
 
     A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
     workers, read_threads = A.workers(workers), A.read_threads(read_threads)
     A.choice("--device", device, A.DEVICE_CHOICES), _flags(progress=progress)
-    job = prepare(hf_dir, mcore_dir)
-    opts = VerifyOptions(workers=worker_count(workers, job.hf.bytes_in, fp8_bytes(job.hf.plan.mappings)),
-                         threads=read_threads, device=device, progress=progress)
-    return run(job, opts)
+    job = verify_runner.prepare(hf_dir, mcore_dir)
+    n = worker_count(workers, job.hf.bytes_in, convert_runner.fp8_bytes(job.hf.plan.mappings))
+    opts = verify_runner.VerifyOptions(workers=n, threads=read_threads, device=device, progress=progress)
+    return verify_runner.verify(job, opts)
 
 
 @keywords_checked
@@ -187,11 +187,9 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
     shapes and groups left incomplete raise `GlmconvError`. `layout`: whose torch_dist names in-memory `params`
     carry (`miles` or `mcore`; a directory says its own).
     """
-    from glmconv.rules.layouts import LAYOUT_CHOICES
-    from glmconv.weight_sync import hf_weights as run
 
     _flags(fp8=fp8), A.choice("--layout", layout, LAYOUT_CHOICES)
-    return run(params, config, fp8=fp8, dtypes=dtypes, layout=layout)
+    return weight_sync.hf_weights(params, config, fp8=fp8, dtypes=dtypes, layout=layout)
 
 
 @keywords_checked
@@ -216,16 +214,14 @@ def audit_report(src: str | Path, against: str | Path | None = None, *, fp8: boo
                  accept_flat_prefix: bool = False, config: str | Path | None = None,
                  layout: str | None = None) -> AuditReport:
     """`audit` as an object (`.ok`, `.findings`, `.summary()`): what the CLI prints its table from."""
-    from glmconv.rules.layouts import LAYOUT_CHOICES
-    from glmconv.runners.audit import audit as run
 
     A.path("SRC", src), A.optional(A.path, "--against", against), A.optional(A.path, "--config", config)
     for name, value in (("fp8", fp8), ("mtp", mtp), ("vision", vision)):
         A.optional(A.flag, f"--{name}", value)
     A.optional(A.int_in, "--layers", layers, 1), _flags(accept_flat_prefix=accept_flat_prefix)
     A.optional(A.choice, "--layout", layout, LAYOUT_CHOICES)
-    return run(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers, accept_flat_prefix=accept_flat_prefix,
-               config=config, layout=layout)
+    return audit_runner.audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
+                              accept_flat_prefix=accept_flat_prefix, config=config, layout=layout)
 
 
 @keywords_checked
@@ -243,13 +239,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     `glmconv.compare.ParityOptions` fields (seed, mode, dtype, device, train_conventions, overrides, kernels,
     ...); any other keyword is refused.
     """
-    import time
 
-    from glmconv.compare import DEFAULT_TOKENS, ParityOptions, run_parity
-    from glmconv.compare.metrics import parse_bound
-    from glmconv.compare.report import write_report
-    from glmconv.errors import GlmconvError
-    from glmconv.output import claim_report_dir
 
     start = time.monotonic()
     _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, report_dir, options)
@@ -278,11 +268,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
 def _parity_arguments(hf_dir: object, mcore_dir: object, tokens: object, sequences: object, prompt_file: object,
                       report_dir: object, options: dict[str, Any]) -> None:
     """parity's paths, counts and option names, checked before anything is read."""
-    import dataclasses
 
-    from glmconv.compare import ParityOptions
-    from glmconv.errors import GlmconvError
-    from glmconv.mistakes import check_pair, check_same_model
 
     A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
     A.optional(A.path, "--prompt-file", prompt_file), A.optional(A.path, "--report-dir", report_dir)

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from glmconv.defaults import AUTO, MAX_WORKERS, READ_THREADS_RANGE
 from glmconv.errors import GlmconvError
 from glmconv.text import decimal, show
 
-AUTO = "auto"
-MAX_WORKERS = 256
-READ_THREADS = (0, 64)
 MAX_SIZE = 2**50  # 1 PiB: more than any checkpoint file; anything above is a typo
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
-DEVICE_CHOICES = ("auto", "cpu", "cuda")  # convert --device: where FP8 weights are dequantised
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,7 +57,7 @@ def int_in(option: str, value: object, low: int | None = None, high: int | None 
 
 def read_threads(value: object) -> int:
     """`--read-threads`: threads per worker reading ahead of its writer."""
-    return int_in("--read-threads", value, *READ_THREADS)
+    return int_in("--read-threads", value, *READ_THREADS_RANGE)
 
 
 def size(option: str, value: object) -> int:
@@ -109,7 +107,6 @@ def keywords_checked(fn: F) -> F:
 
 def path(option: str, value: object) -> object:
     """A file or directory argument: a str or an os.PathLike (a number or None is a mistake, not a path)."""
-    import os
 
     if isinstance(value, (str, os.PathLike)) and str(value):
         return value

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from glmconv.config import GlmConfig
+from glmconv.defaults import DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import MANIFEST_NAME
@@ -13,7 +14,7 @@ from glmconv.io.jsonfile import load_json_file
 from glmconv.plan import Plan, detect_layout
 from glmconv.rules import layouts, names
 from glmconv.rules import roles as R
-from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES, MTP_PART, VISION_PART
+from glmconv.rules.layouts import MTP_PART, VISION_PART
 from glmconv.text import count
 
 LAYOUT_KEY = "layout"  # in glmconv.json and in the common state's `glmconv` entry

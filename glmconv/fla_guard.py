@@ -16,9 +16,11 @@ from __future__ import annotations
 import importlib.abc
 import os
 import sys
+import sysconfig
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib.machinery import ModuleSpec
+from pathlib import Path
 from types import ModuleType
 
 ENV = "GLMCONV_FLA"
@@ -89,8 +91,6 @@ def without_loaded_fla() -> Iterator[None]:
 
 def write_pth() -> str:
     """Write `glmconv-fla-guard.pth` into this interpreter's site-packages, so every start installs the finder."""
-    import sysconfig
-    from pathlib import Path
 
     path = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
     path.write_text(PTH_LINE)

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from glmconv.plan import Mapping, Plan, TensorSpec
 from glmconv.rules import roles as R
 from glmconv.rules.ops import Concat, StackExperts
-
-if TYPE_CHECKING:
-    from glmconv.plan import Mapping, Plan, TensorSpec
 
 REPLICATED, COLUMN, ROW, DOWN_PROJ = "replicated", "column", "row", "down_proj"
 EXPERT_COLUMN, EXPERT_ROW = "expert_column", "expert_row"

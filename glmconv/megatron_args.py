@@ -8,10 +8,12 @@ config.json is refused before any tensor is read.
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from glmconv.config import MOE, GlmConfig
 from glmconv.errors import CheckpointError
+from glmconv.io.torch_dist.common_state import build_args, mtp_num_layers
 
 # (args attribute, Megatron-LM flag): store_true flags print bare, in this order (model shape first)
 _FLAGS: tuple[tuple[str, str], ...] = (
@@ -48,7 +50,6 @@ def model_args(config: GlmConfig, layout: str = "miles") -> dict[str, Any]:
 
     `layout`: the Megatron layout trained; one whose trainer has no MTP module (mcore) gets no --mtp-num-layers,
     as its checkpoints' stored args say."""
-    from glmconv.io.torch_dist.common_state import build_args, mtp_num_layers
 
     t = config.text
     values = vars(build_args(config, mtp_num_layers=mtp_num_layers(config, layout)))
@@ -78,7 +79,6 @@ def layer_pattern(freq: list[int]) -> str:
 
 def command_line(args: dict[str, Any]) -> list[str]:
     """The flags as shell words for a launcher, one flag per line (`--flag value`, bare for a switch)."""
-    import shlex
 
     return [flag if value is True else f"{flag} {shlex.quote(str(value))}" for flag, value in args.items()]
 

@@ -9,6 +9,11 @@ import json
 from pathlib import Path
 
 from glmconv.errors import CheckpointError
+from glmconv.io.checkpoint_files import optional_file
+from glmconv.io.config_file import load_config
+from glmconv.io.file_names import CONFIG_NAME
+from glmconv.io.safetensors.checkpoint import is_hf_checkpoint
+from glmconv.io.torch_dist.metadata import is_torch_dist
 from glmconv.text import count, show
 
 HF = "HF"
@@ -17,8 +22,6 @@ TORCH_DIST = "torch_dist"
 
 def kind(path: str | Path) -> str | None:
     """HF or TORCH_DIST when `path` is such a checkpoint directory, else None (missing, a file, neither)."""
-    from glmconv.io.safetensors.checkpoint import is_hf_checkpoint
-    from glmconv.io.torch_dist.metadata import is_torch_dist
 
     p = Path(path)
     if is_torch_dist(p):
@@ -60,9 +63,6 @@ def check_pair(command: str, hf_dir: str | Path, mcore_dir: str | Path) -> None:
 
 def check_same_model(hf_dir: str | Path, mcore_dir: str | Path) -> None:
     """Refuse MCORE_DIR whose config.json (convert leaves one) describes another model than HF_DIR's."""
-    from glmconv.io.checkpoint_files import optional_file
-    from glmconv.io.config_file import load_config
-    from glmconv.io.file_names import CONFIG_NAME
 
     if not (Path(hf_dir).is_dir() and Path(mcore_dir).is_dir()):
         return  # the checks that read the checkpoints refuse what is missing

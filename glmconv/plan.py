@@ -7,17 +7,14 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 from glmconv.config import DSA, MOE, GlmConfig
+from glmconv.defaults import DEFAULT_LAYOUT, KEEP, LAYOUT_CHOICES
 from glmconv.io.dtypes import DTYPE_SIZES
 from glmconv.numerics.fp8 import scale_shape
 from glmconv.rules import layouts, names
-from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
-from glmconv.rules.table import BF16, F32, FP8, GLOBAL, KEEP, LAYER, MTP, VISION, Rule, rules_in
-
-if TYPE_CHECKING:
-    from glmconv.rules.ops import Layout
+from glmconv.rules.ops import Layout
+from glmconv.rules.table import BF16, F32, FP8, GLOBAL, LAYER, MTP, VISION, Rule, rules_in
 
 __all__ = ["BF16", "F32", "FP8", "Mapping", "Plan", "TensorSpec", "build_plan", "detect_layout", "dims", "retyped"]
 

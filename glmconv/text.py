@@ -8,7 +8,11 @@ or `show` (one name), so there is one rule for what is escaped and how.
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
 
 MAX_SHOWN = 200  # characters of one shown value; a 5,000-digit number or a 1 MB name is cut in the middle
 
@@ -37,7 +41,6 @@ def show(value: Any, *, quote: bool = False) -> str:
 
 def plain_markup(text: str) -> str:
     """`printable(text)` made safe to embed in rich markup (a name holding `[red]` stays literal)."""
-    from rich.markup import escape
 
     return escape(printable(text))
 
@@ -58,9 +61,7 @@ PIPE_WIDTH = 1000  # columns of a console that is not a terminal: no table wraps
 def console(**kwargs: Any) -> Any:
     """A rich Console for stdout that, when stdout is not a terminal (a pipe, a file, CI logs) and COLUMNS is not
     set, is PIPE_WIDTH wide instead of rich's 80: tables keep their natural width and names stay on one line."""
-    import os
 
-    from rich.console import Console
 
     out = Console(**kwargs)
     if not out.is_terminal and "COLUMNS" not in os.environ:

@@ -14,18 +14,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmconv.config import GlmConfig
+from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT
 from glmconv.errors import GlmconvError
 from glmconv.io.config_file import load_config
+from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.plan import Plan, TensorSpec, build_plan
 from glmconv.rules import names
-from glmconv.rules.layouts import DEFAULT_LAYOUT
-from glmconv.runners.backward import Fp8Stats, Named, Read, mapping_hf
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES
+from glmconv.runners.backward import Fp8Stats, Named, Read, mapping_hf, mapping_tensors
+from glmconv.runners.export_job import check_loadable, padded_rows, source_job
 
 if TYPE_CHECKING:
     import torch
-
-
 
 # ---- one mapping backward: the code export and weight sync share ------------------------------------------
 
@@ -89,7 +88,6 @@ def _fitted(plan: Plan, spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
     shape = tuple(tensor.shape)
     if shape == spec.shape:
         return tensor
-    from glmconv.runners.export import padded_rows
 
     padded_rows(plan, spec, shape, "the pushed parameters")  # refuses all but a padded vocabulary
     return tensor[: spec.shape[0]]
@@ -131,8 +129,6 @@ def _pushed(params: Iterable[tuple[str, torch.Tensor]], sync: WeightSync) -> Ite
 def _from_checkpoint(src: Path, config: GlmConfig | str | Path | None, fp8: bool, dtypes: Dict[str, str] | None,
                      chunk_bytes: int) -> Iterator[Named]:
     """Export's own stream of `src` (its checks first: plan, stored args, shapes), without writing anything."""
-    from glmconv.io.torch_dist.reader import DcpReader
-    from glmconv.runners.export import check_loadable, mapping_tensors, source_job
 
     if isinstance(config, GlmConfig):
         raise GlmconvError("hf_weights: for a torch_dist directory, pass the config as a path (or none)")

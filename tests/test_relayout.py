@@ -16,12 +16,12 @@ from click.testing import CliRunner
 from hf_helpers import raw_tensors
 
 import glmconv
+from glmconv.defaults import ZERO_COPY_ENV
 from glmconv.errors import GlmconvError
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME, SIDECAR_DIR
 from glmconv.io.torch_dist.common_state import read_common_state
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.runners import relayout as relayout_mod
-from glmconv.runners.export import ZERO_COPY_ENV
 from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -304,7 +304,7 @@ def test_megatron_objects_in_a_trainers_common_state_are_carried(converted: Call
                                                                  tiny_ckpt: Path, tmp_path: Path) -> None:
     import argparse
 
-    from glmconv.io.torch_dist.common_state import OpaqueValue
+    from glmconv.io.torch_dist.pickle_allow import OpaqueValue
 
     # what the reader makes of an allow-listed megatron enum in a trainer's args when megatron is not imported;
     # written back as the global it stands for (tests/test_common_state_write_back.py loads it in megatron)

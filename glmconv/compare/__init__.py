@@ -17,70 +17,36 @@ defect, whether the verdict names it, in the same pass over the layers.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from glmconv.compare import defects
+from glmconv.compare.capture import Model, Side, StepProgress, capture, steps
+from glmconv.compare.catalog import select
+from glmconv.compare.fingerprint import check_same_weights
+from glmconv.compare.inputs import Batch, load_prompt_file, random_batch
+from glmconv.compare.memory import check_resident_fits, peak_memory, start_peak
+from glmconv.compare.options import ParityOptions, judge_of
+from glmconv.compare.replay import Replay, load_replay_file
+from glmconv.compare.report import build_report
+from glmconv.config import GlmConfig
+from glmconv.defaults import DEFAULT_LAYOUT, DEFAULT_TOKENS, PARITY_DTYPES, TRAIN_CONVENTIONS
 from glmconv.errors import GlmconvError
+from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file
+from glmconv.io.config_file import load_config
+from glmconv.io.file_names import CONFIG_NAME
+from glmconv.models.conventions import Conventions
+from glmconv.models.model import GlmModel
+from glmconv.models.weights import HfWeights, MegatronWeights
 
-if TYPE_CHECKING:
-    from glmconv.compare.capture import Model, Side
-    from glmconv.compare.inputs import Batch
-    from glmconv.compare.metrics import Bound
-    from glmconv.compare.verdict import Judge
-    from glmconv.config import GlmConfig
-
-DTYPES = ("fp32", "bf16")
-TRAIN_CONVENTIONS = ("default", "serve")
-DEFAULT_TOKENS = 128
-
-
-@dataclass(frozen=True)
-class ParityOptions:
-    """Everything a parity run is asked to do (the CLI's flags)."""
-
-    hf_dir: Path
-    mcore_dir: Path
-    tokens: int = DEFAULT_TOKENS
-    sequences: int = 1
-    seed: int = 0
-    prompt_file: Path | None = None
-    mode: str = "propagated"
-    dtype: str = "fp32"
-    device: str = "cpu"
-    train_conventions: str = "default"
-    overrides: tuple[str, ...] = ()
-    threshold: float | None = None
-    bounds: tuple[Bound, ...] = field(default_factory=tuple)
-    progress: bool = True
-    allow_different_weights: bool = False  # skip the check that MCORE_DIR is a conversion of HF_DIR
-    kernels: str = "auto"  # train side: GPU kernels on CUDA (auto) or the torch references everywhere
-    stream_layers: bool = False  # hold one layer's weights at a time (a full-size model on one GPU)
-    replay: str = "none"  # routing | indexer | both: the train side uses the serve side's selections (replay.py)
-    replay_file: Path | None = None  # ... or those of a payload file instead (replay.load_replay_file)
-    self_test: bool = False  # also run the planted-defect catalog (glmconv.compare.defects) in the same pass
-    defects: str | None = None  # comma-separated catalog names for the self-test (None: all)
-
-    @property
-    def effective_threshold(self) -> float:
-        """The stream floor: the smallest rel err a divergence needs, whatever the noise."""
-        from glmconv.compare.verdict import STREAM_FLOOR
-
-        return STREAM_FLOOR if self.threshold is None else self.threshold
-
+__all__ = ["DEFAULT_TOKENS", "ParityOptions", "run_parity"]
 
 def run_parity(opts: ParityOptions) -> dict[str, Any]:
     """Build both models, run them over the batch, and return the report (see `report.build_report`)."""
     import torch
 
-    from glmconv.compare.capture import StepProgress, capture, steps
-    from glmconv.compare.memory import peak_memory, start_peak
-    from glmconv.compare.replay import Replay, load_replay_file
-    from glmconv.compare.report import build_report
-    from glmconv.io.config_file import load_config
-
-    if opts.dtype not in DTYPES:
-        raise GlmconvError(f"--dtype {opts.dtype!r}: choose from {', '.join(DTYPES)}")
+    if opts.dtype not in PARITY_DTYPES:
+        raise GlmconvError(f"--dtype {opts.dtype!r}: choose from {', '.join(PARITY_DTYPES)}")
     config = load_config(opts.hf_dir)
     _check_same_config(config, opts.mcore_dir)
     replay = Replay.parse(opts.replay)
@@ -90,7 +56,7 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     device = torch.device(check_device(opts.device))
     start_peak(device)
     serve, train, conventions = build_models(config, opts)
-    judge = _judge(opts)
+    judge = judge_of(opts)
     serve_precise, train_precise = (getattr(m, "precise_twin", lambda: None)() for m in (serve, train))
     variants = self_test_sides(config, train, train_precise, conventions, opts) if opts.self_test else []
     with StepProgress("parity", steps(serve), enabled=opts.progress) as progress:
@@ -105,20 +71,9 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     return report
 
 
-def _judge(opts: ParityOptions) -> Judge:
-    from glmconv.compare.verdict import Floors, Judge
-
-    return Judge(Floors(stream=opts.effective_threshold), propagated=opts.mode == "propagated",
-                 check_weights=not opts.allow_different_weights)
-
-
 def self_test_sides(config: GlmConfig, train: Model, train_precise: Model | None,
                     conventions: dict[str, dict[str, str]], opts: ParityOptions) -> list[Side]:
     """One train side per applicable catalog defect, planted in memory over the train side's weights."""
-    from glmconv.compare import defects
-    from glmconv.compare.capture import Side
-    from glmconv.compare.catalog import select
-    from glmconv.models.conventions import Conventions
 
     train_conv = Conventions(**conventions["train"])
     sides = []
@@ -133,13 +88,12 @@ def self_test_sides(config: GlmConfig, train: Model, train_precise: Model | None
         if precise is not None and train_precise is not None:
             precise.cache = train_precise.cache  # fp32 casts of the clean weights, shared (patches apply after)
         sides.append(Side(defect.name, model, conv.as_dict(), precise, sites=frozenset(planted.sites),
-                          judge=_judge(opts)))
+                          judge=judge_of(opts)))
     return sides
 
 
 def make_batch(opts: ParityOptions, vocab: int) -> Batch:
     """Random tokens from --seed, or the ids of --prompt-file."""
-    from glmconv.compare.inputs import load_prompt_file, random_batch
 
     if opts.prompt_file is not None:
         return load_prompt_file(opts.prompt_file, vocab)
@@ -150,10 +104,6 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
     """(serve model, train model, both sides' conventions as plain dicts); tests replace this with fakes."""
     import torch
 
-    from glmconv.compare.fingerprint import check_same_weights
-    from glmconv.compare.memory import check_resident_fits
-    from glmconv.models.model import GlmModel
-    from glmconv.models.weights import HfWeights, MegatronWeights
 
     device = check_device(opts.device)
     dtype = torch.float32 if opts.dtype == "fp32" else torch.bfloat16
@@ -177,8 +127,6 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, 
 def resolve_conventions(opts: ParityOptions, has_hc_head: bool = False, layout: str | None = None) -> tuple[Any, Any]:
     """Serve conventions, and the train side's: the Megatron defaults of the checkpoint's `layout` (or serve's),
     then each KEY=VALUE override."""
-    from glmconv.models.conventions import Conventions
-    from glmconv.rules.layouts import DEFAULT_LAYOUT
 
     if opts.train_conventions not in TRAIN_CONVENTIONS:
         raise GlmconvError(f"--train-conventions {opts.train_conventions!r}: choose from "
@@ -209,9 +157,6 @@ def check_device(device: str) -> str:
 
 def _check_same_config(config: GlmConfig, mcore_dir: Path) -> None:
     """A converted checkpoint carries its config.json: refuse a pair that describes different models."""
-    from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file
-    from glmconv.io.config_file import load_config
-    from glmconv.io.file_names import CONFIG_NAME
 
     path = optional_file(check_checkpoint_dir(Path(mcore_dir)), CONFIG_NAME)
     if path is None:

@@ -36,10 +36,11 @@ from glmconv.compare.attribution import shapley
 from glmconv.compare.inputs import Batch
 from glmconv.compare.replay import Replay
 from glmconv.compare.verdict import SELECTIONS, Judge
+from glmconv.defaults import PARITY_MODES
 from glmconv.errors import GlmconvError
+from glmconv.models.conventions import Conventions, acting_at_sub_block
 from glmconv.text import printable
 
-MODES = ("propagated", "isolated")
 ATTENTION, MLP = "attention", "mlp"
 
 
@@ -128,8 +129,8 @@ def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
     `serve_precise` / `train_precise`: the sides' fp32 reference twins, whose distance from each side is the
     noise the verdict is measured against; `variants`: more train sides (planted defects) run in the same pass.
     """
-    if mode not in MODES:
-        raise GlmconvError(f"--mode {mode!r}: choose from {', '.join(MODES)}")
+    if mode not in PARITY_MODES:
+        raise GlmconvError(f"--mode {mode!r}: choose from {', '.join(PARITY_MODES)}")
     _check_same_shape(serve, train)
     conv = conventions or {}
     clean = Side("clean", train, conv.get("train", {}), train_precise, twin,
@@ -236,7 +237,6 @@ class _Run:
     def _attribute(self, side: Side, layer: int, sub_block: str, so: _Out, switches: list[str],
                    state: SelectionState) -> dict[str, Any] | None:
         """Shapley shares of the differing switches at this sub-block, rerun on the fp32 references."""
-        from glmconv.models.conventions import Conventions
 
         base = side.precise if side.precise is not None else side.model
         if not hasattr(base, "variant"):
@@ -289,7 +289,6 @@ def _selection_state(model: Model | None) -> SelectionState:
 
 
 def _switches(serve: _Serve, side: Side, layer: int, sub_block: str) -> list[str]:
-    from glmconv.models.conventions import acting_at_sub_block
 
     return acting_at_sub_block(serve.conventions, side.conventions, sub_block, serve.model.attn_types[layer] == "dsa")
 

@@ -8,13 +8,11 @@ the mapping, tell that in milliseconds; they are random-looking in any real or g
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from glmconv.compare.weight_diff import DIFFER, tensor_diff
 from glmconv.errors import GlmconvError
+from glmconv.models.weights import WeightSource
 from glmconv.rules import roles as R
-
-if TYPE_CHECKING:
-    from glmconv.models.weights import WeightSource
 
 FINGERPRINT_ROLES = (R.EMBED, R.LM_HEAD)
 FINGERPRINT_ROWS = 8
@@ -28,7 +26,6 @@ class DifferentWeightsError(GlmconvError):
 def check_same_weights(serve: WeightSource, train: WeightSource, hf_dir: Path, mcore_dir: Path) -> None:
     """Refuse a pair whose fingerprint tensors all differ almost everywhere: unrelated checkpoints, not a conversion
     with a defect in some rows (the verdict names those) or rounded to BF16 (`convert --dtype bf16`)."""
-    from glmconv.compare.weight_diff import DIFFER, tensor_diff
 
     gaps = []
     for role in FINGERPRINT_ROLES:

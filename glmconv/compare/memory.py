@@ -15,14 +15,14 @@ import torch
 
 from glmconv.config import GlmConfig
 from glmconv.errors import GlmconvError
+from glmconv.plan import build_plan
+from glmconv.rules import roles as R
 
 HEADROOM = 0.9  # share of the free memory a resident run may plan to fill (activations need the rest)
 
 
 def resident_bytes(config: GlmConfig, dtype: torch.dtype) -> int:
     """Both sides' weights held at once: every text tensor in the model dtype (experts in BF16, as stored)."""
-    from glmconv.plan import build_plan
-    from glmconv.rules import roles as R
 
     size = torch.tensor([], dtype=dtype).element_size()
     total = 0

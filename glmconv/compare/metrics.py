@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from glmconv.errors import GlmconvError
+
 LOGIT_CHUNK = 512  # rows of [T, V] logits turned into log-probs at once: bounds memory at the real vocab
 
 
@@ -163,7 +165,6 @@ class Bound:
 
 def parse_bound(text: str) -> Bound:
     """Parse one --fail-on; raises GlmconvError naming what is wrong."""
-    from glmconv.errors import GlmconvError
 
     ops = [op for op in "<>" if op in text]
     if len(ops) != 1 or text.count(ops[0]) != 1:
@@ -182,7 +183,6 @@ def parse_bound(text: str) -> Bound:
 
 def check_bounds(bounds: Iterable[Bound], values: dict[str, float | None]) -> list[dict[str, Any]]:
     """Each bound with the measured value and whether it is broken."""
-    from glmconv.errors import GlmconvError
 
     out = []
     for b in bounds:

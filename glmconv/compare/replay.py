@@ -12,17 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from glmconv.config import GlmConfig
+from glmconv.defaults import REPLAY_CHOICES
 from glmconv.errors import GlmconvError
+from glmconv.io.safetensors.header import read_header
 from glmconv.text import count, show
 
-if TYPE_CHECKING:
-    from glmconv.config import GlmConfig
-
-REPLAYS = ("none", "routing", "indexer", "both")
 BYPASSED = "all routed-expert ids are 0: the backend most likely bypassed routing capture"
 
 
@@ -37,8 +35,8 @@ class Replay:
 
     @classmethod
     def parse(cls, what: str) -> Replay:
-        if what not in REPLAYS:
-            raise GlmconvError(f"--replay {what!r}: choose from {', '.join(REPLAYS)}")
+        if what not in REPLAY_CHOICES:
+            raise GlmconvError(f"--replay {what!r}: choose from {', '.join(REPLAY_CHOICES)}")
         return cls(routing=what in ("routing", "both"), indexer=what in ("indexer", "both"))
 
     @property
@@ -196,7 +194,6 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from glmconv.io.safetensors.header import read_header
 
     if not path.is_file():
         raise GlmconvError(f"{show(str(path))}: no such replay file")

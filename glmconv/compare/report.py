@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from glmconv import __version__
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
 from glmconv.compare import metrics
 from glmconv.compare.attribution import attribution_line
+from glmconv.compare.capture import Capture, Side
+from glmconv.compare.catalog import CATALOG
+from glmconv.compare.inputs import Batch
+from glmconv.compare.options import ParityOptions, judge_of
+from glmconv.compare.verdict import judge_records
 from glmconv.compare.weight_diff import DIFFER
+from glmconv.models.conventions import SELECTION, acting_at
+from glmconv.output import claim_report_dir, replace_file
 from glmconv.rules import roles as R
 from glmconv.text import count, printable
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-    from glmconv.compare import ParityOptions
-    from glmconv.compare.capture import Capture, Side
-    from glmconv.compare.inputs import Batch
+from glmconv.version import __version__
 
 JSON_NAME, MD_NAME, PNG_NAME = "report.json", "report.md", "error_per_layer.png"
 _PLOT_FLOOR = 1e-12  # log-scale floor for exact zeros
@@ -65,11 +70,8 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
 
 def _judged(cap: Capture, opts: ParityOptions, conventions: dict[str, Any]) -> Side:
     """A capture of records alone (a test double's, or one read back): judged here as capture would have."""
-    from glmconv.compare import _judge
-    from glmconv.compare.capture import Side
-    from glmconv.compare.verdict import judge_records
 
-    return Side("clean", None, judge=judge_records(cap.layers, conventions, _judge(opts)))  # type: ignore[arg-type]
+    return Side("clean", None, judge=judge_records(cap.layers, conventions, judge_of(opts)))  # type: ignore[arg-type]
 
 
 def _global_defects(cap: Capture, opts: ParityOptions) -> list[dict[str, Any]]:
@@ -96,7 +98,6 @@ def _first(first: dict[str, Any] | None, cap: Capture, opts: ParityOptions) -> d
 
 def _self_test_row(side: Side) -> dict[str, Any]:
     """One planted defect: where it went and what the verdict says of it."""
-    from glmconv.compare.catalog import CATALOG
 
     defect = next(d for d in CATALOG if d.name == side.name)
     sites = sorted(side.sites or ())
@@ -114,7 +115,6 @@ def _indexer_divergence(layers: list[dict[str, Any]], conventions: dict[str, Any
                         opts: ParityOptions) -> dict[str, Any] | None:
     """The first DSA attention record whose own top-k differs from serve's (overlap < 1), and what explains it:
     differing indexer switches, differing weights, noise, an upstream divergence (propagated only), or numerics."""
-    from glmconv.models.conventions import SELECTION, acting_at
 
     for i, rec in enumerate(layers):
         if "topk_overlap" not in rec or rec["topk_overlap"] >= 1.0:
@@ -193,7 +193,6 @@ def write_report(report: dict[str, Any], out_dir: str | Path,
     Without matplotlib (the `report` extra) the PNG is skipped: `report["report_skipped"]` then says so and how
     to get it, and the Markdown says the same where the plot would be.
     """
-    from glmconv.output import claim_report_dir, replace_file
 
     d = Path(out_dir)
     claim_report_dir(d, inputs or {})
@@ -411,8 +410,6 @@ def _found(fd: dict[str, Any] | None) -> str:
 
 def print_table(report: dict[str, Any], console: Console) -> None:
     """The per-sub-block table, then the verdict and everything that explains it."""
-    from rich.table import Table
-    from rich.text import Text
 
     replay = report.get("replay", "none")
     t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, "
@@ -465,7 +462,6 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any]) -> bytes:
     """PNG bytes: log-scale rel err per layer, one series per sub-block, the threshold as a line."""
-    import io
 
     import matplotlib
 

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from glmconv.models.conventions import acting_at_sub_block
+
 MARGIN = 2.0  # an aligned pair stays at or under 1 x noise (triangle inequality); a divergence is named above 2 x
 STREAM_FLOOR = 1e-5  # the smallest stream rel err ever named (a rounding-sized convention at fp32 stays ~1e-6)
 SELECTION_FLOOR = 1e-3  # the smallest selection disagreement ever named (a near-tie flip at the real sizes: ~1e-7)
@@ -111,7 +113,6 @@ class Judge:
 
 def judge_records(records: list[dict[str, Any]], conventions: dict[str, dict[str, str]], judge: Judge) -> Judge:
     """Judge already measured records (forward order) with `judge`: a report built from records alone."""
-    from glmconv.models.conventions import acting_at_sub_block
 
     serve, train = conventions.get("serve", {}), conventions.get("train", {})
     for rec in records:

@@ -3,15 +3,17 @@ the same message as `glmconv.numerics.finite.require_finite` gives a tensor."""
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from glmconv.io.byte_copy import Extent
 from glmconv.numerics.finite import E4M3_NAN, NonFiniteError, block_of
 
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.byte_copy import Extent
+
 
 _SCAN_BYTES = 1 << 24  # scanned a window at a time: memory stays at a few windows whatever the tensor
 
@@ -47,7 +49,6 @@ def _exponent_bits(dtype: torch.dtype) -> tuple[Any, int] | None:
 
 def _scan(e: Extent, ints: Any, mask: int) -> tuple[int, int]:
     """(first non-finite element, count) in one extent, read through a mapping a window at a time."""
-    import mmap
 
     import numpy as np
 

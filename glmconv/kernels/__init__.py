@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
+from glmconv.defaults import KERNEL_CHOICES
 from glmconv.errors import GlmconvError
-
-KERNEL_CHOICES = ("auto", "reference")
+from glmconv.kernels import dsa, kda
+from glmconv.ops.dsa import sparse_mla
+from glmconv.ops.kda import kda_layer
+from glmconv.ops.kpool import kpool_topk
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,6 @@ class OpSet:
 
 
 def reference_ops() -> OpSet:
-    from glmconv.ops.dsa import sparse_mla
-    from glmconv.ops.kda import kda_layer
-    from glmconv.ops.kpool import kpool_topk
 
     return OpSet("reference", kda_layer, kpool_topk, sparse_mla)
 
@@ -48,7 +48,7 @@ def kernel_ops(index_width: int) -> OpSet:
         import fla.ops.kda  # noqa: F401
         import megatron.core.transformer.experimental_attention_variant.ops.tilelang_sparse_mla_fwd  # noqa: F401
 
-        from glmconv.kernels import dsa, kda, kpool
+        from glmconv.kernels import kpool  # a triton module: it compiles its kernels when imported
     except ImportError as exc:
         raise GlmconvError(f"--kernels auto on CUDA needs fla-core, tilelang and megatron-core ({exc}); "
                            "use --kernels reference") from None

@@ -15,8 +15,13 @@ from typing import Any
 
 import torch
 
-from glmconv.ops.kda import KdaParams
-from glmconv.ops.kpool import IndexerTensors, KpoolParams
+from glmconv.kernels import dsa
+from glmconv.kernels.kda import kda_core
+from glmconv.ops import dsa as dsa_reference
+from glmconv.ops import kda as kda_reference
+from glmconv.ops import kpool as kpool_reference
+from glmconv.ops.kda import KdaParams, forget_gate
+from glmconv.ops.kpool import K_NORM_EPS, IndexerTensors, KpoolParams
 
 REAL_KPOOL = KpoolParams(heads=32, head_dim=128, topk=2048, kpool=4, select_tail=True)
 REAL_KDA = KdaParams(heads=64, head_dim=128, lower_bound=-5.0, norm_eps=1e-5)
@@ -122,8 +127,9 @@ class Row:
 
 
 def bench_kpool(lengths: Sequence[int], device: str = "cuda") -> Row:
-    from glmconv.kernels.kpool import kpool_topk as kernel
-    from glmconv.ops.kpool import kpool_topk as reference
+    from glmconv.kernels.kpool import kpool_topk as kernel  # triton: imported only where it runs
+
+    reference = kpool_reference.kpool_topk
 
     x, q, w = indexer_inputs(sum(lengths), device)
     cu = cu_seqlens(lengths, device)
@@ -138,9 +144,7 @@ def bench_kpool(lengths: Sequence[int], device: str = "cuda") -> Row:
 def bench_kda(tokens: int, device: str = "cuda") -> list[Row]:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    from glmconv.kernels.kda import kda_core
-    from glmconv.ops.kda import chunk_kda as reference
-    from glmconv.ops.kda import forget_gate
+    reference = kda_reference.chunk_kda
 
     p, a = REAL_KDA, kda_inputs(tokens, device)
     cu = cu_seqlens([tokens], device)
@@ -168,9 +172,7 @@ def bench_kda(tokens: int, device: str = "cuda") -> list[Row]:
 
 
 def bench_dsa(tokens: int, device: str = "cuda") -> list[Row]:
-    from glmconv.kernels import dsa
-    from glmconv.ops.dsa import sparse_mla as reference
-
+    reference = dsa_reference.sparse_mla
     width = REAL_KPOOL.width
     a = dsa_inputs([tokens], width, device)
     scale = NOPE ** -0.5
@@ -216,8 +218,7 @@ def kpool_disagreements(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensor
     """
     import torch.nn.functional as F
 
-    from glmconv.kernels.kpool import layout
-    from glmconv.ops.kpool import K_NORM_EPS
+    from glmconv.kernels.kpool import layout  # triton: imported only where it runs
 
     rows = (~same_sets(got, want)).nonzero().flatten().tolist()
     if not rows:

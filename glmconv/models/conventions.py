@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from glmconv.defaults import MCORE, MILES
 from glmconv.errors import GlmconvError
-from glmconv.rules.layouts import MCORE, MILES
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "proj_rms": ("reference", "megatron"),

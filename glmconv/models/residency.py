@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from glmconv.models.weights import ExpertBank, Swiglu
+from glmconv.runners.ahead import Step, run_ahead
 
 Key = tuple[str, int]  # (sub-block kind, layer); layer -1 for model-wide pieces
 LOAD_THREADS = min(8, os.cpu_count() or 1)
@@ -57,7 +58,6 @@ class LoadedBank(ExpertBank):
     on_device = True
 
     def __init__(self, bank: ExpertBank, device: torch.device) -> None:
-        from glmconv.runners.ahead import Step, run_ahead
 
         self.num, self.nbytes = bank.num, bank.nbytes
         self._w: dict[str, torch.Tensor] = {}

@@ -18,15 +18,20 @@ from pathlib import Path
 
 import torch
 
+from glmconv.checkpoint_layout import checkpoint_layout
 from glmconv.config import DSA, KDA, MOE, GlmConfig
+from glmconv.defaults import DEFAULT_LAYOUT
 from glmconv.errors import CheckpointError
 from glmconv.io.config_file import load_config
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.io.torch_dist.metadata import config_path, resolve_iter_dir
+from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.ops.dsa import DsaTensors
 from glmconv.ops.kda import KdaTensors
 from glmconv.ops.kpool import IndexerTensors
 from glmconv.plan import FP8, Mapping, build_plan
 from glmconv.rules import roles as R
-from glmconv.rules.layouts import DEFAULT_LAYOUT
 
 EXPERT_WINDOW_BYTES = 1 << 30  # stacked-expert rows read at once on the Megatron side
 ROW_WINDOW_BYTES = 1 << 28  # embedding / head rows read at once when they are streamed
@@ -286,8 +291,6 @@ class HfWeights(WeightSource):
 
     def __init__(self, hf_dir: str | Path, device: str | torch.device | None = None) -> None:
         """`device`: where FP8 weights are dequantised (a CUDA device does it faster, with the same bits)."""
-        from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
-        from glmconv.io.safetensors.reader import HfTensorSource
 
         ck = inspect_hf_checkpoint(hf_dir)
         if ck.text_prefix is None:
@@ -382,9 +385,6 @@ class MegatronWeights(WeightSource):
     """
 
     def __init__(self, mcore_dir: str | Path, config: GlmConfig | None = None, layout: str | None = None) -> None:
-        from glmconv.checkpoint_layout import checkpoint_layout
-        from glmconv.io.torch_dist.metadata import config_path, resolve_iter_dir
-        from glmconv.io.torch_dist.reader import DcpReader
 
         root = Path(mcore_dir)
         if config is None:

@@ -17,14 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from glmconv.arguments import DEVICE_CHOICES
+from glmconv.defaults import DEVICE_CHOICES
 from glmconv.errors import GlmconvError
-from glmconv.numerics.fp8 import FP8_BLOCK, dequantize_fp8_blocks
+from glmconv.numerics.fp8 import FP8_BLOCK, Fp8FormatError, dequantize_fp8_blocks, refuse_nan_codes, scale_shape
 
 if TYPE_CHECKING:
     import torch
 
-DEVICES = DEVICE_CHOICES
 SLAB_ROWS = 2 * FP8_BLOCK  # rows per CPU slab: fp32 temporaries of a few MB stay in cache
 AUTO_CUDA_BYTES = 1 << 30  # auto picks the GPU for a worker with at least this many bytes of FP8 codes
 
@@ -40,8 +39,8 @@ def cpu_count() -> int:
 def resolve_device(requested: str, fp8_bytes: int) -> str:
     """`cpu` or `cuda`: `auto` is cuda when a GPU is visible and there are AUTO_CUDA_BYTES of FP8 codes to
     dequantise (less costs less on the CPU than starting CUDA); `cuda` without a GPU is refused."""
-    if requested not in DEVICES:
-        raise GlmconvError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}")
+    if requested not in DEVICE_CHOICES:
+        raise GlmconvError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {requested!r}")
     if requested == "cpu" or (requested == "auto" and fp8_bytes < AUTO_CUDA_BYTES):
         return "cpu"
     import torch
@@ -150,7 +149,6 @@ def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
     """The reference's checks on the whole weight: dtypes, the scale grid, NaN codes."""
     import torch
 
-    from glmconv.numerics.fp8 import Fp8FormatError, refuse_nan_codes, scale_shape
 
     if fp8.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise Fp8FormatError(f"expected a float8_e4m3fn weight and F32 block scales, got {fp8.dtype} and "

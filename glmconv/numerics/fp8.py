@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
+from glmconv.numerics.finite import require_finite
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,6 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
 
     if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise Fp8FormatError(f"quantize_fp8_blocks needs a float weight, got {w.dtype}")
-    from glmconv.numerics.finite import require_finite
 
     require_finite(w, "weight", "FP8 quantisation")  # a NaN or Inf would wipe its whole block
     rows, cols = w.shape if w.dim() == 2 else (0, 0)
@@ -87,7 +87,6 @@ def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int
 def refuse_nan_codes(fp8: torch.Tensor) -> None:
     """NaN codes (0x7F/0xFF) are refused, not dequantised: a NaN would pass into the weight (callers that know the
     tensor's name check first, `glmconv.io.finite`)."""
-    from glmconv.numerics.finite import require_finite
 
     require_finite(fp8, "FP8 weight", "dequantisation")
 

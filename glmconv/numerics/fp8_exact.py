@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from glmconv.numerics.fp8 import FP8_BLOCK as B
+from glmconv.numerics.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
+
 if TYPE_CHECKING:
     import torch
 
@@ -26,7 +29,6 @@ def quantize_fp8_exact_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     (export --like, glmconv/numerics/fp8_reuse.py) count only the blocks they take."""
     import torch
 
-    from glmconv.numerics.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 
     w = w.contiguous()
     q, s = quantize_fp8_blocks(w)
@@ -64,8 +66,6 @@ def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tens
     """Reduce a 2-D tensor over its 128x128 blocks (edge blocks padded with `fill`)."""
     import torch
 
-    from glmconv.numerics.fp8 import FP8_BLOCK as B
-    from glmconv.numerics.fp8 import scale_shape
 
     rows, cols = x.shape
     sr, sc = scale_shape((rows, cols), B)

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from glmconv.numerics.fp8 import FP8_BLOCK, dequantize_fp8_blocks, scale_shape
+from glmconv.numerics.fp8_exact import block_any, quantize_fp8_exact_blocks
+
 if TYPE_CHECKING:
     import torch
 
@@ -32,7 +35,6 @@ def encode(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> F
     """`w` as FP8: --like's blocks where they reproduce `w` bit for bit, the others re-quantised."""
     import torch
 
-    from glmconv.numerics.fp8_exact import quantize_fp8_exact_blocks
 
     keep = reusable_blocks(w, *like) if like is not None else None
     if keep is not None and bool(keep.all()):
@@ -51,8 +53,6 @@ def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     """Per block: do --like's codes and scale give back `w` exactly (and is the scale valid)? None: not comparable."""
     import torch
 
-    from glmconv.numerics.fp8 import dequantize_fp8_blocks, scale_shape
-    from glmconv.numerics.fp8_exact import block_any
 
     if (w.dim() != 2 or w.element_size() not in _INT_VIEW_BYTES or codes.dtype != torch.float8_e4m3fn
             or tuple(codes.shape) != tuple(w.shape) or scales.dtype != torch.float32
@@ -67,7 +67,6 @@ def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 
 def _elements(blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A per-block mask spread over the elements of a `shape` weight."""
-    from glmconv.numerics.fp8 import FP8_BLOCK
 
     rows, cols = shape
     return blocks.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]

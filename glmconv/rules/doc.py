@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from glmconv.rules.layouts import LAYOUTS, MCORE
+from glmconv.defaults import DTYPE_CHOICES, MCORE
+from glmconv.rules.layouts import LAYOUTS
 from glmconv.rules.names import KEPT_PREFIX
-from glmconv.rules.table import DTYPE_CHOICES, FP8, GLOBAL, MTP, POLICIES, RULES, VISION, DtypePolicy, Rule
+from glmconv.rules.table import FP8, GLOBAL, MTP, POLICIES, RULES, VISION, DtypePolicy, Rule
 
 HEADER = """# The mapping table
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MILES, MCORE = "miles", "mcore"
-DEFAULT_LAYOUT = MILES
+from glmconv.defaults import LAYOUT_CHOICES, MCORE, MILES
+from glmconv.errors import GlmconvError
+
 MTP_PART, VISION_PART = "mtp", "vision"
 
 
@@ -29,12 +30,11 @@ LAYOUTS: dict[str, MegatronLayout] = {
     MCORE: MegatronLayout(MCORE, "a trainer built by Megatron-Bridge or NeMo on megatron-core's native modules",
                           frozenset({MTP_PART, VISION_PART})),
 }
-LAYOUT_CHOICES = tuple(LAYOUTS)
+assert tuple(LAYOUTS) == LAYOUT_CHOICES, "glmconv.defaults.LAYOUT_CHOICES names every layout, in order"
 
 
 def layout(name: str) -> MegatronLayout:
     """The layout called `name`; one line naming the choices otherwise."""
-    from glmconv.errors import GlmconvError
 
     if name not in LAYOUTS:
         raise GlmconvError(f"unknown Megatron layout {name!r}: choose {' or '.join(LAYOUT_CHOICES)}")

@@ -15,16 +15,15 @@ from dataclasses import dataclass
 from functools import cache
 
 from glmconv.config import DENSE, DSA, KDA, MOE
+from glmconv.defaults import DEFAULT_LAYOUT, KEEP, MCORE, TO_BF16, TO_FP32
 from glmconv.rules import names
 from glmconv.rules import roles as R
-from glmconv.rules.layouts import DEFAULT_LAYOUT, MCORE, layout
+from glmconv.rules.layouts import layout
 from glmconv.rules.ops import Concat, Rename, SplitVector, StackExperts, Transform
 
 GLOBAL, LAYER, MTP, VISION = "global", "layer", "mtp", "vision"
 F32, BF16, FP8 = "F32", "BF16", "F8_E4M3"
 
-KEEP, TO_BF16, TO_FP32 = "keep", "bf16", "fp32"
-DTYPE_CHOICES = (KEEP, TO_BF16, TO_FP32)  # convert --dtype: what Megatron gets
 AS_STORED = "as stored"
 
 

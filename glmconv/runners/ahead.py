@@ -14,8 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_THREADS = 2  # reader/dequantiser threads per process
-DEFAULT_AHEAD_BYTES = 1 << 30  # bytes of chunks made ahead of the writer, at most
+from glmconv.defaults import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS
+
 MAX_STEPS_AHEAD = 64  # steps that hold no memory (file-to-file copies) still queue no further than this
 
 

@@ -13,15 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glmconv.checkpoint_layout import recorded_layout
 from glmconv.config import GlmConfig
+from glmconv.defaults import DEFAULT_LAYOUT
 from glmconv.errors import CheckpointError
+from glmconv.io.checkpoint_files import check_checkpoint_dir
 from glmconv.io.config_file import load_config
-from glmconv.io.file_names import CONFIG_NAME
+from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, is_hf_checkpoint
-from glmconv.io.torch_dist.metadata import config_path
-from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, detect_layout
+from glmconv.io.torch_dist.metadata import config_path, inspect_torch_dist, is_torch_dist, resolve_iter_dir
+from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, detect_layout, dims
 from glmconv.rules import names
-from glmconv.rules.layouts import DEFAULT_LAYOUT
 from glmconv.text import count
 
 KINDS = ("missing", "unexpected", "duplicate", "shape", "dtype", "fp8-scale-missing", "scale-shape", "orphan-scale",
@@ -123,8 +125,6 @@ class AuditReport:
 
 def detect_kind(path: Path) -> str:
     """config.json file, HF checkpoint dir, or torch_dist dir."""
-    from glmconv.io.checkpoint_files import check_checkpoint_dir
-    from glmconv.io.torch_dist.metadata import is_torch_dist
 
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
@@ -170,7 +170,6 @@ def _apply_layers(s: Side, opts: Options) -> Side:
 
 
 def _load_mcore(p: Path, opts: Options, side: str) -> Side:
-    from glmconv.io.torch_dist.metadata import inspect_torch_dist
 
     ck = inspect_torch_dist(p)
     config = load_config(_mcore_config_path(p, ck.iter_dir, opts))
@@ -216,8 +215,6 @@ def _layout(s: Side, opts: Options, side: str) -> str:
     """
     if s.kind != MCORE:
         return opts.layout or DEFAULT_LAYOUT
-    from glmconv.checkpoint_layout import recorded_layout
-    from glmconv.io.file_names import MANIFEST_NAME
 
     found = detect_layout(s.config, s.tensors or {})
     recorded = recorded_layout(s.path)
@@ -446,7 +443,6 @@ def _shape_mismatch(a: Side, b: Side, m_a: Mapping, m_b: Mapping, side_b: str) -
 
 def config_findings(a: Side, b: Side, side_b: str) -> list[Finding]:
     """Configs that disagree on any dimension or on the layer schedule."""
-    from glmconv.plan import dims
 
     da, db = dims(a.config), dims(b.config)
     out = [Finding("config", k, CONFIG_NAME, str(da.get(k)), str(db.get(k)), side_b)
@@ -535,6 +531,5 @@ def _config_of(p: Path, override: str | Path | None) -> GlmConfig:
     kind = detect_kind(p)
     if kind in (CONFIG, HF):
         return load_config(p)
-    from glmconv.io.torch_dist.metadata import resolve_iter_dir
 
     return load_config(_mcore_config_path(p, resolve_iter_dir(p)[0], Options()))

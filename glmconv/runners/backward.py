@@ -6,33 +6,29 @@ experts a few at a time. Which names group is the rules table's business."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Mapping as Dict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from glmconv.defaults import DEFAULT_CHUNK_BYTES
 from glmconv.errors import CheckpointError
+from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.safetensors.like_fp8 import LikeFp8
+from glmconv.io.torch_dist.reader import DcpReader
+from glmconv.numerics.finite import require_finite
+from glmconv.numerics.fp8_reuse import encode as encode_fp8
 from glmconv.plan import FP8, Mapping, TensorSpec
 from glmconv.rules import names
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.safetensors.like_fp8 import LikeFp8
-    from glmconv.io.torch_dist.reader import DcpReader
 
 
 
-import threading
-from collections.abc import Iterable
-from collections.abc import Mapping as Dict
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
-    from glmconv.io.safetensors.like_fp8 import LikeFp8
 
 
 
@@ -95,7 +91,6 @@ def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtyp
 def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
            stats: Fp8Stats, like: LikeFp8 | None = None) -> Iterator[Named]:
     """One HF tensor in the dtype it is written as; an FP8 one as codes and then its block scales."""
-    from glmconv.io.dtypes import TORCH_DTYPES
 
     if tuple(t.shape) != spec.shape:
         raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
@@ -105,8 +100,6 @@ def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: 
         return
     if scale is None:
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
-    from glmconv.numerics.finite import require_finite
-    from glmconv.numerics.fp8_reuse import encode as encode_fp8
 
     require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
     fp8 = encode_fp8(t, like.pair(spec.name) if like is not None else None)
@@ -143,7 +136,6 @@ class ThreadReaders:
     """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
 
     def __init__(self, src: Path, check_finite: bool) -> None:
-        import threading
 
         self._src, self._check_finite = src, check_finite
         self._local = threading.local()
@@ -151,7 +143,6 @@ class ThreadReaders:
         self._all: list[DcpReader] = []
 
     def get(self) -> DcpReader:
-        from glmconv.io.torch_dist.reader import DcpReader
 
         reader = getattr(self._local, "reader", None)
         if reader is None:

@@ -10,29 +10,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv import source_dtypes
+from glmconv import source_dtypes, space
 from glmconv.checkpoint_layout import LAYOUT_KEY, homeless_counts, homeless_line
+from glmconv.defaults import (
+    DEFAULT_AHEAD_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_GROUP_BYTES,
+    DEFAULT_LAYOUT,
+    DEFAULT_THREADS,
+    DTYPE_CHOICES,
+    KEEP,
+)
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io import sidecars
-from glmconv.io.byte_copy import Extent, Piece, take
+from glmconv.io.byte_copy import Extent
+from glmconv.rules.pieces import Piece, take
+from glmconv.io.dtypes import TORCH_DTYPES
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
+from glmconv.io.finite import require_finite_extents
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.io.torch_dist.common_state import build_common_state
+from glmconv.io.torch_dist.torch_save import FileTensor
+from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.mistakes import expect_hf
+from glmconv.numerics.dequant import cpu_count, resolve_device, share_dequantizer
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import layouts
-from glmconv.rules.layouts import DEFAULT_LAYOUT
-from glmconv.rules.table import BF16, DTYPE_CHOICES, F32, KEEP
+from glmconv.rules.table import BF16, F32
 from glmconv.runners import audit as audit_mod
-from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publish_run, shares
+from glmconv.runners.ahead import Step, run_ahead
+from glmconv.runners.flow import PlanRun, check_once, publish_run, shares
 
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.torch_dist.writer import Chunk
 
-DEFAULT_GROUP_BYTES = 1 << 30  # tensors written per data file: the peak memory of one worker
 
 
 @dataclass
@@ -122,7 +136,6 @@ def fp8_bytes(mappings: list[Mapping]) -> int:
 
 def fp8_thread_count(workers: int) -> int:
     """CPU dequantisation threads of one worker: its share of this machine's cores."""
-    from glmconv.numerics.dequant import cpu_count
 
     return max(1, cpu_count() // max(1, workers))
 
@@ -151,7 +164,6 @@ def mapping_steps(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Step]:
     chunks are `FileTensor`s: the writer copies the source bytes file to file without reading them. A step's
     `nbytes` is what its chunks hold in memory (`glmconv.runners.ahead` bounds the steps made ahead by it).
     """
-    from glmconv.io.dtypes import TORCH_DTYPES
 
     out_dtype = TORCH_DTYPES[m.mcore[0].dtype]
     layout = byte_layout(m, source)
@@ -164,7 +176,6 @@ def mapping_steps(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Step]:
 
 
 def _moved_chunks(m: Mapping, source: Any, dtype: torch.dtype, layout: list[list[Piece]]) -> list[Chunk]:
-    from glmconv.io.torch_dist.writer import Chunk
 
     extents = _scanned(m, source, range(len(m.hf)), dtype)
     return [Chunk(spec.name, _file_tensor(spec.shape, dtype, pieces, extents)) for spec, pieces in zip(m.mcore, layout)]
@@ -172,7 +183,6 @@ def _moved_chunks(m: Mapping, source: Any, dtype: torch.dtype, layout: list[list
 
 def _scanned(m: Mapping, source: Any, picks: range | list[int], dtype: torch.dtype) -> list[Extent]:
     """The source extents of `m`'s HF tensors, those in `picks` scanned for NaN/Inf as their bytes are copied."""
-    from glmconv.io.finite import require_finite_extents
 
     extents = [source.entry(t.name)[1] for t in m.hf]
     for i in picks:
@@ -182,7 +192,6 @@ def _scanned(m: Mapping, source: Any, picks: range | list[int], dtype: torch.dty
 
 
 def _computed_chunks(m: Mapping, source: Any, dtype: torch.dtype) -> list[Chunk]:
-    from glmconv.io.torch_dist.writer import Chunk
 
     hf = [source.weight(t.name, dtype) for t in m.hf]
     return [Chunk(spec.name, tensor.contiguous())
@@ -197,8 +206,6 @@ def byte_layout(m: Mapping, source: Any) -> list[list[Piece]] | None:
 def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], extents: list[Extent]) -> Any:
     import torch
 
-    from glmconv.io.byte_copy import Extent
-    from glmconv.io.torch_dist.torch_save import FileTensor
 
     return FileTensor(torch.Size(shape), dtype, tuple(
         Extent(extents[p.source].path, extents[p.source].offset + p.offset, p.length) for p in pieces))
@@ -219,7 +226,6 @@ def _row_steps(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
 
 def _moved_rows(m: Mapping, source: Any, dtype: torch.dtype, layout: list[Piece], rows: range,
                 picks: range | list[int], row_bytes: int) -> Chunk:
-    from glmconv.io.torch_dist.writer import Chunk
 
     spec = m.mcore[0]
     extents = _scanned(m, source, picks, dtype)
@@ -229,7 +235,6 @@ def _moved_rows(m: Mapping, source: Any, dtype: torch.dtype, layout: list[Piece]
 
 
 def _computed_rows(m: Mapping, source: Any, dtype: torch.dtype, rows: range, picks: list[int]) -> Chunk:
-    from glmconv.io.torch_dist.writer import Chunk
 
     (chunk,) = m.rule.transform.forward([source.weight(m.hf[i].name, dtype) for i in picks], 1)
     return Chunk(m.mcore[0].name, chunk.contiguous(), row=rows.start, shape=m.mcore[0].shape)
@@ -250,7 +255,6 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any,
     ahead of the writer (at most `ahead_bytes` made ahead), FP8 by `dequantize` (glmconv/numerics/dequant.py; None:
     the reference call); the files are those of the serial path, byte for byte.
     """
-    from glmconv.io.safetensors.reader import HfTensorSource
 
     consumed: list[str] = []
     state = {"written": 0, "bytes": 0}
@@ -324,7 +328,6 @@ class RunOptions:
 
 def space_plan(job: ConvertJob, check: bool) -> dict[str, Any]:
     """Estimated time and the free space at OUT (glmconv/space.py); `check`: refuse an output that cannot fit."""
-    from glmconv import space
 
     return space.plan(job.out, job.bytes_in, job.bytes_out, fp8=job.plan.fp8, check=check)
 
@@ -351,7 +354,6 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
-    from glmconv.numerics.dequant import resolve_device
 
     if opts.device == "cuda":
         resolve_device(opts.device, fp8_bytes(job.plan.mappings))  # no GPU: refused before anything is written
@@ -381,8 +383,6 @@ class ConvertRun(PlanRun):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
-        from glmconv.io.torch_dist.writer import DcpWriter
-        from glmconv.numerics.dequant import share_dequantizer
 
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
         o = self.opts
@@ -398,8 +398,6 @@ class ConvertRun(PlanRun):
 
     def after_check(self, rank: int, stage: Path, group: Any) -> None:
         """The `_extra_state` objects (rank 0), then DCP's global metadata and the common state, collectively."""
-        from glmconv.io.torch_dist.common_state import build_common_state
-        from glmconv.io.torch_dist.writer import empty_extra_state
 
         if rank == 0:
             self._writer.write_objects({key: empty_extra_state() for key in self.job.plan.mcore_objects()})

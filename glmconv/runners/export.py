@@ -28,25 +28,33 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, closing
+from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from glmconv import space
+from glmconv.defaults import DEFAULT_AHEAD_BYTES, DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_THREADS, zero_copy
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.byte_copy import FileCopier
 from glmconv.io.file_names import (
     CONFIG_NAME,
     INDEX_NAME,
     MANIFEST_NAME,
     SHARD_NAME,
 )
+from glmconv.io.safetensors.like_files import LikeFiles, fit
+from glmconv.io.safetensors.like_fp8 import LikeFp8
+from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, Shard
 from glmconv.io.torch_dist.byte_route import Span, scanned_extents
+from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import expect_torch_dist
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
-from glmconv.runners.ahead import DEFAULT_AHEAD_BYTES, DEFAULT_THREADS, Step, run_ahead
+from glmconv.runners.ahead import Step, run_ahead
 from glmconv.runners.backward import (
     Fp8Stats,
     ThreadReaders,
@@ -54,7 +62,6 @@ from glmconv.runners.backward import (
     stored_read,
 )
 from glmconv.runners.export_job import (
-    DEFAULT_SHARD_BYTES,
     LIKE,
     ExportJob,
     _is_padding,
@@ -64,17 +71,8 @@ from glmconv.runners.export_job import (
     like_tensors,
     source_job,
 )
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, balanced, check_once, publish_run, shares
+from glmconv.runners.flow import PlanRun, balanced, check_once, publish_run, shares
 
-if TYPE_CHECKING:
-
-    from glmconv.io.safetensors.like_files import LikeFiles
-    from glmconv.io.safetensors.like_fp8 import LikeFp8
-    from glmconv.io.safetensors.reader import HfTensorSource
-    from glmconv.io.safetensors.writer import PlannedTensor, Shard
-    from glmconv.io.torch_dist.reader import DcpReader
-
-ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
 _RANK_DIR = ".rank-{:05d}"
 
 
@@ -84,7 +82,7 @@ class ExportOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
     check_finite: bool = True  # refuse a NaN/Inf in any Megatron tensor read (always: copied bytes are scanned)
-    zero_copy: bool = field(default_factory=lambda: os.environ.get(ZERO_COPY_ENV, "1") != "0")
+    zero_copy: bool = field(default_factory=zero_copy)
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/encoder threads per worker, ahead of its writer (0: none)
     ahead_bytes: int = DEFAULT_AHEAD_BYTES  # steps made ahead of the writer hold at most this, per worker
@@ -110,7 +108,6 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
 
 def with_like_files(job: ExportJob) -> ExportJob:
     """`job` writing --like's own files, or (where they cannot hold its tensors) saying why it cuts by size."""
-    from glmconv.io.safetensors.like_files import fit
 
     assert job.like is not None
     planned = [t for m in job.plan.mappings for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES)]
@@ -131,7 +128,6 @@ def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> di
 
 def planned_outputs(m: Mapping, dtypes: dict[str, str], chunk_bytes: int) -> list[PlannedTensor]:
     """The HF tensors `mapping_tensors` yields for `m`, in its order, with the dtype and shape each is written as."""
-    from glmconv.io.safetensors.writer import PlannedTensor
 
     steps = m.row_steps(chunk_bytes)
     order = [i for _, picks in steps for i in picks] if steps is not None else range(len(m.hf))
@@ -191,9 +187,7 @@ class ShareResult:
 
 def like_fp8(job: ExportJob) -> AbstractContextManager[LikeFp8 | None]:
     """--like's FP8 codes and scales to reuse, when both the export and --like are FP8-capable; else None."""
-    from contextlib import nullcontext
 
-    from glmconv.io.safetensors.like_fp8 import LikeFp8
 
     return LikeFp8(job.like) if job.plan.fp8 and job.like is not None else nullcontext(None)
 
@@ -207,8 +201,6 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
               ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> ShareResult:
     """Export one worker's mappings into its own shards, reading, transforming and FP8-encoding on `threads`
     threads ahead of the writer (at most `ahead_bytes` made ahead); the shards are those of the serial path."""
-    from glmconv.io.byte_copy import FileCopier
-    from glmconv.io.safetensors.writer import PlannedShardWriter
 
     readers = ThreadReaders(job.src, check_finite)
     stats, consumed, copied = Fp8Stats(), [], 0
@@ -367,7 +359,6 @@ def bytes_out(job: ExportJob) -> int:
 
 def space_plan(job: ExportJob, check: bool) -> dict[str, Any]:
     """Estimated time and the free space at OUT (glmconv/space.py); `check`: refuse an output that cannot fit."""
-    from glmconv import space
 
     return space.plan(job.out, bytes_in(job), bytes_out(job), fp8=job.plan.fp8, check=check)
 

@@ -4,13 +4,15 @@ export, relayout, verify and the weight-sync API all start from `source_job`."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv import source_dtypes
+from glmconv.checkpoint_layout import checkpoint_layout
 from glmconv.config import GlmConfig
+from glmconv.defaults import DEFAULT_SHARD_BYTES
 from glmconv.errors import CheckpointError, ConfigError
 from glmconv.io import sidecars
 from glmconv.io.checkpoint_files import optional_file
@@ -23,10 +25,16 @@ from glmconv.io.file_names import (
     MANIFEST_NAME,
 )
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint
+from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.like_files import LikeFiles
+from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.io.torch_dist.common_state import read_common_state
+from glmconv.io.torch_dist.loadable import check_stored_objects
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata import config_path as mcore_config_path
+from glmconv.megatron_args import check_stored_args
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
+from glmconv.release_config import modules_not_converted, quantization_config
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.backward import Read
@@ -35,20 +43,12 @@ from glmconv.text import count
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.safetensors.like_files import LikeFiles
-    from glmconv.io.safetensors.reader import HfTensorSource
-
-
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 
 
 
-DEFAULT_SHARD_BYTES = 5 * 10**9
+
+
 
 VOCAB_DIM = "vocab"
 
@@ -86,9 +86,6 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
     are spelled in (glmconv.checkpoint_layout). Tensors kept under glmconv_kept. are exported like any other;
     where SRC has none (its trainer, with no parameter for them, saved none), they come unchanged from --like.
     `config_option`: the caller's option naming a config.json, offered when `src` has none (None: no option)."""
-    from glmconv.checkpoint_layout import checkpoint_layout
-    from glmconv.io.torch_dist.common_state import read_common_state
-    from glmconv.megatron_args import check_stored_args
 
     src_p = Path(src)
     ck = inspect_torch_dist(src_p)
@@ -183,7 +180,6 @@ def _sidecars(like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) ->
 
 def _config_json(cfg: GlmConfig, plan: Plan) -> dict[str, Any]:
     """The config to publish: FP8 quantization_config exactly when the tensors are FP8."""
-    from glmconv.release_config import modules_not_converted, quantization_config
 
     raw = cfg.to_json()
     q = raw.pop("quantization_config", None)
@@ -247,10 +243,7 @@ def like_tensors(like: Path | None, share: list[Mapping],
                  from_like: frozenset[tuple[str, ...]]) -> AbstractContextManager[HfTensorSource | None]:
     """--like's tensors, open while this share makes the mappings SRC lacks (export, relayout); None when it has
     none of them."""
-    from contextlib import nullcontext
 
-    from glmconv.io.safetensors.checkpoint import shard_path
-    from glmconv.io.safetensors.reader import HfTensorSource
 
     if like is None or not any(m.key in from_like for m in share):
         return nullcontext(None)
@@ -260,7 +253,6 @@ def like_tensors(like: Path | None, share: list[Mapping],
 def check_loadable(src: Path) -> None:
     """Every stored object of `src` (each `_extra_state`, the common state) loads as a trainer's torch.load would:
     a run checks it before any work (a dry run does not: it imports no torch)."""
-    from glmconv.io.torch_dist.stored_objects import check_stored_objects
 
     ck = inspect_torch_dist(src)
     check_stored_objects(ck.iter_dir, ck.objects)

@@ -13,10 +13,8 @@ from typing import Any
 
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.plan import Mapping
-from glmconv.progress import COPY, FLUSH, VERIFY
+from glmconv.progress import COPY, FLUSH, PUBLISH, VERIFY, say
 from glmconv.runners.ranks import broadcast, gather, progress, run_on_output, try_, try_none
-
-DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are moved in steps of at most this many bytes
 
 
 class PlanRun(ABC):
@@ -80,7 +78,6 @@ def run_plan(run: PlanRun, stage: Path, rank: int, world: int, group: Any) -> di
 def publish_run(run: PlanRun, out: Path, inputs: dict[str, Path | None], force: bool, workers: int,
                 space_check: Callable[[], Any] | None) -> dict[str, Any]:
     """`run` staged beside `out`, run on `workers` ranks, verified and published: how every command writes."""
-    from glmconv.progress import PUBLISH, say
 
     return run_on_output(out, inputs, force, run_plan, (run,), workers, run.verb, space_check=space_check,
                          on_publish=lambda: say(run.verb, PUBLISH, str(out), enabled=run.show_progress))

@@ -7,18 +7,25 @@ OUT (glmconv/output.py), makes the staging directory, calls it through `run_rank
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from glmconv import interrupt, output
 from glmconv.errors import GlmconvError
+from glmconv.lock import OutputLock
 from glmconv.output import STAGING_SUFFIX
-
-if TYPE_CHECKING:
-    from multiprocessing.connection import Connection
+from glmconv.progress import Progress
 
 RankFn = Callable[..., dict[str, Any]]
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -78,7 +85,6 @@ def collective_error(group: Any, error: str | None) -> str | None:
 
 
 def progress(label: str, total: int, items: int, enabled: bool, noun: str = "tensors") -> Any:
-    from glmconv.progress import Progress
 
     return Progress(label, total, items, enabled=enabled, noun=noun)
 
@@ -103,9 +109,7 @@ def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: Ra
     does, once every rank is done (under torchrun, rank 0, which also takes the lock; a refusal there ends
     the job). Any failure or SIGINT/SIGTERM removes the staging directory and releases the lock.
     """
-    from contextlib import nullcontext
 
-    from glmconv.lock import OutputLock
 
     real = output.check_overlap(out, inputs)
     output.check_target(out, real, force)
@@ -191,7 +195,6 @@ def _torchrun_rank(fn: RankFn, args: tuple[Any, ...], rank: int, world: int) -> 
 
 def _all_past_collectives(world: int) -> None:
     """Wait until every rank has counted itself on the store: none of them is in a gloo collective any more."""
-    import time
 
     from torch.distributed import distributed_c10d
 
@@ -220,7 +223,6 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
     The workers die with this process (`_bind_to_parent`) and, on any failure or interruption here, are
     killed and reaped before the caller removes the staging directory they write into.
     """
-    import tempfile
 
     import torch.multiprocessing as mp
 
@@ -261,8 +263,6 @@ def _sigint_ignored_by_children() -> Iterator[None]:
     Ctrl-C reaches the whole process group; a worker still importing torch would print a KeyboardInterrupt
     traceback. The parent alone handles it, and kills the workers.
     """
-    import signal
-    import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -278,7 +278,6 @@ def _sigint_ignored_by_children() -> Iterator[None]:
 def _tracker_relaunch_quiet() -> Iterator[None]:
     """Starting a worker relaunches a killed resource tracker with a UserWarning that resources might leak;
     the workers' pipes register none (`_Link`), so nothing can: the warning is not shown."""
-    import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="resource_tracker: process died unexpectedly")
@@ -296,7 +295,6 @@ def _kill(procs: list[Any]) -> None:
 
 
 def _how(exitcode: int) -> str:
-    import signal
 
     if exitcode < 0:
         try:
@@ -338,7 +336,6 @@ def _collect(links: list[_Link], procs: list[Any]) -> tuple[list[Any], list[str]
     collective): its peers would wait for it forever, so they are killed too. Closing the release pipes lets
     the workers go once every outcome is in: no rank leaves while a peer may still be in a collective.
     """
-    from multiprocessing.connection import wait
 
     outcomes: list[Any] = []
     died: list[str] = []
@@ -373,7 +370,6 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
     an active exception"). A rank that succeeded waits for `done` (every outcome is in, so no collective is in
     flight); a failed one leaves at once, so that its peers' collectives fail instead of waiting for it.
     """
-    import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides, and kills
     _bind_to_parent(parent)
@@ -411,7 +407,6 @@ def _send(results: Connection, outcome: Any) -> None:
 def _leave(results: Connection, done: Connection | None) -> None:
     """Close the outcome pipe (sent in full), wait for the parent to release this rank when `done` is given,
     and end without any teardown."""
-    import sys
 
     results.close()
     if done is not None:
@@ -429,10 +424,6 @@ def _bind_to_parent(parent: int) -> None:
 
     The check after prctl covers a parent that died before the call (the signal would then never come).
     """
-    import ctypes
-    import signal
-    import threading
-    import time
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)

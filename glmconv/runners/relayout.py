@@ -27,31 +27,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glmconv import source_dtypes, space
+from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_GROUP_BYTES, KEEP, zero_copy
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io import sidecars
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import optional_file
+from glmconv.io.dtypes import TORCH_DTYPES
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
+from glmconv.io.finite import require_finite_extents
 from glmconv.io.jsonfile import load_json_file
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
+from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.io.torch_dist.common_state import read_common_state, relaid_common_state
+from glmconv.io.torch_dist.metadata import inspect_torch_dist
+from glmconv.io.torch_dist.reader import DcpReader
+from glmconv.io.torch_dist.torch_save import FileTensor
+from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.mistakes import expect_torch_dist
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import layouts, names
 from glmconv.rules.ops import Rename
 from glmconv.rules.pieces import Piece, take
-from glmconv.rules.table import F32, KEEP
+from glmconv.rules.table import F32
 from glmconv.runners import audit as audit_mod
-from glmconv.runners.convert import DEFAULT_GROUP_BYTES, layout_summary
-from glmconv.runners.export import from_like_summary, like_tensors
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publish_run
+from glmconv.runners import export as export_mod
+from glmconv.runners.convert import layout_summary
+from glmconv.runners.export_job import ExportJob, check_loadable, from_hf, from_like_summary, like_tensors
+from glmconv.runners.flow import PlanRun, check_once, publish_run
 
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.safetensors.reader import HfTensorSource
-    from glmconv.io.torch_dist.reader import DcpReader
-    from glmconv.io.torch_dist.writer import Chunk
-    from glmconv.runners.export import ExportJob
+
 
 CARRIED = ("fp8_source", "mtp", "vision", "text_prefix", "hf_tensors", "left_out", "dtype", "narrowed_f32_to_bf16",
            "widened_bf16_to_f32")  # glmconv.json records of the source kept as they are (with the dtype record)
@@ -87,21 +96,13 @@ class RelayoutJob:
         return sum(m.mcore_bytes for m in self.target.mappings)
 
 
-def _zero_copy_default() -> bool:
-    import os
-
-    from glmconv.runners.export import ZERO_COPY_ENV
-
-    return os.environ.get(ZERO_COPY_ENV, "1") != "0"
-
-
 @dataclass(frozen=True)
 class RelayoutOptions:
     group_bytes: int = DEFAULT_GROUP_BYTES
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
     space_check: bool = True
-    zero_copy: bool = field(default_factory=_zero_copy_default)  # GLMCONV_ZERO_COPY=0: always read through torch
+    zero_copy: bool = field(default_factory=zero_copy)  # GLMCONV_ZERO_COPY=0: always read through torch
 
 
 # ---- deciding the plan -------------------------------------------------------------------------------
@@ -112,9 +113,6 @@ def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | Non
 
     `like`: the HF checkpoint training started from, for a source saved by a trainer that has no parameter for
     some tensors (the mcore layout's kpool compression): those are made from its, as convert would make them."""
-    from glmconv.io.torch_dist.common_state import read_common_state, relaid_common_state
-    from glmconv.io.torch_dist.metadata import inspect_torch_dist
-    from glmconv.runners import export as export_mod
 
     layouts.layout(to)  # an unknown layout: one line, before anything is read
     src_p = Path(src)
@@ -142,7 +140,6 @@ def _stored_like(job: ExportJob) -> Plan:
     them from --like's stored dtypes (`keep`): nothing is rounded on the way to the target."""
     if not job.from_like:
         return job.plan
-    from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 
     stored = {n: t.dtype for n, t in inspect_hf_checkpoint(job.like).tensors.items()}
     dtypes = {}
@@ -223,9 +220,6 @@ def _extents(src_m: Mapping, reader: DcpReader, pieces: list[Piece]) -> list[Ext
 def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]) -> Any:
     import torch
 
-    from glmconv.io.dtypes import TORCH_DTYPES
-    from glmconv.io.finite import require_finite_extents
-    from glmconv.io.torch_dist.torch_save import FileTensor
 
     where = str(extents[0].path.parent) if extents else spec.name
     require_finite_extents(extents, TORCH_DTYPES[spec.dtype], tuple(shape), spec.name, where)  # copied, scanned
@@ -247,8 +241,6 @@ def pair_chunks(src_m: Mapping, tgt_m: Mapping, reader: DcpReader, chunk_bytes: 
                 counts: Counts, like_src: HfTensorSource | None = None) -> Iterator[Chunk]:
     """The target tensors of one mapping, as `DcpWriter` chunks; stacked experts `chunk_bytes` at a time. With
     `like_src`, the source lacks the mapping: it is made from those HF tensors."""
-    from glmconv.io.torch_dist.writer import Chunk
-    from glmconv.runners.export import from_hf
 
     read = from_hf(src_m, like_src) if like_src is not None else reader.read
     layout = composed_layout(src_m, tgt_m) if zero_copy and like_src is None and _located(src_m, reader) else None
@@ -285,7 +277,6 @@ def _computed(src_m: Mapping, tgt_m: Mapping, read: Callable[[str, tuple[int, in
               picks: list[int] | range, rows: tuple[int, int] | None) -> list[torch.Tensor]:
     """Source tensors (rows `rows` of a stacked one) read, `backward` to the HF tensors `picks`, `forward` to the
     target's; each in the target's dtype (the source's: nothing is rounded)."""
-    from glmconv.io.dtypes import TORCH_DTYPES
 
     mc = [read(t.name, rows) for t in src_m.mcore]
     hf = src_m.rule.transform.backward(mc, [src_m.hf[i].shape for i in picks])
@@ -298,7 +289,6 @@ def _computed(src_m: Mapping, tgt_m: Mapping, read: Callable[[str, tuple[int, in
 def write_sidecars(job: RelayoutJob, stage: Path) -> None:
     """config.json, the source's HF sidecar files (sha256 checked when the job was prepared), and glmconv.json:
     the source's records export needs, the target layout and what it has no home for."""
-    from glmconv import source_dtypes
 
     write_new(stage / CONFIG_NAME, json.dumps(job.target.config.to_json(), indent=2) + "\n")
     hashes = sidecars.store(job.sidecars, stage)
@@ -317,7 +307,6 @@ def verify_staged(job: RelayoutJob, stage: Path) -> None:
     """Re-read what was written (DCP metadata, glmconv.json) and audit it against the source through the mapping,
     both ways: names of the target layout, shapes, dtypes, the `_extra_state` objects, the config, the layout
     record. A padded vocabulary is kept on purpose (the audit plans it unpadded)."""
-    from glmconv.io.torch_dist.metadata import inspect_torch_dist
 
     findings = audit_mod.output_findings(job.src, stage, audit_mod.Options(layout=job.source.layout),
                                          audit_mod.Options(layout=job.target.layout))
@@ -342,7 +331,6 @@ def _is_padding(job: RelayoutJob, f: audit_mod.Finding) -> bool:
 # ---- running -----------------------------------------------------------------------------------------
 
 def space_plan(job: RelayoutJob, check: bool) -> dict[str, Any]:
-    from glmconv import space
 
     return space.plan(job.out, job.bytes_in, job.bytes_out, fp8=False, check=check)
 
@@ -366,7 +354,6 @@ def dry_run_summary(job: RelayoutJob, opts: RelayoutOptions) -> dict[str, Any]:
 
 def relayout(job: RelayoutJob, opts: RelayoutOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the relayout; returns the summary. Raises GlmconvError on any failure."""
-    from glmconv.runners.export import check_loadable
 
     check_loadable(job.src)
     return publish_run(RelayoutRun(job, opts), job.out, {"input": job.src}, force, 1,
@@ -393,8 +380,6 @@ class RelayoutRun(PlanRun):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> Counts:
-        from glmconv.io.torch_dist.reader import DcpReader
-        from glmconv.io.torch_dist.writer import DcpWriter
 
         self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog)
         reader = DcpReader(self.job.src)
@@ -416,7 +401,6 @@ class RelayoutRun(PlanRun):
 
     def after_check(self, rank: int, stage: Path, group: Any) -> None:
         """The `_extra_state` objects the target plan asks for, then DCP's metadata and the common state."""
-        from glmconv.io.torch_dist.writer import empty_extra_state
 
         self._writer.write_objects({key: empty_extra_state() for key in self.job.target.mcore_objects()})
         self._writer.finish(self.job.common)

@@ -16,19 +16,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv.errors import CheckpointError
+from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS
+from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import check_pair, check_same_model
+from glmconv.numerics.dequant import resolve_device, share_dequantizer
 from glmconv.plan import Mapping, Plan
 from glmconv.rules.table import BF16, F32
-from glmconv.runners import convert, export
-from glmconv.runners.ahead import DEFAULT_THREADS, Step, run_ahead
-from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, shares
+from glmconv.runners import convert, export_job
+from glmconv.runners.ahead import Step, run_ahead
+from glmconv.runners.backward import ThreadReaders
+from glmconv.runners.flow import shares
+from glmconv.runners.ranks import gather, progress, run_ranks, try_
 
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.safetensors.reader import HfTensorSource
-    from glmconv.io.torch_dist.reader import DcpReader
 
 LISTED = 100  # mismatches listed in the summary (all are counted)
 
@@ -38,7 +43,7 @@ class VerifyJob:
     """The two checkpoints, each checked against the plan, and the mappings to compare (HF side, Megatron side)."""
 
     hf: convert.ConvertJob
-    mcore: export.ExportJob
+    mcore: export_job.ExportJob
     pairs: list[tuple[Mapping, Mapping]]
     left_out: list[str] = field(default_factory=list)  # HF parts the Megatron checkpoint does not hold
 
@@ -63,8 +68,8 @@ def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     """Check both checkpoints (the Megatron one, stored args included, against the HF config) and pair mappings."""
     check_pair("verify", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
     check_same_model(hf_dir, mcore_dir)  # a checkpoint of another model: before its args are read
-    mc = export.source_job(mcore_dir, config=hf_dir)
-    export.check_loadable(mc.src)  # every stored object a trainer will load
+    mc = export_job.source_job(mcore_dir, config=hf_dir)
+    export_job.check_loadable(mc.src)  # every stored object a trainer will load
     hf = convert.source_job(hf_dir, layout=mc.plan.layout)  # the pairs meet under the Megatron side's names
     of_hf = hf.plan.mapping_of_mcore
     unpaired = [n for n in mc.plan.mcore_index if n not in of_hf]
@@ -90,8 +95,6 @@ class VerifyOptions:
 def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> dict[str, Any]:
     """Compare every pair; the summary says whether all are equal, with the first and the worst mismatch (the
     same whatever the workers and threads: mismatches are put back in the pairs' order)."""
-    from glmconv.numerics.dequant import resolve_device
-    from glmconv.runners.ranks import run_ranks
 
     if opts.device == "cuda":
         resolve_device(opts.device, convert.fp8_bytes([hf_m for hf_m, _ in job.pairs]))  # no GPU: refused now
@@ -102,8 +105,6 @@ def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> dict[str, A
 
 def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
     """One rank's share of the pairs; every rank returns all mismatches, in the pairs' order."""
-    from glmconv.errors import GlmconvError
-    from glmconv.runners.ranks import gather, progress, try_
 
     mine = pair_share(job, rank, world)
     label = f"verify [{rank}/{world}]" if world > 1 else "verify"
@@ -128,10 +129,8 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Any, opts: VerifyOption
                   world: int) -> list[tuple[int, Mismatch]]:
     """Compare pairs `mine` on `opts.threads` threads (each with its own DcpReader), FP8 dequantised where
     convert would dequantise it; mismatches tagged with their pair's index."""
-    from glmconv.io.safetensors.reader import HfTensorSource
-    from glmconv.numerics.dequant import share_dequantizer
 
-    readers = export.ThreadReaders(job.mcore.src, check_finite=True)  # a non-finite value is refused, never compared
+    readers = ThreadReaders(job.mcore.src, check_finite=True)  # a non-finite value is refused, never compared
     fp8 = convert.fp8_bytes([job.pairs[i][0] for i in mine])
     found: list[tuple[int, Mismatch]] = []
 
@@ -148,7 +147,7 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Any, opts: VerifyOption
     return found
 
 
-def compare_steps(i: int, hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, readers: export.ThreadReaders,
+def compare_steps(i: int, hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, readers: ThreadReaders,
                   stored_rows: dict[str, int], chunk_bytes: int) -> Iterator[Step]:
     """Pair `i` as `run_ahead` steps, each reading on its thread's reader and comparing both ways; a step makes
     one chunk: (i, Megatron bytes compared, whether it ends the pair, its mismatches)."""
@@ -187,7 +186,6 @@ def compare_rows(hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, reader: D
 
 
 def _dtype(mc_m: Mapping) -> torch.dtype:
-    from glmconv.io.dtypes import TORCH_DTYPES
 
     return TORCH_DTYPES[mc_m.mcore[0].dtype]
 

@@ -8,7 +8,9 @@ writer thread and two readers), and at most 8 (one disk: more writers than that 
 
 from __future__ import annotations
 
-AUTO = "auto"
+from glmconv.defaults import AUTO
+from glmconv.numerics.dequant import cpu_count
+
 BYTES_PER_WORKER = 2 * 10**9
 MAX_AUTO_WORKERS = 8
 
@@ -24,6 +26,5 @@ def worker_count(workers: int | str, bytes_in: int, fp8_bytes: int) -> int:
     """`workers` itself, or the auto rule's count on this machine's cores."""
     if workers != AUTO:
         return int(workers)
-    from glmconv.numerics.dequant import cpu_count
 
     return auto_workers(bytes_in, fp8_bytes, cpu_count())

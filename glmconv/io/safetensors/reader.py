@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
+from glmconv.io.dtypes import TORCH_DTYPES
 from glmconv.io.safetensors.header import HeaderEntry, SafetensorsHeader, read_header
 from glmconv.numerics.finite import require_finite
+from glmconv.numerics.fp8 import check_scales, dequantize_fp8_blocks
 from glmconv.rules import names
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
     import torch
 
@@ -72,7 +74,6 @@ class HfTensorSource:
         (`pin`: into pinned memory, for a copy to the GPU that overlaps)."""
         import torch
 
-        from glmconv.io.dtypes import TORCH_DTYPES
 
         e, extent = self.entry(name)
         shape = list(e.shape)
@@ -94,7 +95,6 @@ class HfTensorSource:
         """
         import torch
 
-        from glmconv.numerics.fp8 import check_scales, dequantize_fp8_blocks
 
         pin = getattr(self._dequantize, "pinned", False) and device is None and self.stored_dtype(name) == "F8_E4M3"
         t = self.raw(name, pin=pin)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Self
 
 from glmconv.errors import CheckpointError
+from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.dtypes import DTYPE_SIZES, torch_dtype_code
 from glmconv.io.file_names import INDEX_NAME, SHARD_NAME
 from glmconv.io.safetensors.header import METADATA_KEY
@@ -38,7 +39,6 @@ from glmconv.output import create_new, write_new
 if TYPE_CHECKING:
     import torch
 
-    from glmconv.io.byte_copy import Extent, FileCopier
 
 _PENDING = "shard-{:05d}.safetensors.partial"
 FORMAT_PT = {"format": "pt"}  # the `__metadata__` safetensors.torch.save_file writes

@@ -6,29 +6,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
-
-if TYPE_CHECKING:
-
-    from glmconv.io.byte_copy import Extent
-    from glmconv.io.safetensors.writer import PlannedTensor
-    from glmconv.io.torch_dist.reader import DcpReader
-
-
-
-from typing import TYPE_CHECKING
+from glmconv.io.byte_copy import Extent
+from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.finite import require_finite_extents
+from glmconv.io.safetensors.writer import PlannedTensor
+from glmconv.io.torch_dist.reader import DcpReader
 
 if TYPE_CHECKING:
 
     pass
 
-
-
 Span = tuple[str, int, int]  # bytes [begin, end) of a Megatron tensor (global, C order)
 
 def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> list[Extent]:
     """`route_extents`, the bytes scanned for NaN/Inf as they are copied (the HF tensor's own index and block)."""
-    from glmconv.io.dtypes import TORCH_DTYPES
-    from glmconv.io.finite import require_finite_extents
 
     extents = route_extents(reader, spans)
     require_finite_extents(extents, TORCH_DTYPES[t.dtype], tuple(t.shape), t.name, str(reader.iter_dir))

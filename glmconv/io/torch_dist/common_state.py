@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import copyreg
 import io
-import pathlib
 import pickle
 import re
-import signal
 import types
 import zipfile
 from collections import OrderedDict
@@ -26,59 +23,14 @@ from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY
 from glmconv.io.torch_dist.metadata import TORCH_DIST
+from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES, OpaqueValue
 from glmconv.io.torch_dist.reader import read_bytes_entry
+from glmconv.rules.layouts import MTP_PART
+from glmconv.rules.layouts import layout as find_layout
 
 CHECKPOINT_VERSION = 3.0
 VOCAB_DIVISOR = 128
 
-# Classes a Megatron trainer's common state may hold and that are safe to build for real.
-SAFE_CLASSES: tuple[type, ...] = (argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals)
-# megatron-core classes (its own weights_only allow-list, megatron/core/safe_globals.py) that trainer
-# args may hold. They load as inert `OpaqueValue`s, so reading never needs or imports megatron.
-OPAQUE_GLOBALS: tuple[str, ...] = (
-    "megatron.core.enums.ModelType",
-    "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphModule",
-    "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.transformer.enums.InferenceCudaGraphScope",
-    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-    "megatron.core.rerun_state_machine.RerunDiagnostic",
-    "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState",
-)
-
-
-class OpaqueValue:
-    """Inert stand-in for an allow-listed megatron object: keeps its constructor args and state, runs nothing.
-
-    Pickled by `STAND_IN_PICKLE`, it is written back as the megatron object it stands for: the same global, called
-    with the same args (an enum) or built from the same state (a dataclass), so a trainer loads the original."""
-
-    qualname = "?"
-    state: Any = None
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-        self.state = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        args = getattr(self, "args", None)  # None: it was made by NEWOBJ (cls.__new__), as copyreg pickles objects
-        if args is None:
-            return (copyreg.__newobj__, (type(self),), self.state)
-        return (type(self), args) if self.state is None else (type(self), args, self.state)
-
-    def __repr__(self) -> str:
-        return f"<{self.qualname} {getattr(self, 'args', None) or self.state!r}>"
-
-
-def _opaque_allow_list() -> list[tuple[type, str]]:
-    return [(type(name.rsplit(".", 1)[1], (OpaqueValue,), {"qualname": name}), name) for name in OPAQUE_GLOBALS]
-
-
-_OPAQUE = _opaque_allow_list()
 
 
 class _StandInPickler(pickle._Pickler):  # type: ignore[name-defined, misc]  # the Python pickler: save_global
@@ -164,8 +116,6 @@ def build_common_state(config: GlmConfig, *, iteration: int = 0, padded_vocab_si
 
 def mtp_num_layers(config: GlmConfig, layout: str) -> int | None:
     """`args.mtp_num_layers` in a layout: None where its trainer has no MTP module (the MTP tensors are kept only)."""
-    from glmconv.rules.layouts import MTP_PART
-    from glmconv.rules.layouts import layout as find_layout
 
     return None if MTP_PART in find_layout(layout).homeless_parts else config.num_mtp_layers or None
 
@@ -222,7 +172,8 @@ class _PlainUnpickler(pickle.Unpickler):
 
     ALLOWED: dict[tuple[str, str], Any] = {
         **{(c.__module__, c.__qualname__): c for c in SAFE_CLASSES},
-        **{tuple(name.rsplit(".", 1)): cls for cls, name in _OPAQUE}, ("collections", "OrderedDict"): OrderedDict}
+        **{tuple(name.rsplit(".", 1)): cls for cls, name in OPAQUE_CLASSES},
+        ("collections", "OrderedDict"): OrderedDict}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:
@@ -251,7 +202,7 @@ def _with_torch(data: bytes, source: str) -> Any:
     import torch
 
     try:
-        with torch.serialization.safe_globals([*SAFE_CLASSES, *_OPAQUE]):
+        with torch.serialization.safe_globals([*SAFE_CLASSES, *OPAQUE_CLASSES]):
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = re.search(r"unsupported global:?\s+(?:GLOBAL\s+)?([\w.]+)", str(exc), re.IGNORECASE)  # torch 2.6 / 2.13

@@ -37,6 +37,7 @@ from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata_check import load_metadata
 from glmconv.io.torch_dist.safe_unpickle import is_a
 from glmconv.io.torch_dist.stored_objects import check_tensor_archive
+from glmconv.io.torch_dist.zip_records import record_start, stored_record
 from glmconv.numerics.finite import require_finite
 
 if TYPE_CHECKING:
@@ -299,8 +300,6 @@ def _line(exc: BaseException) -> str:
 
 # ---- raw data of a torch.save archive ----------------------------------------------------------------
 
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
-_LOCAL_SIGNATURE = 0x04034B50
 _MAX_PICKLE = 1 << 20
 
 
@@ -346,39 +345,8 @@ def locate_tensor_data(path: Path, offset: int, length: int, dtype: Any, sizes: 
         data = infos.get(f"{prefix}/data/{st.key}")
         if data is None or data.file_size != nbytes:
             return None
-        start = _record_start(fh, offset, length, data)
+        start = record_start(fh, offset, length, data)
         return None if start is None else Extent(path, start, nbytes)
-
-
-def _record_start(fh: Any, offset: int, length: int, info: zipfile.ZipInfo) -> int | None:
-    """Absolute file offset of a stored record's data: after its local header, its name and its extra field."""
-    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size or info.flag_bits & 1:
-        return None  # compressed or encrypted
-    fh.seek(offset + info.header_offset)
-    head = fh.read(_LOCAL_HEADER.size)
-    if len(head) != _LOCAL_HEADER.size:
-        return None
-    sig, _, flags, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(head)
-    if sig != _LOCAL_SIGNATURE or method != zipfile.ZIP_STORED or flags & 1:
-        return None
-    if fh.read(name_len) != info.filename.encode("utf-8" if flags & 0x800 else "cp437"):
-        return None
-    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if start + info.file_size > length:
-        return None
-    return offset + start
-
-
-def stored_record(fh: Any, offset: int, length: int, info: zipfile.ZipInfo, limit: int) -> bytes | None:
-    """A small stored record's bytes (no CRC check: torch.load does none, and writers may leave it 0)."""
-    if info.file_size > limit:
-        return None
-    start = _record_start(fh, offset, length, info)
-    if start is None:
-        return None
-    fh.seek(start)
-    data = fh.read(info.file_size)
-    return data if len(data) == info.file_size else None
 
 
 def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -16,26 +16,13 @@ import io
 import pickle
 import re
 import zipfile
-from pathlib import Path
 from typing import Any
 
 from glmconv.errors import CheckpointError
-from glmconv.io.file_names import COMMON_STATE_KEY
+from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES
+from glmconv.io.torch_dist.zip_records import stored_record
 
 _MAX_PICKLE = 1 << 26  # a stored object's pickle record larger than this is refused unread
-
-
-def check_stored_objects(iter_dir: Path, keys: list[str]) -> None:
-    """Load every non-tensor entry `keys` of the checkpoint in `iter_dir` as a trainer would; refuse the first
-    that fails, naming the entry and its data file."""
-    from glmconv.io.torch_dist.common_state import load_common_state
-    from glmconv.io.torch_dist.reader import iter_bytes_entries
-
-    for key, (file, data) in zip(keys, iter_bytes_entries(iter_dir, keys)):
-        where = f"{iter_dir / file}: {key}"
-        if key == COMMON_STATE_KEY:
-            load_common_state(data, source=where)
-        check_object(data, where)
 
 
 def check_object(data: bytes, where: str) -> None:
@@ -74,7 +61,6 @@ def _pickles(data: bytes) -> list[bytes]:
 
 def _pickles_of(fh: Any) -> list[bytes]:
     """The top-level `*/data.pkl` records of a torch.save archive (no CRC check: torch.load makes none)."""
-    from glmconv.io.torch_dist.reader import stored_record
 
     fh.seek(0, io.SEEK_END)
     length = fh.tell()
@@ -123,9 +109,8 @@ class _InertUnpickler(pickle.Unpickler):
 
 
 def _common_classes() -> list[Any]:
-    from glmconv.io.torch_dist.common_state import _OPAQUE, SAFE_CLASSES
 
-    return [*SAFE_CLASSES, *_OPAQUE]
+    return [*SAFE_CLASSES, *OPAQUE_CLASSES]
 
 
 def _line(exc: BaseException) -> str:

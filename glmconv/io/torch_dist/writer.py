@@ -24,7 +24,7 @@ import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,12 +44,11 @@ from glmconv.io.background_sync import BackgroundSync
 from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.dtypes import TORCH_DTYPES
 from glmconv.io.file_names import COMMON_STATE_KEY, MCORE_METADATA_NAME, RELEASE, TRACKER_NAME
+from glmconv.io.torch_dist.common_state import pickle_module_for
 from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 from glmconv.output import new_file
-
-if TYPE_CHECKING:
-    from glmconv.plan import TensorSpec
+from glmconv.plan import TensorSpec
 
 BACKEND_CONFIG = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1}
 _OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
@@ -344,7 +343,6 @@ def _why(exc: BaseException, where: Path, need: int) -> str:
 
 
 def _serialize(obj: Any) -> io.BytesIO:
-    from glmconv.io.torch_dist.common_state import pickle_module_for
 
     buf = io.BytesIO()
     torch.save([obj], buf, pickle_module=pickle_module_for(obj))

@@ -1,0 +1,46 @@
+"""Every option's default and every choice list, defined once: the CLI, the Python API and the runners read them
+here, so `glmconv convert --help`, `glmconv.convert()` and a run can never disagree."""
+
+from __future__ import annotations
+
+import os
+
+AUTO = "auto"
+
+# ---- conversion: convert, export, relayout, verify ----------------------------------------------------
+DEFAULT_GROUP_BYTES = 1 << 30  # tensors written per data file: the peak memory of one worker
+GROUP_SIZE_TEXT = "1GB"  # DEFAULT_GROUP_BYTES as --group-size shows it
+DEFAULT_SHARD_BYTES = 5 * 10**9  # export: bytes per safetensors shard without --like or --max-shard-size
+DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are moved in steps of at most this many bytes
+DEFAULT_AHEAD_BYTES = 1 << 30  # bytes of steps made ahead of a worker's writer, at most
+DEFAULT_WORKERS = 1
+MAX_WORKERS = 256
+DEFAULT_THREADS = 2  # reader/dequantiser threads per worker, ahead of its writer
+READ_THREADS_RANGE = (0, 64)
+DEFAULT_DEVICE = AUTO
+DEVICE_CHOICES = (AUTO, "cpu", "cuda")  # where FP8 weights are dequantised
+KEEP, TO_BF16, TO_FP32 = "keep", "bf16", "fp32"
+DEFAULT_DTYPE = KEEP
+DTYPE_CHOICES = (KEEP, TO_BF16, TO_FP32)  # convert --dtype: what Megatron gets
+MILES, MCORE = "miles", "mcore"
+DEFAULT_LAYOUT = MILES
+LAYOUT_CHOICES = (MILES, MCORE)  # the Megatron layouts (glmconv.rules.layouts describes each)
+ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
+
+# ---- parity -----------------------------------------------------------------------------------------
+DEFAULT_TOKENS = 128
+DEFAULT_MODE = "propagated"
+PARITY_MODES = (DEFAULT_MODE, "isolated")
+DEFAULT_PARITY_DTYPE = "fp32"
+PARITY_DTYPES = (DEFAULT_PARITY_DTYPE, "bf16")
+DEFAULT_PARITY_DEVICE = "cpu"
+TRAIN_CONVENTIONS = ("default", "serve")
+DEFAULT_KERNELS = AUTO
+KERNEL_CHOICES = (AUTO, "reference")  # auto: the GPU kernels on CUDA, the torch references elsewhere
+DEFAULT_REPLAY = "none"
+REPLAY_CHOICES = (DEFAULT_REPLAY, "routing", "indexer", "both")
+
+
+def zero_copy() -> bool:
+    """Whether bytes that only move are copied file to file (unless GLMCONV_ZERO_COPY=0)."""
+    return os.environ.get(ZERO_COPY_ENV, "1") != "0"

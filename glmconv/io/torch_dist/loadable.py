@@ -1,0 +1,22 @@
+"""A whole checkpoint's stored objects checked before a run starts, the way a trainer's load will read them
+(`stored_objects` checks one object; the common state must also parse as glmconv reads it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from glmconv.io.file_names import COMMON_STATE_KEY
+from glmconv.io.torch_dist.common_state import load_common_state
+from glmconv.io.torch_dist.reader import iter_bytes_entries
+from glmconv.io.torch_dist.stored_objects import check_object
+
+
+def check_stored_objects(iter_dir: Path, keys: list[str]) -> None:
+    """Load every non-tensor entry `keys` of the checkpoint in `iter_dir` as a trainer would; refuse the first
+    that fails, naming the entry and its data file."""
+
+    for key, (file, data) in zip(keys, iter_bytes_entries(iter_dir, keys)):
+        where = f"{iter_dir / file}: {key}"
+        if key == COMMON_STATE_KEY:
+            load_common_state(data, source=where)
+        check_object(data, where)
