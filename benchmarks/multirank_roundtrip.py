@@ -59,7 +59,7 @@ def alone() -> Iterator[None]:
 
 def expected_mcore(fixture: Path, layout: str) -> dict[str, torch.Tensor]:
     """Every Megatron tensor of the plan, computed from the HF files by glmconv's rules (forward)."""
-    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.dtypes import torch_dtype
     from glmconv.io.safetensors.reader import HfTensorSource
     from glmconv.runners import convert
 
@@ -67,7 +67,7 @@ def expected_mcore(fixture: Path, layout: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     with HfTensorSource(job.files) as source:
         for m in job.plan.mappings:
-            dtype = TORCH_DTYPES[m.mcore[0].dtype]
+            dtype = torch_dtype(m.mcore[0].dtype)
             hf = [source.weight(t.name, dtype) for t in m.hf]
             out.update(zip((t.name for t in m.mcore), m.rule.transform.forward(hf, len(m.mcore))))
     return out
@@ -89,7 +89,7 @@ def init_layout(tp: int, ep: int, etp: int) -> Any:
 def requests(plan: Any, r: Any, device: str) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
     """The sharded state dict a trainer at layout `r` loads (tensors and `_extra_state` objects), and per key
     the Piece and spec each tensor request came from."""
-    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.dtypes import torch_dtype
     from glmconv.mcore_layout import object_request, plan_pieces
 
     sd: dict[str, Any] = {}
@@ -97,7 +97,7 @@ def requests(plan: Any, r: Any, device: str) -> tuple[dict[str, Any], dict[str, 
     for spec, pieces in plan_pieces(plan, r):
         for i, piece in enumerate(pieces):
             key = f"{spec.name}#{i}"
-            sd[key] = piece.request(spec.shape, TORCH_DTYPES[spec.dtype], device=device)
+            sd[key] = piece.request(spec.shape, torch_dtype(spec.dtype), device=device)
             origin[key] = (piece, spec)
     sd.update({k: o for k in plan.mcore_objects() if (o := object_request(k, r)) is not None})
     return sd, origin
@@ -106,14 +106,14 @@ def requests(plan: Any, r: Any, device: str) -> tuple[dict[str, Any], dict[str, 
 def kept_requests(plan: Any, r: Any, device: str) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
     """The homeless (`glmconv_kept.`) tensors, whole and replicated: no trainer asks for them; the save carries
     them so that export has the whole model back."""
-    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.dtypes import torch_dtype
     from glmconv.mcore_layout import Piece
 
     sd: dict[str, Any] = {}
     origin: dict[str, tuple[Any, Any]] = {}
     for spec in (t for m in plan.homeless() for t in m.mcore):
         piece = Piece(spec.name, (), (), (0, r.tp_rank, r.dp_rank))
-        sd[spec.name] = piece.request(spec.shape, TORCH_DTYPES[spec.dtype], device=device)
+        sd[spec.name] = piece.request(spec.shape, torch_dtype(spec.dtype), device=device)
         origin[spec.name] = (piece, spec)
     return sd, origin
 
@@ -146,11 +146,11 @@ def save_layout(state: dict, plan: Any, out: Path, rank: int, device: str) -> fl
     """megatron-core's own save of the loaded shards (tensors, objects, common state); seconds."""
     from megatron.core import dist_checkpointing
 
-    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.dtypes import torch_dtype
     from glmconv.io.file_names import TRACKER_NAME
 
     loaded, origin = state["loaded"], state["origin"]
-    sd: dict[str, Any] = {k: piece.request(spec.shape, TORCH_DTYPES[spec.dtype], data=loaded[k])
+    sd: dict[str, Any] = {k: piece.request(spec.shape, torch_dtype(spec.dtype), data=loaded[k])
                           for k, (piece, spec) in origin.items()}
     for key, obj in requests(plan, _ranks(), device)[0].items():
         if key not in origin:  # an _extra_state object: saved with the value loaded

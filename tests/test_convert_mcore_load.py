@@ -46,7 +46,7 @@ def converted(tiny_ckpt: Path, tiny_fp8_ckpt: Path, cut8_ckpt: Path,
 
 def _check_fixture(name: str, layout: str, src: str, root: str, r: mh.Ranks) -> int:
     """Load one converted checkpoint at this rank's parallel layout; returns the number of local pieces compared."""
-    from glmconv.io.dtypes import TORCH_DTYPES
+    from glmconv.io.dtypes import torch_dtype
     from glmconv.runners.convert import prepare
 
     plan = prepare(src, Path(root) / "unused", layout=layout).plan
@@ -55,7 +55,7 @@ def _check_fixture(name: str, layout: str, src: str, root: str, r: mh.Ranks) -> 
     request, expected = {}, {}
     for spec, pieces in mh.plan_pieces(plan, r):
         for i, piece in enumerate(pieces):
-            request[f"{spec.name}#{i}"] = piece.request(spec.shape, TORCH_DTYPES[spec.dtype])
+            request[f"{spec.name}#{i}"] = piece.request(spec.shape, torch_dtype(spec.dtype))
             expected[f"{spec.name}#{i}"] = want[spec.name][piece.index]
     kept = {t.name for m in plan.homeless() for t in m.mcore}
     requested = {k.split("#")[0] for k in request}

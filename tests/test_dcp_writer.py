@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from glmconv.config import GlmConfig, parse_config
 from glmconv.errors import CheckpointError
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import (
     COMMON_PT_NAME,
     COMMON_STATE_KEY,
@@ -55,7 +55,7 @@ def _tiny() -> tuple[GlmConfig, Plan]:
 
 def _source(plan: Plan, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s.shape, generator=g).to(TORCH_DTYPES[s.dtype]) for n, s in plan.mcore_index.items()}
+    return {n: torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype)) for n, s in plan.mcore_index.items()}
 
 
 def _stacked(plan: Plan, name: str) -> bool:

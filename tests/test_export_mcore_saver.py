@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from glmconv.config import parse_config
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import TRACKER_NAME
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.plan import Mapping, Plan, build_plan
@@ -58,7 +58,7 @@ def _saved(plan: Plan) -> dict[str, Mapping]:
 
 def _source(plan: Plan) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return {k: torch.randn(m.mcore[0].shape, generator=g).to(TORCH_DTYPES[m.mcore[0].dtype])
+    return {k: torch.randn(m.mcore[0].shape, generator=g).to(torch_dtype(m.mcore[0].dtype))
             for k, m in _saved(plan).items()}
 
 

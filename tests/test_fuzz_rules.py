@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from glmconv.config import DSA, parse_config
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.writer import ShardWriter
 from glmconv.plan import FP8, Plan, build_plan
 from glmconv.rules import names
@@ -133,7 +133,7 @@ def _check_coverage(plan: Plan, config: Any) -> None:
 # ---- transforms round trip -----------------------------------------------------------------------------
 
 def _random(shape: tuple[int, ...], dtype: str, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=g).to(TORCH_DTYPES[dtype])
+    return torch.randn(shape, generator=g).to(torch_dtype(dtype))
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -149,7 +149,7 @@ def test_every_transform_round_trips_bytes(raw: dict[str, Any], seed: int) -> No
         hf = [_random(t.shape, t.dtype, g) for t in m.hf]
         mcore = m.rule.transform.forward([t.clone() for t in hf], len(m.mcore))
         assert [tuple(t.shape) for t in mcore] == [s.shape for s in m.mcore], m.rule.hf
-        assert [t.dtype for t in mcore] == [TORCH_DTYPES[s.dtype] for s in m.mcore], m.rule.hf
+        assert [t.dtype for t in mcore] == [torch_dtype(s.dtype) for s in m.mcore], m.rule.hf
         back = m.rule.transform.backward(mcore, [t.shape for t in m.hf])
         assert len(back) == len(hf)
         for spec, a, b in zip(m.hf, hf, back):

@@ -27,9 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from glmconv.compare import metrics, weight_diff
 from glmconv.compare.attribution import shapley
@@ -40,6 +38,11 @@ from glmconv.defaults import PARITY_MODES
 from glmconv.errors import GlmconvError
 from glmconv.models.conventions import Conventions, acting_at_sub_block
 from glmconv.text import printable
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 ATTENTION, MLP = "attention", "mlp"
 
@@ -104,8 +107,8 @@ class Capture:
 
 
 Step = Callable[[str], None]
-Result = tuple[torch.Tensor, dict]  # a sub-block's streams and its aux (selections)
-SelectionState = tuple[torch.Tensor | None, torch.Tensor | None] | None  # GlmModel.selection_state()
+Result = tuple["torch.Tensor", dict]  # a sub-block's streams and its aux (selections)
+SelectionState = tuple["torch.Tensor | None", "torch.Tensor | None"] | None  # GlmModel.selection_state()
 
 
 @dataclass
@@ -129,6 +132,8 @@ def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
     `serve_precise` / `train_precise`: the sides' fp32 reference twins, whose distance from each side is the
     noise the verdict is measured against; `variants`: more train sides (planted defects) run in the same pass.
     """
+    import torch
+
     if mode not in PARITY_MODES:
         raise GlmconvError(f"--mode {mode!r}: choose from {', '.join(PARITY_MODES)}")
     _check_same_shape(serve, train)

@@ -10,16 +10,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.compare.catalog import Defect
 from glmconv.config import DSA, KDA, MOE, GlmConfig
 from glmconv.models.conventions import ACTS_AT, SELECTION, Conventions
 from glmconv.models.weights import ExpertBank, Swiglu
 
-Damage = Callable[[torch.Tensor], torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+
+
+Damage = Callable[["torch.Tensor"], "torch.Tensor"]
 FP8_BLOCK = 128  # the release's FP8 scale blocks: [128, 128] weights share one scale
 
 
@@ -28,6 +31,8 @@ def _eighth(t: torch.Tensor) -> int:
 
 
 def _reverse_first_eighth(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.cat([t[:_eighth(t)].flip(0), t[_eighth(t):]])
 
 
@@ -38,6 +43,8 @@ def _double_first_block(t: torch.Tensor) -> torch.Tensor:
 
 
 def _swap_pre_post_rows(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     n = int(round((t.shape[0] + 4) ** 0.5)) - 2  # fn has (2 + n) * n rows: pre [0, n), post [n, 2n), comb after
     return torch.cat([t[n:2 * n], t[:n], t[2 * n:]])
 

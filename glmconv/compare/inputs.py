@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import GlmconvError
 from glmconv.io.jsonfile import parse_json, read_capped
 from glmconv.text import show
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 MAX_PROMPT_BYTES = 64 << 20  # token ids for a parity run: far more than any GPU holds
 MAX_TOKENS = 1 << 24  # one packed batch; beyond this the activations alone exceed any accelerator
@@ -42,6 +45,8 @@ class Batch:
 
 def random_batch(vocab: int, tokens: int, sequences: int = 1, seed: int = 0) -> Batch:
     """`tokens` uniform ids from `seed`, split into `sequences` packed sequences of near-equal length."""
+    import torch
+
     if tokens < 1 or sequences < 1:
         raise GlmconvError(f"--tokens {tokens} and --sequences {sequences} must be positive")
     if tokens > MAX_TOKENS:
@@ -56,6 +61,8 @@ def random_batch(vocab: int, tokens: int, sequences: int = 1, seed: int = 0) -> 
 
 def load_prompt_file(path: str | Path, vocab: int) -> Batch:
     """Read a file of token ids (see the module docstring); every id must lie in [0, vocab)."""
+    import torch
+
     p = Path(path)
     try:
         text = read_capped(p, str(p), error=GlmconvError, max_bytes=MAX_PROMPT_BYTES).decode("utf-8")
@@ -115,6 +122,8 @@ def _is_int(w: str) -> bool:
 
 
 def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    import torch
+
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)

@@ -9,20 +9,25 @@ from __future__ import annotations
 import math
 import resource
 import sys
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.config import GlmConfig
 from glmconv.errors import GlmconvError
 from glmconv.plan import build_plan
 from glmconv.rules import roles as R
 
+if TYPE_CHECKING:
+    import torch
+
+
+
 HEADROOM = 0.9  # share of the free memory a resident run may plan to fill (activations need the rest)
 
 
 def resident_bytes(config: GlmConfig, dtype: torch.dtype) -> int:
     """Both sides' weights held at once: every text tensor in the model dtype (experts in BF16, as stored)."""
+
+    import torch
 
     size = torch.tensor([], dtype=dtype).element_size()
     total = 0
@@ -34,6 +39,8 @@ def resident_bytes(config: GlmConfig, dtype: torch.dtype) -> int:
 
 def free_bytes(device: torch.device) -> int:
     """Free memory where the weights go: the CUDA device's, or the host's available RAM."""
+    import torch
+
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     with open("/proc/meminfo") as fh:
@@ -50,12 +57,16 @@ def check_resident_fits(config: GlmConfig, dtype: torch.dtype, device: torch.dev
 
 
 def start_peak(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:
     """The run's peak memory: allocated CUDA memory on a GPU, the process's peak RSS on the CPU."""
+    import torch
+
     if device.type == "cuda":
         return {"device": str(device), "bytes": int(torch.cuda.max_memory_allocated(device)),
                 "what": "torch.cuda.max_memory_allocated"}

@@ -9,17 +9,22 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import GlmconvError
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 LOGIT_CHUNK = 512  # rows of [T, V] logits turned into log-probs at once: bounds memory at the real vocab
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (0 when both are zero, inf when only b is)."""
+    import torch
+
     a64, b64 = a.detach().double(), b.detach().double()
     num = float(torch.linalg.vector_norm(a64 - b64))
     den = float(torch.linalg.vector_norm(b64))
@@ -42,6 +47,8 @@ def selection_overlap(train: torch.Tensor, serve: torch.Tensor) -> float:
     are left out, and a batch with nothing selected counts as full agreement. Sort + searchsorted keeps it
     O(T W log W), not O(T W^2), at the real width (2051).
     """
+    import torch
+
     if train.shape[0] != serve.shape[0]:
         raise ValueError(f"selection rows differ: {tuple(train.shape)} vs {tuple(serve.shape)}")
     s = serve.detach().long().sort(dim=-1).values
@@ -57,6 +64,8 @@ def selection_overlap(train: torch.Tensor, serve: torch.Tensor) -> float:
 
 def next_token_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Positions whose next token belongs to the same packed sequence (every position but each last one)."""
+    import torch
+
     cu = cu_seqlens.detach().cpu().long().tolist()
     return torch.tensor([p for lo, hi in zip(cu, cu[1:]) for p in range(lo, hi - 1)], dtype=torch.int64)
 
@@ -79,6 +88,8 @@ class LogitStats:
 
 def logit_stats(train: torch.Tensor, serve: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor) -> LogitStats:
     """Compare [T, V] logits: next-token log-prob differences (within each sequence), top-1, KL(serve||train)."""
+    import torch
+
     if train.shape != serve.shape or train.dim() != 2 or train.shape[0] != ids.numel():
         raise ValueError(f"logits {tuple(train.shape)} / {tuple(serve.shape)} do not match {ids.numel()} tokens")
     n = train.shape[0]
@@ -98,6 +109,8 @@ def logit_stats(train: torch.Tensor, serve: torch.Tensor, ids: torch.Tensor, cu_
 
 
 def _chunks(train: torch.Tensor, serve: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    import torch
+
     for lo in range(0, train.shape[0], LOGIT_CHUNK):
         lt = torch.log_softmax(train[lo:lo + LOGIT_CHUNK].detach().double(), dim=-1)
         ls = torch.log_softmax(serve[lo:lo + LOGIT_CHUNK].detach().double(), dim=-1)
@@ -106,6 +119,8 @@ def _chunks(train: torch.Tensor, serve: torch.Tensor) -> Iterator[tuple[int, tor
 
 def quantile_summary(x: torch.Tensor) -> dict[str, float]:
     """mean, p99 and max of a 1-D sample (zeros when empty)."""
+    import torch
+
     if x.numel() == 0:
         return {"mean": 0.0, "p99": 0.0, "max": 0.0}
     x64 = x.double()

@@ -12,14 +12,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from glmconv.config import GlmConfig
 from glmconv.defaults import REPLAY_CHOICES
 from glmconv.errors import GlmconvError
 from glmconv.io.safetensors.header import read_header
 from glmconv.text import count, show
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 BYPASSED = "all routed-expert ids are 0: the backend most likely bypassed routing capture"
 
@@ -115,6 +119,8 @@ def check_indexer_payload(streams: Sequence[torch.Tensor], config: GlmConfig,
     than the DSA layers' (KDA layers have no indexer), a wrong shape, ids outside [-1, T), a future token or one
     of another packed sequence, a token selected twice for one query.
     """
+    import torch
+
     layers = dsa_layers(config)
     _check_count("indexer", len(streams), len(layers), "DSA layer", "KDA layers have no indexer")
     cu = torch.tensor([0, cu_seqlens]) if isinstance(cu_seqlens, int) else cu_seqlens.detach().cpu().long()
@@ -124,6 +130,8 @@ def check_indexer_payload(streams: Sequence[torch.Tensor], config: GlmConfig,
 
 
 def _indexer_layer(layer: int, ids: torch.Tensor, tokens: int, width: int, start: torch.Tensor) -> torch.Tensor:
+    import torch
+
     where = f"indexer payload, layer {layer}"
     _check_shape(where, ids, (tokens, width), "[tokens, index_topk + index_kpool - 1]")
     ids = ids.long()
@@ -142,11 +150,15 @@ def _check_count(kind: str, got: int, want: int, unit: str, why: str) -> None:
 
 
 def _integer(ids: torch.Tensor) -> bool:
+    import torch
+
     return isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point and not ids.dtype.is_complex \
         and ids.dtype != torch.bool
 
 
 def _check_shape(where: str, ids: object, shape: tuple[int, int], what: str) -> None:
+    import torch
+
     if not isinstance(ids, torch.Tensor) or not _integer(ids):
         kind = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise GlmconvError(f"{where}: expected an integer tensor, got {kind}")

@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.compare.verdict import DIFFER, EQUAL, ROUNDED
 from glmconv.models.weights import ExpertBank, FieldSource, WeightSource, field_source
 from glmconv.rules import roles as R
 
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+if TYPE_CHECKING:
+    import torch
+
+
+
+_BITS = {2: "int16", 4: "int32", 8: "int64"}  # a float compared bit for bit as the int of its size
 
 
 @dataclass
@@ -58,8 +61,10 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor, path: tuple[str, ...], expert:
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise bit difference (NaN equals the same NaN); values when the dtypes differ."""
+    import torch
+
     if a.dtype == b.dtype and a.dtype.is_floating_point and a.element_size() in _BITS:
-        bits = _BITS[a.element_size()]
+        bits = getattr(torch, _BITS[a.element_size()])
         return a.contiguous().view(bits) != b.contiguous().view(bits)
     a64, b64 = a.double(), b.double()
     return (a64 != b64) & ~(a64.isnan() & b64.isnan())
@@ -67,6 +72,8 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _is_bf16_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether one side is the other rounded to BF16 (a requested `convert --dtype bf16`)."""
+    import torch
+
     for wide, narrow in ((a, b), (b, a)):
         rounded = wide.to(torch.bfloat16).to(narrow.dtype)
         if not bool(_differs(rounded, narrow).any()):
@@ -77,6 +84,8 @@ def _is_bf16_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
 def structure_diffs(serve: Any, train: Any, path: tuple[str, ...] = ()) -> Iterator[TensorDiff]:
     """Every differing tensor field of two weight structures (dataclasses, expert banks); a field one side does
     not hold (None, e.g. the kpool tensors under the token-level indexer) is not compared."""
+    import torch
+
     if serve is None or train is None:
         return
     if isinstance(serve, torch.Tensor):

@@ -1,7 +1,7 @@
 """The one dtype table: safetensors dtype code <-> bytes per element <-> torch dtype.
 
 The codes and sizes are plain data (planning, auditing and header validation run without torch); the torch
-side is looked up only when asked for (`TORCH_DTYPES`, `torch_dtype_code`), importing torch then.
+side is looked up only when asked for (`torch_dtype`, `torch_dtype_code`), importing torch then.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
     return {code: getattr(torch, name) for code, (_, name) in _TABLE.items() if name is not None}
 
 
+def torch_dtype(code: str) -> torch.dtype:
+    """"BF16" -> `torch.bfloat16` (torch is imported on the first call); a code torch has no dtype for is a KeyError."""
+    return _torch_dtypes()[code]
+
+
 _CODES: dict[str, str] = {name: code for code, (_, name) in _TABLE.items() if name is not None}
 DTYPE_NAMES: frozenset[str] = frozenset(_CODES)
 """The torch dtype attributes (`bfloat16`) of the table: the dtypes a checkpoint may hold."""
@@ -48,10 +53,3 @@ def torch_dtype_code(dtype: Any) -> str:
     if code is None:
         raise CheckpointError(f"unsupported tensor dtype {dtype}")
     return code
-
-
-def __getattr__(name: str) -> Any:
-    """`TORCH_DTYPES` (code -> torch dtype) is built on first use, so importing this module needs no torch."""
-    if name == "TORCH_DTYPES":
-        return _torch_dtypes()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

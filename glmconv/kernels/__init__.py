@@ -14,9 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.defaults import KERNEL_CHOICES
 from glmconv.errors import GlmconvError
@@ -24,6 +22,11 @@ from glmconv.kernels import dsa, kda
 from glmconv.ops.dsa import sparse_mla
 from glmconv.ops.kda import kda_layer
 from glmconv.ops.kpool import kpool_topk
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ def reference_ops() -> OpSet:
 
 def kernel_ops(index_width: int) -> OpSet:
     """fla KDA, tilelang SparseMLA, triton kpool (its ids come out int32 and -1 padded as the kernel takes them)."""
+    import torch
+
     try:  # the packages the kernels call, imported now so a missing one is a one-line error, not a mid-run crash
         import fla.modules.causal_conv1d
         import fla.ops.kda  # noqa: F401

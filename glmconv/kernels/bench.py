@@ -11,9 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.kernels import dsa
 from glmconv.kernels.kda import kda_core
@@ -23,6 +21,11 @@ from glmconv.ops import kpool as kpool_reference
 from glmconv.ops.kda import KdaParams, forget_gate
 from glmconv.ops.kpool import K_NORM_EPS, IndexerTensors, KpoolParams
 
+if TYPE_CHECKING:
+    import torch
+
+
+
 REAL_KPOOL = KpoolParams(heads=32, head_dim=128, topk=2048, kpool=4, select_tail=True)
 REAL_KDA = KdaParams(heads=64, head_dim=128, lower_bound=-5.0, norm_eps=1e-5)
 HIDDEN, Q_LORA, LATENT, DSA_HEADS, NOPE, V_DIM = 4096, 1536, 512, 64, 256, 256
@@ -30,13 +33,18 @@ PACKED = (4097, 2048, 1023, 130, 2)  # mixed lengths: longer, equal to, shorter 
 
 
 def cu_seqlens(lengths: Sequence[int], device: str | torch.device) -> torch.Tensor:
+    import torch
+
     return torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.long, device=device)
 
 
-def indexer_inputs(tokens: int, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+def indexer_inputs(tokens: int, device: str, dtype: torch.dtype | None = None, seed: int = 0,
                    p: KpoolParams = REAL_KPOOL, hidden: int = HIDDEN,
                    q_lora: int = Q_LORA) -> tuple[torch.Tensor, torch.Tensor, IndexerTensors]:
     """x [T, hidden], q_resid [T, q_lora] and indexer weights, random (fan-in scaled, never zeros)."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -51,9 +59,12 @@ def indexer_inputs(tokens: int, device: str, dtype: torch.dtype = torch.bfloat16
     return r(tokens, hidden), r(tokens, q_lora), w
 
 
-def kda_inputs(tokens: int, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+def kda_inputs(tokens: int, device: str, dtype: torch.dtype | None = None, seed: int = 0,
                p: KdaParams = REAL_KDA) -> dict[str, torch.Tensor]:
     """q, k, v [T, H, K] (post-conv activations), raw gate input f [T, H*K], beta logits b [T, H], A_log, dt_bias."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     g = torch.Generator(device="cpu").manual_seed(seed)
     t, h, d = tokens, p.heads, p.head_dim
     dt = (torch.rand(h * d, generator=g) * math.log(100) + math.log(1e-3)).exp()
@@ -66,9 +77,12 @@ def kda_inputs(tokens: int, device: str, dtype: torch.dtype = torch.bfloat16, se
     return out
 
 
-def dsa_inputs(lengths: Sequence[int], topk_width: int, device: str, dtype: torch.dtype = torch.bfloat16,
+def dsa_inputs(lengths: Sequence[int], topk_width: int, device: str, dtype: torch.dtype | None = None,
                seed: int = 0) -> dict[str, torch.Tensor]:
     """q [T, 64, 256], latent [T, 512], kv_b [64*512, 512] and causal per-sequence random ids [T, W] (-1 padded)."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     g = torch.Generator(device="cpu").manual_seed(seed)
     t = sum(lengths)
     q = torch.randn(t, DSA_HEADS, NOPE, generator=g)
@@ -92,6 +106,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def same_sets(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """[T] bool: each row selects the same set of ids (order and -1 padding aside)."""
+    import torch
+
     width = max(got.shape[1], want.shape[1])
     g = torch.nn.functional.pad(got.long(), (0, width - got.shape[1]), value=-1).sort(-1).values
     w = torch.nn.functional.pad(want.long(), (0, width - want.shape[1]), value=-1).sort(-1).values
@@ -142,6 +158,7 @@ def bench_kpool(lengths: Sequence[int], device: str = "cuda") -> Row:
 
 
 def bench_kda(tokens: int, device: str = "cuda") -> list[Row]:
+    import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     reference = kda_reference.chunk_kda
@@ -172,6 +189,8 @@ def bench_kda(tokens: int, device: str = "cuda") -> list[Row]:
 
 
 def bench_dsa(tokens: int, device: str = "cuda") -> list[Row]:
+    import torch
+
     reference = dsa_reference.sparse_mla
     width = REAL_KPOOL.width
     a = dsa_inputs([tokens], width, device)
@@ -203,6 +222,8 @@ def bench_dsa(tokens: int, device: str = "cuda") -> list[Row]:
 def run(tokens: int = 8192, packed: Sequence[int] = PACKED, dsa_tokens: int = 4096,
         device: str = "cuda") -> list[Row]:
     """The whole table: kpool (one sequence, packed), KDA, DSA."""
+    import torch
+
     torch.backends.cuda.matmul.allow_tf32 = False
     with torch.inference_mode():
         return [bench_kpool([tokens], device), bench_kpool(list(packed), device), *bench_kda(tokens, device),
@@ -216,6 +237,7 @@ def kpool_disagreements(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensor
     A differing row is a near-tie when the worst pool each side chose scores the same in fp64 up to
     rtol x the row's largest score (the two sides only ordered near-equal scores differently).
     """
+    import torch
     import torch.nn.functional as F
 
     from glmconv.kernels.kpool import layout  # triton: imported only where it runs

@@ -10,8 +10,11 @@ dims; the kernel's default would be 576^-0.5), index rows are padded with -1 to 
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 KV_DIM = 576  # the kernel's q/kv width (512 latent + 64 rope tail in DeepSeek's layout)
 V_DIM = 512  # the kernel's output width
@@ -33,6 +36,9 @@ def padded_heads(heads: int) -> int:
 
 def kernel_indices(topk: torch.Tensor) -> torch.Tensor:
     """[T, W] ids (any int dtype) -> contiguous int32 [T, index_width(W)], -1 padded (no copy if already so)."""
+    import torch
+    import torch.nn.functional as F
+
     width = index_width(topk.shape[1])
     if topk.dtype == torch.int32 and topk.shape[1] == width and topk.is_contiguous():
         return topk
@@ -58,6 +64,9 @@ def sparse_mla(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, topk: 
     place, so no padded copy of q or of the output is made; T' is T rounded up to megatron-core's sequence
     bucket (256), so its interface pads nothing either.
     """
+    import torch
+    import torch.nn.functional as F
+
     t, heads, nope = q.shape
     rank = latent.shape[1]
     if rank > V_DIM:

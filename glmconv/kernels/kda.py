@@ -9,10 +9,14 @@ stay torch.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from glmconv.ops.kda import KdaParams, KdaTensors, gated_rms_norm
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -42,6 +46,9 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
 
 def kda_layer(x: torch.Tensor, w: KdaTensors, p: KdaParams, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The whole KDA sub-block (same contract as `glmconv.ops.kda.kda_layer`): x [T, hidden] -> [T, hidden]."""
+    import torch
+    import torch.nn.functional as F
+
     t, c = x.shape[0], p.heads * p.head_dim
     qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
     q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in short_conv(qkv, w.conv, cu_seqlens).split(c, dim=-1))

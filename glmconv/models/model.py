@@ -12,10 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields, replace
-from typing import Any
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any
 
 from glmconv.config import GlmConfig
 from glmconv.errors import GlmconvError
@@ -32,7 +29,12 @@ from glmconv.ops.moe import RouterParams, replay_route, route, routed, swiglu_li
 from glmconv.ops.moe import mlp as swiglu_mlp
 from glmconv.rules import roles as R
 
-DTYPES = (torch.float32, torch.bfloat16)
+if TYPE_CHECKING:
+    import torch
+
+
+
+DTYPES = ("float32", "bfloat16")  # torch dtype names a model runs in
 ATTN, MLP = "attention", "mlp"  # the two sub-blocks of a layer
 # A weight defect planted in memory: (sub_block, layer, prepared weights, read another layer) -> weights to run.
 WeightPatch = Callable[[str, int, Any, Callable[[int], Any]], Any]
@@ -51,9 +53,12 @@ class GlmModel:
     """
 
     def __init__(self, config: GlmConfig, weights: WeightSource, conventions: Conventions,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                  kernels: str = "reference", stream: bool = False) -> None:
-        if dtype not in DTYPES:
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        if str(dtype).removeprefix("torch.") not in DTYPES:
             raise GlmconvError(f"model dtype {dtype}: choose torch.float32 or torch.bfloat16")
         self.config, self.weights, self.conventions = config, weights, conventions
         self.dtype, self.device = dtype, torch.device(device)
@@ -167,6 +172,9 @@ class GlmModel:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h @ lm_head^T in fp32, by row windows of the head (streamed: each read, used and dropped)."""
+        import torch
+        import torch.nn.functional as F
+
         windows = self.weights.row_windows(R.LM_HEAD)
         out = torch.empty((h.shape[0], windows[-1][1]), dtype=torch.float32, device=h.device)
         full = None if self.stream else self.cache.get(("lm_head", -1), lambda: self._cast(self.weights.lm_head()))
@@ -204,6 +212,8 @@ class GlmModel:
     def precise_twin(self) -> GlmModel | None:
         """This model in fp32 on the torch references, casting this one's prepared weights (no second read): the
         reference its own rounding and kernel error is measured against. None when this model already is one."""
+        import torch
+
         if self.dtype == torch.float32 and self.ops.name == "reference":
             return None
         twin = GlmModel(self.config, self.weights, self.conventions, torch.float32, self.device, kernels="reference",
@@ -310,6 +320,8 @@ class GlmModel:
 
     def _prepare(self, obj: Any) -> Any:
         """A weight structure with every tensor on the device, in the model dtype or kept fp32 (experts: stored)."""
+        import torch
+
         if obj is None or (isinstance(obj, ExpertBank) and obj.on_device):  # cast one expert at a time, at use
             return obj
         if isinstance(obj, ExpertBank):
@@ -321,5 +333,7 @@ class GlmModel:
         return replace(obj, **changes)
 
     def _cast(self, t: torch.Tensor, keep_fp32: bool = False) -> torch.Tensor:
+        import torch
+
         return t.to(self.device, torch.float32 if keep_fp32 else self.dtype)
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.models.weights import ExpertBank, Swiglu
 from glmconv.runners.ahead import Step, run_ahead
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 Key = tuple[str, int]  # (sub-block kind, layer); layer -1 for model-wide pieces
 LOAD_THREADS = min(8, os.cpu_count() or 1)
@@ -69,6 +72,8 @@ class LoadedBank(ExpertBank):
                     self._put(name, e, getattr(s, name), device)
 
     def _put(self, name: str, expert: int, w: torch.Tensor, device: torch.device) -> None:
+        import torch
+
         if name not in self._w:
             self._w[name] = torch.empty((self.num, *w.shape), dtype=w.dtype, device=device)
         self._w[name][expert].copy_(w)

@@ -15,8 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from glmconv.checkpoint_layout import checkpoint_layout
 from glmconv.config import DSA, KDA, MOE, GlmConfig
@@ -32,6 +31,11 @@ from glmconv.ops.kda import KdaTensors
 from glmconv.ops.kpool import IndexerTensors
 from glmconv.plan import FP8, Mapping, build_plan
 from glmconv.rules import roles as R
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 EXPERT_WINDOW_BYTES = 1 << 30  # stacked-expert rows read at once on the Megatron side
 ROW_WINDOW_BYTES = 1 << 28  # embedding / head rows read at once when they are streamed
@@ -221,6 +225,8 @@ class WeightSource(ABC):
 
     def gather_rows(self, role: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a model-wide role (the embedding of a batch), read window by window, never whole."""
+        import torch
+
         ids = ids.to("cpu", torch.long)
         out: torch.Tensor | None = None
         for start, stop in self.row_windows(role):
@@ -292,6 +298,8 @@ class HfWeights(WeightSource):
     def __init__(self, hf_dir: str | Path, device: str | torch.device | None = None) -> None:
         """`device`: where FP8 weights are dequantised (a CUDA device does it faster, with the same bits)."""
 
+        import torch
+
         ck = inspect_hf_checkpoint(hf_dir)
         if ck.text_prefix is None:
             raise CheckpointError(f"{hf_dir}: no text-model tensors under a known prefix")
@@ -308,6 +316,8 @@ class HfWeights(WeightSource):
     def read(self, name: str) -> torch.Tensor:
         """As stored, except FP8 weights, which come back dequantised to BF16 (what convert writes), and the
         `rounded` ones, which come back rounded to BF16."""
+        import torch
+
         if name in self._fp8:
             return self._src.weight(name, torch.bfloat16, self._device)
         t = self._src.raw(name)
@@ -316,6 +326,8 @@ class HfWeights(WeightSource):
     def round_like(self, train: WeightSource) -> int:
         """Read rounded to BF16 every F32 tensor that `train` stores in BF16 (a `convert --dtype bf16` pair), so
         both sides run the weights the train side holds; how many tensors that is."""
+        import torch
+
         dtypes = getattr(train, "stored_dtype", None)
         if dtypes is None:
             return 0
@@ -348,6 +360,8 @@ class HfWeights(WeightSource):
         return HcSite(*(self.tensor(layer, role) for role in R.HC[site]))
 
     def kda_conv(self, layer: int) -> torch.Tensor:
+        import torch
+
         return torch.cat(self._hf(layer, R.KDA_CONV), dim=0)  # transformers' conv1d runs over cat(q, k, v)
 
     def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
@@ -419,12 +433,16 @@ class MegatronWeights(WeightSource):
         return t
 
     def hc_site(self, layer: int, site: str) -> HcSite:
+        import torch
+
         fn_role, base_role, scale_role = R.HC[site]
         fn, base = self.tensor(layer, fn_role), self.tensor(layer, base_role)
         alpha_pre, alpha_post, alpha_res = self._mc(layer, scale_role)
         return HcSite(fn, base, torch.cat([alpha_pre, alpha_post, alpha_res]))
 
     def kda_conv(self, layer: int) -> torch.Tensor:
+        import torch
+
         return torch.cat(self._mc(layer, R.KDA_CONV), dim=0)  # miles: already fused; mcore: q, k, v convs
 
     def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from glmconv.errors import GlmconvError
 from glmconv.ops import rms_norm
 from glmconv.ops.kpool import IndexerTensors, KpoolParams, kpool_topk
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 INDEXER_QUERIES = ("normed", "raw")
 GATHER_BUDGET = 256 << 20  # bytes of gathered fp32 latents per query chunk
@@ -60,6 +63,8 @@ def dsa_layer(x: torch.Tensor, w: DsaTensors, p: DsaParams, kp: KpoolParams, cu_
     GPU kernels of glmconv.kernels have the same signatures). `replay` given (indexer replay): attend over those
     ids instead; the returned top-k is still the layer's own selection.
     """
+    import torch.nn.functional as F
+
     if indexer_query not in INDEXER_QUERIES:
         raise GlmconvError(f"unknown indexer query {indexer_query!r} (choose from {', '.join(INDEXER_QUERIES)})")
     q_raw = F.linear(x, w.q_a)
@@ -78,6 +83,8 @@ def dsa_layer(x: torch.Tensor, w: DsaTensors, p: DsaParams, kp: KpoolParams, cu_
 def sparse_mla(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, topk: torch.Tensor, v_dim: int,
                scale: float) -> torch.Tensor:
     """-> [T, H, Dv] in q.dtype; `topk` [T, W] holds token ids into `latent` (-1 = not selected)."""
+    import torch
+
     heads, nope = q.shape[1], q.shape[2]
     w = kv_b.float().view(heads, nope + v_dim, -1)
     q_abs = torch.einsum("thd,hdr->thr", q.float(), w[:, :nope])
@@ -92,6 +99,8 @@ def sparse_mla(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, topk: 
 
 def _attend(q_abs: torch.Tensor, c: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked softmax attention of absorbed queries [t, H, R] over their gathered latents -> [t, H, R]."""
+    import torch
+
     valid = ids >= 0
     sel = c[ids.clamp(min=0)]  # [t, W, R]
     scores = torch.einsum("thr,twr->thw", q_abs, sel) * scale

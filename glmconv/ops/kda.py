@@ -14,9 +14,11 @@ representation with a unit-triangular solve) sits beside the naive recurrence it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:
+    import torch
+
 
 CHUNK = 64
 L2_EPS = 1e-6
@@ -53,6 +55,8 @@ class KdaParams:
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """fla's l2 norm: x / sqrt(sum x^2 + eps) (eps inside the sqrt, not a clamp)."""
+    import torch
+
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
 
 
@@ -68,6 +72,9 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) 
     y_t = sum_j w[:, j] * x_(t - W + 1 + j), computed in the weight's dtype (fp32 in the release, as
     transformers' `causal_conv1d_fn`) as plain multiply-adds: no cuDNN, so no TF32 on a GPU.
     """
+    import torch
+    import torch.nn.functional as F
+
     w = weight.reshape(weight.shape[0], -1)
     width = w.shape[1]
     out = torch.empty_like(x)
@@ -80,6 +87,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) 
 
 def forget_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, p: KdaParams) -> torch.Tensor:
     """g [T, H, K] = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), fp32 (f = f_b(f_a(x)) [T, H*K])."""
+    import torch
+
     g = (f.float() + dt_bias.float()).view(f.shape[0], p.heads, p.head_dim)
     return p.lower_bound * torch.sigmoid(torch.exp(a_log.float()).view(1, -1, 1) * g)
 
@@ -93,6 +102,8 @@ def _prep(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The naive token-by-token reference. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] -> o [T, H, V] fp32."""
+    import torch
+
     q, k = _prep(q, k)
     v, g, beta = v.float(), g.float(), beta.float()
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -109,6 +120,8 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """The chunked form (same contract as `recurrent_kda`): sequential over chunks, parallel inside one."""
+    import torch
+
     q, k = _prep(q, k)
     v, g, beta = v.float(), g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -128,6 +141,8 @@ def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     With G the in-chunk cumulative log-decay, the update u of each token solves (I + A) u = beta (v - (k e^G) S0),
     A[t, s] = beta_t sum_c k_t e^(G_t - G_s) k_s (s < t); then o = (q e^G) S0 + (q . e^(G_t - G_s) k_s)_(s<=t) u.
     """
+    import torch
+
     n = q.shape[1]
     big_g = g.cumsum(dim=1)
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
@@ -146,6 +161,8 @@ def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(o; weight, eps) * sigmoid(gate), all in fp32 (o, gate [..., K])."""
+    import torch
+
     o = o.float()
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
     return weight.float() * o * torch.sigmoid(gate.float())
@@ -154,6 +171,9 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def kda_layer(x: torch.Tensor, w: KdaTensors, p: KdaParams, cu_seqlens: torch.Tensor,
               chunked: bool = True) -> torch.Tensor:
     """The whole KDA sub-block: x [T, hidden] (already input-normed) -> [T, hidden] in x.dtype."""
+    import torch
+    import torch.nn.functional as F
+
     t, c = x.shape[0], p.heads * p.head_dim
     qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
     q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in short_conv(qkv, w.conv, cu_seqlens).split(c, dim=-1))

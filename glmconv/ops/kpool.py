@@ -20,11 +20,14 @@ sequence is at most index_topk tokens long (both then take every visible token),
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from glmconv.ops.kda import segments
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 K_NORM_EPS = 1e-6
 SCORE_BUDGET = 256 << 20  # bytes of fp32 [queries, heads, pools] scores per block
@@ -66,6 +69,9 @@ def token_params(p: KpoolParams) -> KpoolParams:
 def kpool_topk(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors, p: KpoolParams,
                cu_seqlens: torch.Tensor) -> torch.Tensor:
     """x [T, hidden], q_resid [T, q_lora] -> LongTensor [T, width] of packed token ids, -1 = none."""
+    import torch
+    import torch.nn.functional as F
+
     iq = F.linear(q_resid, w.wq_b).view(x.shape[0], p.heads, p.head_dim)
     ik = F.layer_norm(F.linear(x, w.wk), (p.head_dim,), w.k_norm_weight, w.k_norm_bias, K_NORM_EPS)
     if w.compress_gate is None and p.kpool != 1:
@@ -93,6 +99,9 @@ def pool_keys(ik: torch.Tensor, gate: torch.Tensor | None, ape: torch.Tensor | N
 
 def pool_scores(iq: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, head_dim: int) -> torch.Tensor:
     """[S, P] = sum_h w_h relu(iq_h . key_p * d^-0.5), fp32."""
+    import torch
+    import torch.nn.functional as F
+
     scores = F.relu(torch.matmul(iq.float(), keys.t()) * head_dim ** -0.5)  # [S, n, P]
     return torch.matmul(head_w.unsqueeze(-2), scores).squeeze(-2)
 
@@ -100,6 +109,8 @@ def pool_scores(iq: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, head
 def _sequence_topk(iq: torch.Tensor, ik: torch.Tensor, gate: torch.Tensor | None, head_w: torch.Tensor,
                    ape: torch.Tensor | None, p: KpoolParams) -> torch.Tensor:
     """One sequence's [S, width] local token ids, scored in blocks of queries (bounded memory)."""
+    import torch
+
     keys = pool_keys(ik, gate, ape, p.kpool)
     pos = torch.arange(iq.shape[0], device=iq.device)
     step = max(1, SCORE_BUDGET // max(1, 4 * p.heads * keys.shape[0]))
@@ -111,6 +122,9 @@ def _sequence_topk(iq: torch.Tensor, ik: torch.Tensor, gate: torch.Tensor | None
 def _select(iq: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
             p: KpoolParams) -> torch.Tensor:
     """Queries at positions `pos`: the best visible pools (best first) expanded to ids, then the tail."""
+    import torch
+    import torch.nn.functional as F
+
     n_pools = keys.shape[0]
     pool_start = torch.arange(n_pools, device=iq.device) * p.kpool
     visible = (pool_start + p.kpool - 1)[None, :] <= pos[:, None]  # [q, P]
@@ -126,6 +140,8 @@ def _select(iq: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, pos: tor
 
 def _tail(pos: torch.Tensor, kpool: int) -> torch.Tensor:
     """[S, kpool - 1]: the query's incomplete pool (tokens after its last complete pool), -1 padded."""
+    import torch
+
     count = (pos + 1) % kpool
     offsets = torch.arange(kpool - 1, device=pos.device)
     tail = (pos + 1 - count)[:, None] + offsets

@@ -16,11 +16,14 @@ learned pre-style weighting (`learned`, DeepSeek-V4 style: sum_i (sigmoid(m_i*sc
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from glmconv.errors import GlmconvError
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 RMS_FORMS = ("reference", "megatron")
 MIX_DTYPES = ("bf16", "fp32")
@@ -39,6 +42,8 @@ class HcParams:
 
 def flat_rms(flat: torch.Tensor, form: str, rms_eps: float) -> torch.Tensor:
     """The unweighted RMS normalisation of the flattened streams (fp32 in, fp32 out)."""
+    import torch
+
     if form == "reference":
         return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
     if form == "megatron":
@@ -58,6 +63,9 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, p: HcParams,
            form: str = "reference") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Streams [T, n, H] -> (post [T, n], comb [T, n, n], collapsed [T, H] in x.dtype); coefficients fp32."""
+    import torch
+    import torch.nn.functional as F
+
     n = p.hc_mult
     flat = flat_rms(x.reshape(x.shape[0], -1).float(), form, p.rms_eps)
     mixes = F.linear(flat, fn.float())
@@ -75,6 +83,8 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 def hc_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
             mix_dtype: str = "fp32") -> torch.Tensor:
     """X'_j = post_j * y + sum_i comb[i, j] X_i -> [T, n, H] in residual.dtype."""
+    import torch
+
     dtype = residual.dtype
     if mix_dtype == "bf16":  # HF: coefficients rounded to bf16, the mix in the activation dtype
         p, c = post.to(torch.bfloat16).to(dtype), comb.to(torch.bfloat16).to(dtype)
@@ -93,6 +103,9 @@ def head_mean(x: torch.Tensor) -> torch.Tensor:
 def head_learned(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float,
                  hc_eps: float, form: str = "reference") -> torch.Tensor:
     """Learned contraction (needs `hc_head_*` tensors): sum_i (sigmoid(m_i * scale + base_i) + hc_eps) X_i."""
+    import torch
+    import torch.nn.functional as F
+
     flat = flat_rms(x.reshape(x.shape[0], -1).float(), form, rms_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float().reshape(-1)[0] + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

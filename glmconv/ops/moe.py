@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from glmconv.errors import GlmconvError
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 CLAMPS = ("off", "10")
 SWIGLU_LIMIT = 10.0
@@ -41,6 +44,8 @@ def swiglu_limit(clamp: str, config_limit: float = SWIGLU_LIMIT) -> float | None
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """silu(gate) * up, with gate clamped above and up clamped both ways at `limit` when given."""
+    import torch.nn.functional as F
+
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
@@ -50,6 +55,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
 def mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
         limit: float | None) -> torch.Tensor:
     """down(swiglu(gate(x), up(x)))."""
+    import torch.nn.functional as F
+
     return F.linear(swiglu(F.linear(x, gate_w), F.linear(x, up_w), limit), down_w)
 
 
@@ -72,6 +79,8 @@ def replay_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, p: R
 
 def _scores_and_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                        p: RouterParams) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch.nn.functional as F
+
     scores = F.linear(x.float(), weight.float()).sigmoid()
     choice = scores + bias.float()
     if p.n_group > 1:
@@ -88,18 +97,22 @@ def _gates(scores: torch.Tensor, ids: torch.Tensor, p: RouterParams) -> torch.Te
 
 def _group_limit(choice: torch.Tensor, p: RouterParams) -> torch.Tensor:
     """Keep only the experts of the `topk_group` best groups (group score = sum of its top-2)."""
+    import torch
+
     grouped = choice.view(choice.shape[0], p.n_group, -1)
     best = grouped.topk(2, dim=-1).values.sum(-1).topk(p.topk_group, dim=-1, sorted=False).indices
     keep = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1).bool()
     return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
 
-Expert = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Expert = Callable[[int], tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]]
 
 
 def routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert: Expert,
            limit: float | None) -> torch.Tensor:
     """sum_k weights_k * expert_{ids_k}(x), experts visited in ascending id (transformers' order)."""
+    import torch
+
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         tok, slot = torch.where(ids == e)

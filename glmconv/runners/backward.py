@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from glmconv.defaults import DEFAULT_CHUNK_BYTES
 from glmconv.errors import CheckpointError
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.numerics.finite import require_finite
@@ -96,7 +96,7 @@ def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: 
         raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
     dtype = dtypes.get(spec.name, spec.dtype)
     if dtype != FP8:
-        yield spec.name, t.to(TORCH_DTYPES[dtype]).contiguous()
+        yield spec.name, t.to(torch_dtype(dtype)).contiguous()
         return
     if scale is None:
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")

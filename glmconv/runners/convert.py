@@ -24,8 +24,7 @@ from glmconv.defaults import (
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io import sidecars
 from glmconv.io.byte_copy import Extent
-from glmconv.rules.pieces import Piece, take
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.finite import require_finite_extents
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
@@ -38,6 +37,7 @@ from glmconv.numerics.dequant import cpu_count, resolve_device, share_dequantize
 from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import layouts
+from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import BF16, F32
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.ahead import Step, run_ahead
@@ -165,7 +165,7 @@ def mapping_steps(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Step]:
     `nbytes` is what its chunks hold in memory (`glmconv.runners.ahead` bounds the steps made ahead by it).
     """
 
-    out_dtype = TORCH_DTYPES[m.mcore[0].dtype]
+    out_dtype = torch_dtype(m.mcore[0].dtype)
     layout = byte_layout(m, source)
     if m.by_rows:
         yield from _row_steps(m, source, chunk_bytes, out_dtype, layout)

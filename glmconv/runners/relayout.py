@@ -33,7 +33,7 @@ from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io import sidecars
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import optional_file
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.finite import require_finite_extents
 from glmconv.io.jsonfile import load_json_file
@@ -222,8 +222,8 @@ def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]
 
 
     where = str(extents[0].path.parent) if extents else spec.name
-    require_finite_extents(extents, TORCH_DTYPES[spec.dtype], tuple(shape), spec.name, where)  # copied, scanned
-    return FileTensor(torch.Size(shape), TORCH_DTYPES[spec.dtype], tuple(extents))
+    require_finite_extents(extents, torch_dtype(spec.dtype), tuple(shape), spec.name, where)  # copied, scanned
+    return FileTensor(torch.Size(shape), torch_dtype(spec.dtype), tuple(extents))
 
 
 @dataclass
@@ -281,7 +281,7 @@ def _computed(src_m: Mapping, tgt_m: Mapping, read: Callable[[str, tuple[int, in
     mc = [read(t.name, rows) for t in src_m.mcore]
     hf = src_m.rule.transform.backward(mc, [src_m.hf[i].shape for i in picks])
     out = tgt_m.rule.transform.forward(hf, len(tgt_m.mcore))
-    return [t.to(TORCH_DTYPES[spec.dtype]).contiguous() for t, spec in zip(out, tgt_m.mcore)]
+    return [t.to(torch_dtype(spec.dtype)).contiguous() for t, spec in zip(out, tgt_m.mcore)]
 
 
 # ---- sidecars and verification -----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS
 from glmconv.errors import CheckpointError, GlmconvError
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import check_pair, check_same_model
@@ -187,7 +187,7 @@ def compare_rows(hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, reader: D
 
 def _dtype(mc_m: Mapping) -> torch.dtype:
 
-    return TORCH_DTYPES[mc_m.mcore[0].dtype]
+    return torch_dtype(mc_m.mcore[0].dtype)
 
 
 def _step(m: Mapping, picks: range | list[int], hf: list[torch.Tensor], mine: list[torch.Tensor],

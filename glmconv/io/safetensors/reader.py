@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.header import HeaderEntry, SafetensorsHeader, read_header
 from glmconv.numerics.finite import require_finite
 from glmconv.numerics.fp8 import check_scales, dequantize_fp8_blocks
@@ -85,7 +85,7 @@ class HfTensorSource:
             shape[0] = stop - start
         out = torch.empty(extent.length, dtype=torch.uint8, pin_memory=pin)
         self._shards.read_into([extent], memoryview(out.numpy()))
-        return out.view(TORCH_DTYPES[e.dtype]).reshape(shape)
+        return out.view(torch_dtype(e.dtype)).reshape(shape)
 
     def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks.

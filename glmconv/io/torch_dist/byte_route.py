@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.finite import require_finite_extents
 from glmconv.io.safetensors.writer import PlannedTensor
 from glmconv.io.torch_dist.reader import DcpReader
@@ -22,7 +22,7 @@ def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> l
     """`route_extents`, the bytes scanned for NaN/Inf as they are copied (the HF tensor's own index and block)."""
 
     extents = route_extents(reader, spans)
-    require_finite_extents(extents, TORCH_DTYPES[t.dtype], tuple(t.shape), t.name, str(reader.iter_dir))
+    require_finite_extents(extents, torch_dtype(t.dtype), tuple(t.shape), t.name, str(reader.iter_dir))
     return extents
 
 def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:

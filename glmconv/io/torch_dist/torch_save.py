@@ -14,13 +14,15 @@ import io
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier, read_into, write_all
+
+if TYPE_CHECKING:
+    import torch
+
+
 
 _SMALL = 1 << 16  # writes below this are gathered and flushed together
 _DESCRIPTOR_HEAD = 8  # the bytes of a written buffer torch inspects for a zip data descriptor
@@ -54,6 +56,8 @@ class FileTensor:
 
     def materialize(self) -> torch.Tensor:
         """The tensor in memory (tests, and callers that must look at the values)."""
+        import torch
+
         out = torch.empty(self.nbytes, dtype=torch.uint8)
         read_into(self.extents, memoryview(out.numpy()))
         return out.view(self.dtype).reshape(self.shape)
@@ -120,6 +124,8 @@ class _FdSink(io.RawIOBase):
 
 
 def _address(view: memoryview) -> int:
+    import numpy as np
+
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
@@ -130,6 +136,8 @@ def _placeholder(tensor: FileTensor) -> torch.Tensor:
     `.data/serialization_id`; freed memory that held an earlier archive sometimes does, so an uninitialised
     head made the archive's bytes differ from run to run.
     """
+    import torch
+
     raw = torch.empty(tensor.nbytes, dtype=torch.uint8)  # the rest is never touched: no memory is faulted in
     raw[:_DESCRIPTOR_HEAD].zero_()
     return raw.view(tensor.dtype).reshape(tensor.shape)
@@ -137,6 +145,8 @@ def _placeholder(tensor: FileTensor) -> torch.Tensor:
 
 def save_tensor(fd: int, tensor: torch.Tensor | FileTensor, copier: FileCopier) -> int:
     """Append `tensor` as a torch.save archive at `fd`'s position; returns the archive's length in bytes."""
+    import torch
+
     if isinstance(tensor, FileTensor):
         placeholder = _placeholder(tensor)
         sink = _FdSink(fd, copier, (placeholder.data_ptr(), tensor.nbytes, tensor.extents))

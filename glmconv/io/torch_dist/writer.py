@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -24,25 +25,12 @@ import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
-
-import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter, Metadata
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.storage import WriteResult
+from typing import TYPE_CHECKING, Any, cast
 
 from glmconv.errors import CheckpointError
 from glmconv.io.background_sync import BackgroundSync
 from glmconv.io.byte_copy import FileCopier, write_all
-from glmconv.io.dtypes import TORCH_DTYPES
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import COMMON_STATE_KEY, MCORE_METADATA_NAME, RELEASE, TRACKER_NAME
 from glmconv.io.torch_dist.common_state import pickle_module_for
 from glmconv.io.torch_dist.metadata import TORCH_DIST
@@ -50,10 +38,21 @@ from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 from glmconv.output import new_file
 from glmconv.plan import TensorSpec
 
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+
+
 BACKEND_CONFIG = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1}
 _OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
-_Entry = TensorStorageMetadata | BytesStorageMetadata
-_Part = tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo], str | None]
+_Entry = "TensorStorageMetadata | BytesStorageMetadata"
+_Part = tuple[dict[str, _Entry], dict["MetadataIndex", "_StorageInfo"], str | None]
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,8 @@ class Chunk:
 
     @property
     def offsets(self) -> torch.Size:
+        import torch
+
         return torch.Size([self.row] + [0] * (self.tensor.dim() - 1)) if self.tensor.dim() else torch.Size([])
 
     @property
@@ -86,6 +87,8 @@ class Chunk:
 
 def stacked_chunks(name: str, shape: tuple[int, ...], rows: Iterable[torch.Tensor], per: int = 1) -> Iterator[Chunk]:
     """Stack per-row tensors (one expert each) into dim-0 chunks of `per` rows; the whole is never built."""
+    import torch
+
     batch: list[torch.Tensor] = []
     start = 0
     for t in rows:
@@ -99,11 +102,20 @@ def stacked_chunks(name: str, shape: tuple[int, ...], rows: Iterable[torch.Tenso
 
 def empty_extra_state() -> torch.Tensor:
     """What a BF16 Transformer-Engine module saves as `_extra_state` ("no FP8"); every layer type accepts it."""
+    import torch
+
     return torch.empty(0, dtype=torch.uint8)
 
 
 def _tensor_entry(c: Chunk) -> TensorStorageMetadata:
     """DCP's metadata of one chunk, as `dcp.save` would record it for a contiguous CPU tensor."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
     return TensorStorageMetadata(
         properties=TensorProperties(dtype=c.tensor.dtype), size=torch.Size(c.global_shape),
         chunks=[ChunkStorageMetadata(offsets=c.offsets, sizes=torch.Size(c.tensor.shape))])
@@ -115,6 +127,12 @@ def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapp
 
     `progress` (glmconv.progress) counts each chunk's bytes once written, a tensor once its last rows are.
     """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+)
+
     md: dict[str, _Entry] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     pos = 0
@@ -141,6 +159,8 @@ class DcpWriter:
 
     def __init__(self, root: str | Path, *, specs: Mapping[str, TensorSpec] | None = None,
                  group: dist.ProcessGroup | None = None, sync_files: bool = True, progress: Any = None) -> None:
+        import torch.distributed as dist
+
         self.root, self.ckpt_dir = Path(root), Path(root) / RELEASE
         self._specs, self._group, self._sync, self._progress = specs, group, sync_files, progress
         self.rank = dist.get_rank() if group is not None else 0
@@ -250,7 +270,7 @@ class DcpWriter:
         spec = self._specs.get(c.name)
         if spec is None:
             raise CheckpointError(f"{c.name}: not a tensor of the plan")
-        if tuple(spec.shape) != shape or TORCH_DTYPES[spec.dtype] != t.dtype:
+        if tuple(spec.shape) != shape or torch_dtype(spec.dtype) != t.dtype:
             raise CheckpointError(
                 f"{c.name}: {list(shape)} {t.dtype} but the plan says {list(spec.shape)} {spec.dtype}")
 
@@ -278,6 +298,12 @@ class DcpWriter:
         self._raise(_merge(self._md, self._storage, md, infos))
 
     def _publish(self, parts: list[_Part]) -> str | None:
+        from torch.distributed.checkpoint import FileSystemWriter, Metadata
+        from torch.distributed.checkpoint.metadata import (
+    MetadataIndex,
+)
+        from torch.distributed.checkpoint.storage import WriteResult
+
         md: dict[str, _Entry] = {}
         storage: dict[MetadataIndex, _StorageInfo] = {}
         errors = [err for _, _, err in parts if err]
@@ -292,7 +318,7 @@ class DcpWriter:
                    for k, v in storage.items()]
         try:
             fs_writer = FileSystemWriter(str(self.ckpt_dir), sync_files=self._sync)
-            fs_writer.fs = _NewFilesOnly()
+            fs_writer.fs = _new_files_only()()
             fs_writer.finish(metadata, [results])
             _write_text(self.ckpt_dir / MCORE_METADATA_NAME, json.dumps(BACKEND_CONFIG), self._sync)
             _write_text(self.root / TRACKER_NAME, RELEASE, self._sync)  # last: the success signal
@@ -301,6 +327,8 @@ class DcpWriter:
         return None
 
     def _gather(self, part: _Part) -> list[_Part]:
+        import torch.distributed as dist
+
         if self._group is None:
             return [part]
         out: list[Any] | None = [None] * dist.get_world_size(self._group) if self.is_coordinator else None
@@ -308,6 +336,8 @@ class DcpWriter:
         return out or []
 
     def _broadcast(self, value: str | None) -> str | None:
+        import torch.distributed as dist
+
         if self._group is None:
             return value
         box = [value]
@@ -344,6 +374,8 @@ def _why(exc: BaseException, where: Path, need: int) -> str:
 
 def _serialize(obj: Any) -> io.BytesIO:
 
+    import torch
+
     buf = io.BytesIO()
     torch.save([obj], buf, pickle_module=pickle_module_for(obj))
     buf.seek(0)
@@ -353,6 +385,10 @@ def _serialize(obj: Any) -> io.BytesIO:
 def _merge(md: dict[str, _Entry], storage: dict[MetadataIndex, _StorageInfo], part_md: Mapping[str, _Entry],
            part_storage: Mapping[MetadataIndex, _StorageInfo]) -> str | None:
     """Fold one group's (or rank's) metadata into `md`: chunks of the same tensor accumulate."""
+    from torch.distributed.checkpoint.metadata import (
+    TensorStorageMetadata,
+)
+
     for name, entry in part_md.items():
         have = md.get(name)
         if have is None:
@@ -373,6 +409,10 @@ def _merge(md: dict[str, _Entry], storage: dict[MetadataIndex, _StorageInfo], pa
 
 def _check_tiling(name: str, entry: _Entry) -> str | None:
     """A tensor's chunks must cover its rows exactly once (chunks only ever split dim 0)."""
+    from torch.distributed.checkpoint.metadata import (
+    TensorStorageMetadata,
+)
+
     if not isinstance(entry, TensorStorageMetadata):
         return None
     size = tuple(entry.size)
@@ -389,6 +429,10 @@ def _check_tiling(name: str, entry: _Entry) -> str | None:
 
 
 def _check_specs(md: Mapping[str, _Entry], specs: Mapping[str, TensorSpec] | None) -> list[str]:
+    from torch.distributed.checkpoint.metadata import (
+    TensorStorageMetadata,
+)
+
     if specs is None:
         return []
     names = {k for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
@@ -398,19 +442,26 @@ def _check_specs(md: Mapping[str, _Entry], specs: Mapping[str, TensorSpec] | Non
     for name in sorted(names & set(specs)):
         entry, spec = md[name], specs[name]
         assert isinstance(entry, TensorStorageMetadata)
-        if tuple(entry.size) != tuple(spec.shape) or entry.properties.dtype != TORCH_DTYPES[spec.dtype]:
+        if tuple(entry.size) != tuple(spec.shape) or entry.properties.dtype != torch_dtype(spec.dtype):
             errors.append(f"{name}: written {list(entry.size)} {entry.properties.dtype}, planned "
                           f"{list(spec.shape)} {spec.dtype}")
     return errors
 
 
-class _NewFilesOnly(FileSystem):
-    """torch's FileSystem, creating `.metadata.tmp` with O_EXCL|O_NOFOLLOW like every file glmconv writes."""
+@functools.cache
+def _new_files_only() -> type:
+    """torch's FileSystem, creating `.metadata.tmp` with O_EXCL|O_NOFOLLOW like every file glmconv writes (a class
+    made on first use: torch.distributed is imported only by a run that writes)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        with new_file(Path(path), mode) as f:
-            yield cast(io.IOBase, f)
+
+    class NewFilesOnly(FileSystem):  # type: ignore[misc]  # torch's class is untyped here
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+            with new_file(Path(path), mode) as f:
+                yield cast(io.IOBase, f)
+
+    return NewFilesOnly
 
 
 def _write_text(path: Path, text: str, sync: bool) -> None:
