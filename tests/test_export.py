@@ -15,6 +15,7 @@ import pytest
 import torch
 from hf_helpers import raw_tensors
 
+from glmconv import defaults
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import (
@@ -150,9 +151,9 @@ def test_zero_copy_and_torch_load_paths_write_identical_files(fixture: str, requ
 
 
 def test_zero_copy_is_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(export_mod.ZERO_COPY_ENV, raising=False)
+    monkeypatch.delenv(defaults.ZERO_COPY_ENV, raising=False)
     assert export_mod.ExportOptions().zero_copy is True
-    monkeypatch.setenv(export_mod.ZERO_COPY_ENV, "0")
+    monkeypatch.setenv(defaults.ZERO_COPY_ENV, "0")
     assert export_mod.ExportOptions().zero_copy is False
 
 

@@ -47,7 +47,7 @@ from glmconv.io.safetensors.like_files import LikeFiles, fit
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, Shard
-from glmconv.io.torch_dist.byte_route import Span, scanned_extents
+from glmconv.io.torch_dist.byte_route import Span, locate, scanned_extents
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import expect_torch_dist
 from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
@@ -148,27 +148,11 @@ def byte_route(m: Mapping, reader: DcpReader, dtypes: dict[str, str]) -> dict[st
 
     Only where no value changes: every Megatron tensor has the dtype every HF tensor is written as (no cast,
     no FP8), the transform describes its bytes (`backward_layout`) and the reader can locate every byte of the
-    Megatron tensors read (their chunks may split any dims). Spans, not extents: a tensor split along dim 1
-    has one extent per row piece, so extents are made one HF tensor at a time (`route_extents`).
+    Megatron tensors read (their chunks may split any dims).
     """
     layout = m.byte_layout([dtypes.get(t.name, t.dtype) for t in m.hf], backward=True)
-    if layout is None or len(layout) != len(m.hf):
-        return None
-    route: dict[str, list[Span]] = {}
-    for spec, pieces in zip(m.hf, layout):
-        spans: list[Span] = []
-        for p in pieces:
-            if not 0 <= p.source < len(m.mcore):
-                return None
-            name = m.mcore[p.source].name
-            g = reader.grid(name) if reader.locatable(name) else None
-            if g is None or p.offset + p.length > g.nbytes:
-                return None
-            spans.append((name, p.offset, p.offset + p.length))
-        if sum(end - begin for _, begin, end in spans) != spec.nbytes:
-            return None
-        route[spec.name] = spans
-    return route
+    spans = None if layout is None else locate(layout, [t.name for t in m.mcore], [t.nbytes for t in m.hf], reader)
+    return None if spans is None else {t.name: s for t, s in zip(m.hf, spans)}
 
 
 # ---- one rank's share --------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from glmconv.io.finite import require_finite_extents
 from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.io.torch_dist.byte_route import piece_spans, route_extents
 from glmconv.io.torch_dist.common_state import read_common_state, relaid_common_state
 from glmconv.io.torch_dist.metadata import inspect_torch_dist
 from glmconv.io.torch_dist.reader import DcpReader
@@ -207,14 +208,7 @@ def _located(src_m: Mapping, reader: DcpReader) -> bool:
 
 
 def _extents(src_m: Mapping, reader: DcpReader, pieces: list[Piece]) -> list[Extent]:
-    out: list[Extent] = []
-    for p in pieces:
-        found = reader.byte_extents(src_m.mcore[p.source].name, p.offset, p.offset + p.length)
-        if found is None:
-            raise CheckpointError(f"{src_m.mcore[p.source].name}: bytes {p.offset}..{p.offset + p.length} could not "
-                                  "be located after all")
-        out.extend(found)
-    return out
+    return route_extents(reader, piece_spans(pieces, [t.name for t in src_m.mcore]))
 
 
 def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]) -> Any:

@@ -3,7 +3,7 @@ bytes is copied file to file without reading a value (its bytes are scanned for 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
@@ -11,12 +11,42 @@ from glmconv.io.dtypes import torch_dtype
 from glmconv.io.finite import require_finite_extents
 from glmconv.io.safetensors.writer import PlannedTensor
 from glmconv.io.torch_dist.reader import DcpReader
-
-if TYPE_CHECKING:
-
-    pass
+from glmconv.rules.pieces import Piece
 
 Span = tuple[str, int, int]  # bytes [begin, end) of a Megatron tensor (global, C order)
+
+
+def locate(layout: list[list[Piece]], sources: Sequence[str], sizes: Sequence[int],
+           reader: DcpReader) -> list[list[Span]] | None:
+    """Output i's bytes (`layout[i]`, pieces of the tensors named `sources`) as spans the reader can locate in its
+    files, when every byte can be and output i has `sizes[i]` bytes; None otherwise (the bytes must be computed).
+
+    Spans, not extents: a tensor split along dim 1 has one extent per row piece, so extents are made one output
+    at a time (`route_extents`)."""
+    if len(layout) != len(sizes):
+        return None
+    out: list[list[Span]] = []
+    for size, pieces in zip(sizes, layout):
+        spans = [_span(p, sources, reader) for p in pieces]
+        if None in spans or sum(p.length for p in pieces) != size:
+            return None
+        out.append([s for s in spans if s is not None])
+    return out
+
+
+def _span(p: Piece, sources: Sequence[str], reader: DcpReader) -> Span | None:
+    if not 0 <= p.source < len(sources):
+        return None
+    name = sources[p.source]
+    g = reader.grid(name) if reader.locatable(name) else None
+    if g is None or p.offset + p.length > g.nbytes:
+        return None
+    return name, p.offset, p.offset + p.length
+
+
+def piece_spans(pieces: list[Piece], sources: Sequence[str]) -> list[Span]:
+    """Pieces of the tensors named `sources` as spans (relayout: its layouts are checked where they are composed)."""
+    return [(sources[p.source], p.offset, p.offset + p.length) for p in pieces]
 
 def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> list[Extent]:
     """`route_extents`, the bytes scanned for NaN/Inf as they are copied (the HF tensor's own index and block)."""
