@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from glmconv import api
+from glmconv import defaults as D
 from glmconv.defaults import DEFAULT_LAYOUT, DTYPE_CHOICES, KEEP, LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
@@ -30,7 +31,7 @@ from glmconv_cli.workers import device_option, read_threads_option, workers_opti
               "one is verified); any other non-empty directory is refused.")
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Carry the MTP layer (mtp.layers.0.*).")
 @click.option("--vision/--no-vision", default=True, show_default=True, help="Carry the vision tower (vision_model.*).")
-@click.option("--group-size", type=SIZE, default="1GB", show_default=True,
+@click.option("--group-size", type=SIZE, default=D.GROUP_SIZE_TEXT, show_default=True,
               help="Bytes per data file (bounds memory per worker).")
 @click.option("--check-finite", is_flag=True,
               help="Always on (kept for old scripts): NaN/Inf in any source tensor is refused, naming the first one.")

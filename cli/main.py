@@ -10,11 +10,12 @@ from typing import NoReturn
 
 import click
 
-from glmconv import __version__, interrupt
+from glmconv import interrupt
 from glmconv.errors import GlmconvError
 from glmconv.interrupt import Interrupted
 from glmconv.runners import ranks
 from glmconv.text import printable
+from glmconv.version import __version__
 from glmconv_cli.audit_cmd import audit_names
 from glmconv_cli.bench_cmd import bench
 from glmconv_cli.convert_cmd import convert

@@ -8,10 +8,10 @@ from pathlib import Path
 import click
 
 from glmconv import api
+from glmconv import defaults as D
 from glmconv.compare.catalog import NAMES as DEFECT_NAMES
 from glmconv.compare.report import divergence_line, print_table, to_json
 from glmconv.compare.verdict import MARGIN, STREAM_FLOOR
-from glmconv.defaults import DEFAULT_TOKENS
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
@@ -21,21 +21,23 @@ from glmconv_cli.sizes import SEED, SEED_HELP
 @click.command("parity")
 @click.argument("hf_dir", type=click.Path(path_type=Path))
 @click.argument("mcore_dir", type=click.Path(path_type=Path))
-@click.option("--tokens", type=int, default=None, help=f"Random tokens to run (default {DEFAULT_TOKENS}).")
+@click.option("--tokens", type=int, default=None, help=f"Random tokens to run (default {D.DEFAULT_TOKENS}).")
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
               help="Token ids instead of random ones: one sequence per line (whitespace-separated ids) or JSON "
                    "list(s) of ids; several sequences run as one packed batch.")
 @click.option("--sequences", type=int, default=None,
               help="Split the random tokens into K packed sequences (default 1).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help=f"Seed of the random tokens ({SEED_HELP}).")
-@click.option("--mode", type=click.Choice(["propagated", "isolated"]), default="propagated", show_default=True,
+@click.option("--mode", type=click.Choice(D.PARITY_MODES), default=D.DEFAULT_MODE, show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
                    "metrics then compare heads only) gets the serve side's input.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+@click.option("--dtype", type=click.Choice(D.PARITY_DTYPES), default=D.DEFAULT_PARITY_DTYPE, show_default=True,
               help="Weights and activations of both models (bf16 keeps in fp32 what the reference keeps in fp32); "
                    "each side is also run as its fp32 torch-reference twin, which measures the run's own noise.")
-@click.option("--device", default="cpu", show_default=True, help="torch device for both models (cpu, cuda, cuda:1).")
-@click.option("--train-conventions", type=click.Choice(["default", "serve"]), default="default", show_default=True,
+@click.option("--device", default=D.DEFAULT_PARITY_DEVICE, show_default=True,
+              help="torch device for both models (cpu, cuda, cuda:1).")
+@click.option("--train-conventions", type=click.Choice(D.TRAIN_CONVENTIONS), default=D.DEFAULT_TRAIN_CONVENTIONS,
+              show_default=True,
               help="The train side's starting conventions: Megatron's defaults for MCORE_DIR's layout (mcore: "
                    "indexer_kpool=off, megatron-core's token-level DSA indexer), or serve's (aligned).")
 @click.option("--train-convention", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -59,13 +61,13 @@ from glmconv_cli.sizes import SEED, SEED_HELP
               help="Write report.json, report.md and error_per_layer.png here (the PNG needs matplotlib: "
                    "pip install 'glmconv[report]').")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
-@click.option("--kernels", type=click.Choice(["auto", "reference"]), default="auto", show_default=True,
+@click.option("--kernels", type=click.Choice(D.KERNEL_CHOICES), default=D.DEFAULT_KERNELS, show_default=True,
               help="Train side ops: auto = fla KDA, tilelang SparseMLA and the triton kpool indexer on CUDA (the torch "
                    "references on CPU), with each kernel's own error reported; reference = torch everywhere.")
 @click.option("--stream-layers", is_flag=True,
               help="Hold one decoder layer's weights at a time (embedding rows and head windows read as needed): "
                    "a full-size model in about one MoE layer of memory per side. Same numbers as without.")
-@click.option("--replay", type=click.Choice(["none", "routing", "indexer", "both"]), default="none", show_default=True,
+@click.option("--replay", type=click.Choice(D.REPLAY_CHOICES), default=D.DEFAULT_REPLAY, show_default=True,
               help="The train side uses the serve side's selections: routing = its MoE expert ids (the gate weights "
                    "stay the train router's own scores at those experts, normalised as usual, as Megatron's routing "
                    "replay does), indexer = its DSA top-k token ids (shared-indexer layers too), both. Rel errs then "

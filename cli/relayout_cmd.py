@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from glmconv import api
+from glmconv import defaults as D
 from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
@@ -32,7 +33,7 @@ from glmconv_cli.sizes import SIZE
 @click.option("--like", "like", type=click.Path(path_type=Path), default=None,
               help="The HF checkpoint training started from: gives the tensors MCORE_DIR's trainer has no parameter "
               "for (the kpool compression of a Megatron-Bridge checkpoint), unchanged.")
-@click.option("--group-size", type=SIZE, default="1GB", show_default=True,
+@click.option("--group-size", type=SIZE, default=D.GROUP_SIZE_TEXT, show_default=True,
               help="Bytes per data file (bounds memory where tensors must be read and rebuilt).")
 def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_space_check: bool, as_json: bool,
              force: bool, like: Path | None, group_size: int) -> None:

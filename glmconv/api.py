@@ -15,16 +15,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv import arguments as A
+from glmconv import defaults as D
 from glmconv import weight_sync
 from glmconv.arguments import keywords_checked
 from glmconv.compare import ParityOptions, run_parity
 from glmconv.compare.metrics import parse_bound
 from glmconv.compare.report import write_report
 from glmconv.config import GlmConfig
-from glmconv.defaults import DEFAULT_GROUP_BYTES, DEFAULT_TOKENS, DEVICE_CHOICES, DTYPE_CHOICES, LAYOUT_CHOICES
+from glmconv.defaults import DEVICE_CHOICES, DTYPE_CHOICES, LAYOUT_CHOICES
 from glmconv.errors import GlmconvError
+from glmconv.io.output import claim_report_dir
 from glmconv.mistakes import check_pair, check_same_model
-from glmconv.output import claim_report_dir
 from glmconv.runners import audit as audit_runner
 from glmconv.runners import convert as convert_runner
 from glmconv.runners import export as export_runner
@@ -57,10 +58,11 @@ def lead_process() -> bool:
 
 
 @keywords_checked
-def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, force: bool = False,
-            mtp: bool = True, vision: bool = True, group_bytes: int = DEFAULT_GROUP_BYTES, check_finite: bool = False,
+def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = D.DEFAULT_WORKERS, force: bool = False,
+            mtp: bool = True, vision: bool = True, group_bytes: int = D.DEFAULT_GROUP_BYTES, check_finite: bool = False,
             dry_run: bool = False, progress: bool = False, space_check: bool = True,
-            dtype: str = "keep", device: str = "auto", read_threads: int = 2, layout: str = "miles") -> dict[str, Any]:
+            dtype: str = D.DEFAULT_DTYPE, device: str = D.DEFAULT_DEVICE, read_threads: int = D.DEFAULT_THREADS,
+            layout: str = D.DEFAULT_LAYOUT) -> dict[str, Any]:
     """HF checkpoint (BF16 or the FP8 release) -> Megatron torch_dist in `out_dir`, verified, published atomically.
 
     `layout`: `miles` (the miles plugin's names) or `mcore` (megatron-core's native modules, as Megatron-Bridge
@@ -94,9 +96,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = 1, 
 @keywords_checked
 def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | None = None,
            config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int | None = None,
-           workers: int | str = 1, force: bool = False, check_finite: bool = False, dry_run: bool = False,
-           progress: bool = False, space_check: bool = True, layout: str | None = None,
-           read_threads: int = 2) -> dict[str, Any]:
+           workers: int | str = D.DEFAULT_WORKERS, force: bool = False, check_finite: bool = False,
+           dry_run: bool = False, progress: bool = False, space_check: bool = True, layout: str | None = None,
+           read_threads: int = D.DEFAULT_THREADS) -> dict[str, Any]:
     """Megatron torch_dist -> HF safetensors in the release's naming (`like`: an HF checkpoint to imitate).
 
     `workers`: processes on this machine, or `auto` (glmconv/runners/workers.py, FP8 encoding counted as convert
@@ -130,7 +132,7 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
 
 @keywords_checked
 def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool = False,
-             group_bytes: int = DEFAULT_GROUP_BYTES, dry_run: bool = False, progress: bool = False,
+             group_bytes: int = D.DEFAULT_GROUP_BYTES, dry_run: bool = False, progress: bool = False,
              space_check: bool = True, like: str | Path | None = None) -> dict[str, Any]:
     """Megatron torch_dist in one layout -> torch_dist in the other (`to`: `miles` or `mcore`), verified, published
     atomically: the same tensors bit for bit under the other layout's names and transforms (bytes that only move
@@ -152,8 +154,9 @@ def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool
 
 
 @keywords_checked
-def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False, workers: int | str = 1,
-           read_threads: int = 2, device: str = "auto") -> dict[str, Any]:
+def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
+           workers: int | str = D.DEFAULT_WORKERS, read_threads: int = D.DEFAULT_THREADS,
+           device: str = D.DEFAULT_DEVICE) -> dict[str, Any]:
     """Every tensor of `hf_dir` against its mapped counterpart in `mcore_dir`, bit for bit, one mapping at a time.
 
     BF16/F32 kept dtypes must be equal bit for bit, FP8 weights dequantised by the reference formula must equal
@@ -176,7 +179,7 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
 @keywords_checked
 def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: GlmConfig | str | Path | None = None,
                *, fp8: bool = False, dtypes: dict[str, str] | None = None,
-               layout: str = "miles") -> Iterator[tuple[str, torch.Tensor]]:
+               layout: str = D.DEFAULT_LAYOUT) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of Megatron parameters, in bounded memory: an RL trainer's weight sync to a rollout engine.
 
     `params`: (Megatron name, tensor) pairs in any order (a split parameter, the hc alphas, is held only until
@@ -256,7 +259,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
         claim_report_dir(Path(report_dir), inputs)  # before the run: a directory that cannot take it fails now
     options.setdefault("progress", False)
     report = run_parity(ParityOptions(
-        hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=DEFAULT_TOKENS if tokens is None else tokens,
+        hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=D.DEFAULT_TOKENS if tokens is None else tokens,
         sequences=1 if sequences is None else sequences, prompt_file=Path(prompt_file) if prompt_file else None,
         bounds=bounds, threshold=threshold, **options))
     report["wall_s"] = round(time.monotonic() - start, 3)  # the whole run; `elapsed_s` is the forward passes alone

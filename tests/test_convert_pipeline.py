@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from glmconv.ahead import Step, run_ahead
 from glmconv.errors import CheckpointError
-from glmconv.runners.ahead import Step, run_ahead
 from glmconv.runners.convert import RunOptions, convert, prepare
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -254,7 +254,7 @@ def test_parity_report_dir_overlapping_an_input_is_refused(where: str, tiny_ckpt
 
 def test_parity_report_dir_holding_the_replay_file_is_refused(tiny_ckpt: Path, mc_ckpt: Path, tmp_path: Path) -> None:
     """The replay payload is an input too: in a report directory glmconv wrote, the report would replace it."""
-    from glmconv.output import claim_report_dir
+    from glmconv.io.output import claim_report_dir
 
     report_dir = tmp_path / "rep"
     claim_report_dir(report_dir, {})  # a report directory glmconv wrote, which a report may be written into

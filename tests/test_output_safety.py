@@ -1,6 +1,6 @@
 """The output side never harms the user's data (issue 9, items 1, 2, 3, 5, 8 and the output cases of 7).
 
-Policy under test (glmconv/output.py, docs/errors.md "Output directory and interruption"): OUT is resolved
+Policy under test (glmconv/io/output.py, docs/errors.md "Output directory and interruption"): OUT is resolved
 (symlinks, `..`) and written through; it may not be, contain or sit inside an input; --force replaces only
 a directory glmconv published (its `glmconv.json` says `written_by: glmconv`) and an empty one is used as
 is; staging and backup directories carry the run marker `.glmconv-run` and are deleted only when marked and
@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_bad_input import assert_refused, invoke, listing, sha256_tree
 
-from glmconv import output
 from glmconv.errors import GlmconvError
+from glmconv.io import output
 from glmconv.lock import lock_path
 from glmconv.runners import convert as convert_mod
 from glmconv_cli.main import cli

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from glmconv import output
+from glmconv.io import output
 
 
 def test_publish_fsyncs_every_file_and_directory_before_the_rename(tmp_path: Path, monkeypatch) -> None:

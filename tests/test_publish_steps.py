@@ -1,5 +1,5 @@
 """Issue 25: a signal at any step of publishing gives one of two outcomes, never a mix: OUT published and the run
-succeeds, or nothing published and the previous OUT intact. Every line `glmconv/output.py` runs while
+succeeds, or nothing published and the previous OUT intact. Every line `glmconv/io/output.py` runs while
 publishing is a step: SIGTERM delivered to another thread there (as the kernel may), and SIGKILL there.
 """
 
@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from glmconv import interrupt, output
+from glmconv import interrupt
 from glmconv.interrupt import Interrupted
+from glmconv.io import output
 from glmconv.io.file_names import MANIFEST_NAME
 
 OUTPUT_PY = output.__file__
@@ -46,7 +47,7 @@ OLD = {MANIFEST_NAME: b'{"written_by": "glmconv", "v": "old"}', "data": b"old"}
 
 
 def at_line(k: int, act: Callable[[], None]) -> Callable[..., Any]:
-    """A tracer that calls `act` at the k-th line glmconv/output.py runs (k < 0: only counts, in `seen`)."""
+    """A tracer that calls `act` at the k-th line glmconv/io/output.py runs (k < 0: only counts, in `seen`)."""
     seen = [0]
 
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
@@ -63,7 +64,7 @@ def at_line(k: int, act: Callable[[], None]) -> Callable[..., Any]:
 
 
 def steps(tmp_path: Path, old: bool) -> int:
-    """How many lines of glmconv/output.py a publish runs."""
+    """How many lines of glmconv/io/output.py a publish runs."""
     (tmp_path / "count").mkdir()
     real, stage = staged(tmp_path / "count", old)
     tracer = at_line(-1, lambda: None)

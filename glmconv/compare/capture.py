@@ -34,7 +34,7 @@ from glmconv.compare.attribution import shapley
 from glmconv.compare.inputs import Batch
 from glmconv.compare.replay import Replay
 from glmconv.compare.verdict import SELECTIONS, Judge
-from glmconv.defaults import PARITY_MODES
+from glmconv.defaults import DEFAULT_MODE, PARITY_MODES
 from glmconv.errors import GlmconvError
 from glmconv.models.conventions import Conventions, acting_at_sub_block
 from glmconv.text import printable
@@ -122,7 +122,7 @@ class _Serve:
     x_ref: torch.Tensor | None = None
 
 
-def capture(serve: Model, train: Model, batch: Batch, mode: str = "propagated",
+def capture(serve: Model, train: Model, batch: Batch, mode: str = DEFAULT_MODE,
             on_step: Step | None = None, twin: Model | None = None, replay: Replay | None = None, *,
             serve_precise: Model | None = None, train_precise: Model | None = None,
             conventions: dict[str, dict[str, str]] | None = None, judge: Judge | None = None,

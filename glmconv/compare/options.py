@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from glmconv import defaults as D
 from glmconv.compare.metrics import Bound
 from glmconv.compare.verdict import STREAM_FLOOR, Floors, Judge
-from glmconv.defaults import DEFAULT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -16,22 +16,22 @@ class ParityOptions:
 
     hf_dir: Path
     mcore_dir: Path
-    tokens: int = DEFAULT_TOKENS
+    tokens: int = D.DEFAULT_TOKENS
     sequences: int = 1
     seed: int = 0
     prompt_file: Path | None = None
-    mode: str = "propagated"
-    dtype: str = "fp32"
-    device: str = "cpu"
-    train_conventions: str = "default"
+    mode: str = D.DEFAULT_MODE
+    dtype: str = D.DEFAULT_PARITY_DTYPE
+    device: str = D.DEFAULT_PARITY_DEVICE
+    train_conventions: str = D.DEFAULT_TRAIN_CONVENTIONS
     overrides: tuple[str, ...] = ()
     threshold: float | None = None
     bounds: tuple[Bound, ...] = field(default_factory=tuple)
     progress: bool = True
     allow_different_weights: bool = False  # skip the check that MCORE_DIR is a conversion of HF_DIR
-    kernels: str = "auto"  # train side: GPU kernels on CUDA (auto) or the torch references everywhere
+    kernels: str = D.DEFAULT_KERNELS  # train side: GPU kernels on CUDA (auto) or the torch references everywhere
     stream_layers: bool = False  # hold one layer's weights at a time (a full-size model on one GPU)
-    replay: str = "none"  # routing | indexer | both: the train side uses the serve side's selections (replay.py)
+    replay: str = D.DEFAULT_REPLAY  # routing | indexer | both: the train side uses the serve side's selections
     replay_file: Path | None = None  # ... or those of a payload file instead (replay.load_replay_file)
     self_test: bool = False  # also run the planted-defect catalog (glmconv.compare.defects) in the same pass
     defects: str | None = None  # comma-separated catalog names for the self-test (None: all)

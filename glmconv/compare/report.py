@@ -20,8 +20,8 @@ from glmconv.compare.inputs import Batch
 from glmconv.compare.options import ParityOptions, judge_of
 from glmconv.compare.verdict import judge_records
 from glmconv.compare.weight_diff import DIFFER
+from glmconv.io.output import claim_report_dir, replace_file
 from glmconv.models.conventions import SELECTION, acting_at
-from glmconv.output import claim_report_dir, replace_file
 from glmconv.rules import roles as R
 from glmconv.text import count, printable
 from glmconv.version import __version__

@@ -14,7 +14,7 @@ from typing import Any
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import MANIFEST_NAME, SIDECAR_DIR
-from glmconv.output import copy_new
+from glmconv.io.output import copy_new
 
 FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
          "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",

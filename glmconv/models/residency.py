@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from glmconv.ahead import Step, run_ahead
 from glmconv.models.weights import ExpertBank, Swiglu
-from glmconv.runners.ahead import Step, run_ahead
 
 if TYPE_CHECKING:
     import torch

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv import source_dtypes, space
+from glmconv.ahead import Step, run_ahead
 from glmconv.checkpoint_layout import LAYOUT_KEY, homeless_counts, homeless_line
 from glmconv.defaults import (
     DEFAULT_AHEAD_BYTES,
@@ -27,6 +28,7 @@ from glmconv.io.byte_copy import Extent
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.finite import require_finite_extents
+from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.common_state import build_common_state
@@ -34,13 +36,11 @@ from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.mistakes import expect_hf
 from glmconv.numerics.dequant import cpu_count, resolve_device, share_dequantizer
-from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import layouts
 from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import BF16, F32
 from glmconv.runners import audit as audit_mod
-from glmconv.runners.ahead import Step, run_ahead
 from glmconv.runners.flow import PlanRun, check_once, publish_run, shares
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def mapping_steps(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Step]:
 
     Where the mapping only moves bytes (same dtype on both sides, no check to make on the values), the
     chunks are `FileTensor`s: the writer copies the source bytes file to file without reading them. A step's
-    `nbytes` is what its chunks hold in memory (`glmconv.runners.ahead` bounds the steps made ahead by it).
+    `nbytes` is what its chunks hold in memory (`glmconv.ahead` bounds the steps made ahead by it).
     """
 
     out_dtype = torch_dtype(m.mcore[0].dtype)

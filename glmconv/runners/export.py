@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from glmconv import space
+from glmconv.ahead import Step, run_ahead
 from glmconv.defaults import DEFAULT_AHEAD_BYTES, DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_THREADS, zero_copy
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.byte_copy import FileCopier
@@ -43,6 +44,7 @@ from glmconv.io.file_names import (
     MANIFEST_NAME,
     SHARD_NAME,
 )
+from glmconv.io.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.io.safetensors.like_files import LikeFiles, fit
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.safetensors.reader import HfTensorSource
@@ -50,11 +52,9 @@ from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, Sha
 from glmconv.io.torch_dist.byte_route import Span, locate, scanned_extents
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import expect_torch_dist
-from glmconv.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.plan import FP8, Mapping
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
-from glmconv.runners.ahead import Step, run_ahead
 from glmconv.runners.backward import (
     Fp8Stats,
     ThreadReaders,

@@ -1,7 +1,7 @@
 """What every plan runner (convert, export) shares: one output path, and running as 1, N or torchrun ranks.
 
 A runner's rank function has the signature `fn(*args, stage, rank, world, group)`; `run_on_output` checks
-OUT (glmconv/output.py), makes the staging directory, calls it through `run_ranks` in this process, in
+OUT (glmconv/io/output.py), makes the staging directory, calls it through `run_ranks` in this process, in
 `workers` spawned gloo processes, or once per torchrun rank, and publishes rank 0's result itself.
 """
 
@@ -21,10 +21,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from glmconv import interrupt, output
+from glmconv import interrupt
 from glmconv.errors import GlmconvError
+from glmconv.io import output
+from glmconv.io.output import STAGING_SUFFIX
 from glmconv.lock import OutputLock
-from glmconv.output import STAGING_SUFFIX
 from glmconv.progress import Progress
 
 RankFn = Callable[..., dict[str, Any]]
@@ -36,7 +37,7 @@ ARRIVAL_TIMEOUT_S = 300.0
 DEATH_POLL_S = 0.2  # how often the launching process looks for a dead worker while it waits for outcomes
 
 
-# ---- staging and publishing: glmconv/output.py ----------------------------------------------------------
+# ---- staging and publishing: glmconv/io/output.py ----------------------------------------------------------
 
 def staging_dir(out: Path) -> Path:
     """Where OUT's staging directory is: beside the real OUT (a symlink OUT is written through)."""

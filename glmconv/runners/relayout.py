@@ -37,6 +37,7 @@ from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.finite import require_finite_extents
 from glmconv.io.jsonfile import load_json_file
+from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.byte_route import piece_spans, route_extents
@@ -46,7 +47,6 @@ from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.mistakes import expect_torch_dist
-from glmconv.output import check_overlap, manifest_fields, write_new
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import layouts, names
 from glmconv.rules.ops import Rename

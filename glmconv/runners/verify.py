@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glmconv.ahead import Step, run_ahead
 from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.dtypes import torch_dtype
@@ -26,7 +27,6 @@ from glmconv.numerics.dequant import resolve_device, share_dequantizer
 from glmconv.plan import Mapping, Plan
 from glmconv.rules.table import BF16, F32
 from glmconv.runners import convert, export_job
-from glmconv.runners.ahead import Step, run_ahead
 from glmconv.runners.backward import ThreadReaders
 from glmconv.runners.flow import shares
 from glmconv.runners.ranks import gather, progress, run_ranks, try_

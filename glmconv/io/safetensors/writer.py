@@ -33,8 +33,8 @@ from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.dtypes import DTYPE_SIZES, torch_dtype_code
 from glmconv.io.file_names import INDEX_NAME, SHARD_NAME
+from glmconv.io.output import create_new, write_new
 from glmconv.io.safetensors.header import METADATA_KEY
-from glmconv.output import create_new, write_new
 
 if TYPE_CHECKING:
     import torch

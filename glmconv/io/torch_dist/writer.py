@@ -25,18 +25,17 @@ import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from glmconv.errors import CheckpointError
 from glmconv.io.background_sync import BackgroundSync
 from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import COMMON_STATE_KEY, MCORE_METADATA_NAME, RELEASE, TRACKER_NAME
+from glmconv.io.output import new_file
 from glmconv.io.torch_dist.common_state import pickle_module_for
 from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
-from glmconv.output import new_file
-from glmconv.plan import TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +53,16 @@ _OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
 _Entry = "TensorStorageMetadata | BytesStorageMetadata"
 _Part = tuple[dict[str, _Entry], dict["MetadataIndex", "_StorageInfo"], str | None]
 
+
+
+class Planned(Protocol):
+    """What a written tensor is checked against: the plan's shape and dtype code (`glmconv.plan.TensorSpec`)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> str: ...
 
 @dataclass(frozen=True)
 class Chunk:
@@ -157,7 +166,7 @@ def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapp
 class DcpWriter:
     """Writes `<root>/release` group by group; `finish()` publishes it (collective when `group` is given)."""
 
-    def __init__(self, root: str | Path, *, specs: Mapping[str, TensorSpec] | None = None,
+    def __init__(self, root: str | Path, *, specs: Mapping[str, Planned] | None = None,
                  group: dist.ProcessGroup | None = None, sync_files: bool = True, progress: Any = None) -> None:
         import torch.distributed as dist
 
@@ -428,7 +437,7 @@ def _check_tiling(name: str, entry: _Entry) -> str | None:
     return None if row == size[0] else f"{name}: rows {row}..{size[0]} were never written"
 
 
-def _check_specs(md: Mapping[str, _Entry], specs: Mapping[str, TensorSpec] | None) -> list[str]:
+def _check_specs(md: Mapping[str, _Entry], specs: Mapping[str, Planned] | None) -> list[str]:
     from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
