@@ -45,8 +45,10 @@ demo: env
 test: env lint gate
 	$(VPY) -m pytest -q -n 2 tests
 
+# ruff, then the layer contract (.importlinter: layers, no cycles, counting imports inside functions).
 lint: env
 	$(VENV)/bin/ruff check glmconv cli tests benchmarks scripts
+	$(VENV)/bin/lint-imports --no-cache
 
 # The fuzz tests with fresh random examples, 20x the CI count (CI runs them derandomized: tests/fuzzing.py).
 fuzz: env

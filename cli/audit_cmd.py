@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from glmconv import api
+from glmconv import api, defaults
 from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
 from glmconv.text import console as text_console
@@ -41,7 +41,7 @@ ROWS_PER_KIND = 20
 @click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
               help="Megatron layout of torch_dist sides and of --emit mcore (default: what their names say; "
               "emit: miles).")
-@click.option("--emit", type=click.Choice(["hf", "mcore"]), default=None,
+@click.option("--emit", type=click.Choice(defaults.EMIT_CHOICES), default=None,
               help="Print the full expected tensor list (name, shape, dtype) for SRC's config and exit.")
 def audit_names(src: str, against: str | None, as_json: bool, config: str | None, fp8: bool | None,
                 mtp: bool | None, vision: bool | None, layers: int | None, accept_flat_prefix: bool,

@@ -25,6 +25,7 @@ DTYPE_CHOICES = (KEEP, TO_BF16, TO_FP32)  # convert --dtype: what Megatron gets
 MILES, MCORE = "miles", "mcore"
 DEFAULT_LAYOUT = MILES
 LAYOUT_CHOICES = (MILES, MCORE)  # the Megatron layouts (glmconv.rules.layouts describes each)
+EMIT_CHOICES = ("hf", "mcore")  # audit-names --emit: the side whose expected tensor list is printed
 ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
 
 # ---- parity -----------------------------------------------------------------------------------------

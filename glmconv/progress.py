@@ -11,6 +11,10 @@ import sys
 import time
 from types import TracebackType
 
+from rich.console import Console
+from rich.progress import BarColumn, TextColumn
+from rich.progress import Progress as RichProgress
+
 from glmconv.text import printable
 
 PLAN, COPY, FLUSH, VERIFY, PUBLISH = "plan", "copy", "flush", "verify", "publish"
@@ -44,10 +48,6 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.enabled and (self._console is not None or on_terminal()):
-            from rich.console import Console
-            from rich.progress import BarColumn, TextColumn
-            from rich.progress import Progress as RichProgress
-
             console = self._console or Console(stderr=True)
             console.width = min(console.width, BAR_COLUMNS)  # type: ignore[attr-defined]
             self._rich = RichProgress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=None),

@@ -23,7 +23,7 @@ from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import names
 from glmconv.rules.ops import Concat, StackExperts
-from glmconv.runners.export import export_mappings
+from glmconv.runners.backward import export_mappings
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 CONFIG = dict(

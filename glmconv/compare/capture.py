@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from glmconv.compare import metrics, weight_diff
 from glmconv.compare.attribution import shapley
 from glmconv.compare.inputs import Batch
@@ -387,9 +390,6 @@ class StepProgress:
 
     def __enter__(self) -> StepProgress:
         if self.enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self._rich = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("{task.fields[step]}", markup=False), TimeElapsedColumn(),
                                   console=Console(stderr=True), transient=True)
