@@ -169,7 +169,7 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
 
     A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
     workers, read_threads = A.workers(workers), A.read_threads(read_threads)
-    A.choice("--device", device, A.DEVICE_CHOICES), _flags(progress=progress)
+    A.choice("--device", device, D.DEVICE_CHOICES), _flags(progress=progress)
     job = verify_runner.prepare(hf_dir, mcore_dir)
     n = worker_count(workers, job.hf.bytes_in, convert_runner.fp8_bytes(job.hf.plan.mappings))
     opts = verify_runner.VerifyOptions(workers=n, threads=read_threads, device=device, progress=progress)

@@ -95,7 +95,7 @@ def test_a_file_tensor_archive_does_not_depend_on_what_its_placeholder_memory_he
             out = real_empty(*shape, **kw)  # type: ignore[arg-type]
             out.view(torch.uint8).reshape(-1)[:8] = torch.frombuffer(bytearray(garbage), dtype=torch.uint8)
             return out
-        monkeypatch.setattr(ts.torch, "empty", recycled)
+        monkeypatch.setattr(torch, "empty", recycled)
         archives.append(_save(tmp_path / f"item{len(archives)}", FileTensor(t.shape, t.dtype, (extent,))))
     monkeypatch.undo()
     assert archives[0] == archives[1]

@@ -16,18 +16,19 @@ from glmconv.checkpoint_layout import LAYOUT_KEY, homeless_counts, homeless_line
 from glmconv.defaults import (
     DEFAULT_AHEAD_BYTES,
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_DEVICE,
     DEFAULT_GROUP_BYTES,
     DEFAULT_LAYOUT,
     DEFAULT_THREADS,
+    DEFAULT_WORKERS,
     DTYPE_CHOICES,
     KEEP,
 )
 from glmconv.errors import CheckpointError, GlmconvError
-from glmconv.io import sidecars
+from glmconv.io import finite, sidecars
 from glmconv.io.byte_copy import Extent
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
-from glmconv.io.finite import require_finite_extents
 from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.io.safetensors.reader import HfTensorSource
@@ -35,7 +36,8 @@ from glmconv.io.torch_dist.common_state import build_common_state
 from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.mistakes import expect_hf
-from glmconv.numerics.dequant import cpu_count, resolve_device, share_dequantizer
+from glmconv.numerics import dequant
+from glmconv.numerics.dequant import resolve_device, share_dequantizer
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import layouts
 from glmconv.rules.pieces import Piece, take
@@ -137,7 +139,7 @@ def fp8_bytes(mappings: list[Mapping]) -> int:
 def fp8_thread_count(workers: int) -> int:
     """CPU dequantisation threads of one worker: its share of this machine's cores."""
 
-    return max(1, cpu_count() // max(1, workers))
+    return max(1, dequant.cpu_count() // max(1, workers))
 
 
 def moves_bytes(m: Mapping) -> bool:
@@ -187,7 +189,7 @@ def _scanned(m: Mapping, source: Any, picks: range | list[int], dtype: torch.dty
     extents = [source.entry(t.name)[1] for t in m.hf]
     for i in picks:
         t, e = m.hf[i], extents[i]
-        require_finite_extents([e], dtype, tuple(t.shape), t.name, e.path.name)
+        finite.require_finite_extents([e], dtype, tuple(t.shape), t.name, e.path.name)
     return extents
 
 
@@ -314,14 +316,14 @@ def verify_staged(job: ConvertJob, stage: Path) -> None:
 
 @dataclass(frozen=True)
 class RunOptions:
-    workers: int = 1
+    workers: int = DEFAULT_WORKERS
     group_bytes: int = DEFAULT_GROUP_BYTES
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
     check_finite: bool = True  # refuse a NaN/Inf in any source tensor (always: copied bytes are scanned)
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/dequantiser threads per worker, ahead of its writer (0: none)
-    device: str = "auto"  # where FP8 is dequantised: cpu, cuda, auto (glmconv.numerics.dequant.resolve_device)
+    device: str = DEFAULT_DEVICE  # where FP8 is dequantised: cpu, cuda, auto (numerics.dequant.resolve_device)
     fp8_threads: int = 0  # CPU dequantisation threads per worker (0: this worker's share of the cores)
     ahead_bytes: int = DEFAULT_AHEAD_BYTES  # chunks made ahead of the writer hold at most this, per worker
 

@@ -35,7 +35,14 @@ from typing import Any
 
 from glmconv import space
 from glmconv.ahead import Step, run_ahead
-from glmconv.defaults import DEFAULT_AHEAD_BYTES, DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_THREADS, zero_copy
+from glmconv.defaults import (
+    DEFAULT_AHEAD_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_SHARD_BYTES,
+    DEFAULT_THREADS,
+    DEFAULT_WORKERS,
+    zero_copy,
+)
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.byte_copy import FileCopier
 from glmconv.io.file_names import (
@@ -78,7 +85,7 @@ _RANK_DIR = ".rank-{:05d}"
 
 @dataclass(frozen=True)
 class ExportOptions:
-    workers: int = 1
+    workers: int = DEFAULT_WORKERS
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
     check_finite: bool = True  # refuse a NaN/Inf in any Megatron tensor read (always: copied bytes are scanned)

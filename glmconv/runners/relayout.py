@@ -30,12 +30,11 @@ from typing import TYPE_CHECKING, Any
 from glmconv import source_dtypes, space
 from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_GROUP_BYTES, KEEP, zero_copy
 from glmconv.errors import CheckpointError, GlmconvError
-from glmconv.io import sidecars
+from glmconv.io import finite, sidecars
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
-from glmconv.io.finite import require_finite_extents
 from glmconv.io.jsonfile import load_json_file
 from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
@@ -216,7 +215,7 @@ def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]
 
 
     where = str(extents[0].path.parent) if extents else spec.name
-    require_finite_extents(extents, torch_dtype(spec.dtype), tuple(shape), spec.name, where)  # copied, scanned
+    finite.require_finite_extents(extents, torch_dtype(spec.dtype), tuple(shape), spec.name, where)  # copied, scanned
     return FileTensor(torch.Size(shape), torch_dtype(spec.dtype), tuple(extents))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv.ahead import Step, run_ahead
-from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS
+from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE, DEFAULT_THREADS, DEFAULT_WORKERS
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.reader import HfTensorSource
@@ -85,9 +85,9 @@ def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    workers: int = 1  # processes on this machine (under torchrun, one per rank)
+    workers: int = DEFAULT_WORKERS  # processes on this machine (under torchrun, one per rank)
     threads: int = DEFAULT_THREADS  # reading and comparing ahead of the tally, per worker (0: one step at a time)
-    device: str = "auto"  # where FP8 is dequantised, as convert's --device
+    device: str = DEFAULT_DEVICE  # where FP8 is dequantised, as convert's --device
     progress: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 

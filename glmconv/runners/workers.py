@@ -9,7 +9,7 @@ writer thread and two readers), and at most 8 (one disk: more writers than that 
 from __future__ import annotations
 
 from glmconv.defaults import AUTO
-from glmconv.numerics.dequant import cpu_count
+from glmconv.numerics import dequant
 
 BYTES_PER_WORKER = 2 * 10**9
 MAX_AUTO_WORKERS = 8
@@ -27,4 +27,4 @@ def worker_count(workers: int | str, bytes_in: int, fp8_bytes: int) -> int:
     if workers != AUTO:
         return int(workers)
 
-    return auto_workers(bytes_in, fp8_bytes, cpu_count())
+    return auto_workers(bytes_in, fp8_bytes, dequant.cpu_count())

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from glmconv.errors import CheckpointError
+from glmconv.io import finite
 from glmconv.io.byte_copy import Extent
 from glmconv.io.dtypes import torch_dtype
-from glmconv.io.finite import require_finite_extents
 from glmconv.io.safetensors.writer import PlannedTensor
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.rules.pieces import Piece
@@ -52,7 +52,7 @@ def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> l
     """`route_extents`, the bytes scanned for NaN/Inf as they are copied (the HF tensor's own index and block)."""
 
     extents = route_extents(reader, spans)
-    require_finite_extents(extents, torch_dtype(t.dtype), tuple(t.shape), t.name, str(reader.iter_dir))
+    finite.require_finite_extents(extents, torch_dtype(t.dtype), tuple(t.shape), t.name, str(reader.iter_dir))
     return extents
 
 def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:
