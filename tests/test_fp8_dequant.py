@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from glmconv.errors import GlmconvError
-from glmconv.numerics.dequant import AUTO_CUDA_BYTES, CpuDequantizer, resolve_device
+from glmconv.numerics.dequant import AUTO_CUDA_BYTES, CpuDequantizer, require_device, resolve_device
 from glmconv.numerics.fp8 import Fp8FormatError, dequantize_fp8_blocks, scale_shape
 from glmconv_cli.main import cli
 
@@ -65,7 +65,7 @@ def test_auto_stays_on_the_cpu_below_a_gib_of_codes() -> None:
 def test_auto_without_a_gpu_is_the_cpu_and_cuda_is_refused() -> None:
     assert resolve_device("auto", 10 * AUTO_CUDA_BYTES) == "cpu"
     with pytest.raises(GlmconvError, match=r"^--device cuda: no CUDA device is visible"):
-        resolve_device("cuda", 0)
+        require_device("cuda")
 
 
 @NO_CUDA

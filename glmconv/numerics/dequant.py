@@ -36,21 +36,27 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_device(requested: str, fp8_bytes: int) -> str:
-    """`cpu` or `cuda`: `auto` is cuda when a GPU is visible and there are AUTO_CUDA_BYTES of FP8 codes to
-    dequantise (less costs less on the CPU than starting CUDA); `cuda` without a GPU is refused."""
+def require_device(requested: str) -> None:
+    """Refuse, before any work, a device that cannot be had: an unknown name, or `cuda` without a GPU."""
     if requested not in DEVICE_CHOICES:
         raise GlmconvError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {requested!r}")
-    if requested == "cpu" or (requested == "auto" and fp8_bytes < AUTO_CUDA_BYTES):
-        return "cpu"
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if requested == "cuda":
+    if requested == "cuda" and not _gpu_visible():
         raise GlmconvError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); "
                            "use --device cpu or auto")
-    return "cpu"
+
+
+def resolve_device(requested: str, fp8_bytes: int) -> str:
+    """`cpu` or `cuda` for one worker: `auto` is cuda when a GPU is visible and there are AUTO_CUDA_BYTES of FP8
+    codes to dequantise (less costs less on the CPU than starting CUDA); `require_device` checked the rest."""
+    if requested == "cpu" or (requested == "auto" and fp8_bytes < AUTO_CUDA_BYTES):
+        return "cpu"
+    return "cuda" if requested == "cuda" or _gpu_visible() else "cpu"
+
+
+def _gpu_visible() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 class CpuDequantizer:

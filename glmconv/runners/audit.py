@@ -47,6 +47,11 @@ class Finding:
         return {"kind": self.kind, "side": self.side, "tensor": self.tensor, "file": self.file,
                 "expected": self.expected, "found": self.found}
 
+    def is_stored_shape(self, shape: tuple[int, ...] | list[int]) -> bool:
+        """A shape mismatch of the checkpoint audited against (`--against`) whose stored shape is `shape`: what
+        export and relayout accept on purpose for a padded vocabulary."""
+        return self.side == "against" and self.kind == "shape" and self.found == str(list(shape))
+
 
 @dataclass(frozen=True)
 class Options:

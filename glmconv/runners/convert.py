@@ -37,7 +37,7 @@ from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.mistakes import expect_hf
 from glmconv.numerics import dequant
-from glmconv.numerics.dequant import resolve_device, share_dequantizer
+from glmconv.numerics.dequant import require_device, share_dequantizer
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.rules import layouts
 from glmconv.rules.pieces import Piece, take
@@ -357,8 +357,7 @@ def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
 def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
 
-    if opts.device == "cuda":
-        resolve_device(opts.device, fp8_bytes(job.plan.mappings))  # no GPU: refused before anything is written
+    require_device(opts.device)  # no GPU: refused before anything is written
     return publish_run(ConvertRun(job, opts), job.out, {"input": job.src}, force, opts.workers,
                        (lambda: space_plan(job, True)) if opts.space_check else None)
 

@@ -71,10 +71,10 @@ from glmconv.runners.backward import (
 from glmconv.runners.export_job import (
     LIKE,
     ExportJob,
-    _is_padding,
     check_loadable,
     from_hf,
     from_like_summary,
+    is_stripped_padding,
     like_tensors,
     source_job,
 )
@@ -326,7 +326,7 @@ def verify_staged(job: ExportJob, stage: Path) -> None:
     report = audit_mod.audit(stage, against=job.src, accept_flat_prefix=True, config=job.config_path)
     objects = set(job.plan.mcore_objects())  # a trainer needs them; export reads no object, so it does not
     liked = {t.name for key in job.from_like for t in job.plan.mapping_of_key[key].mcore}  # SRC lacks them
-    audit_mod.refuse(stage, [f for f in report.findings if not _is_padding(job, f) and
+    audit_mod.refuse(stage, [f for f in report.findings if not is_stripped_padding(job, f) and
                              not (f.side == "against" and f.tensor in objects | liked)])
 
 

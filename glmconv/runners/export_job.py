@@ -138,14 +138,20 @@ def homeless_from_like(plan: Plan, ck: DcpCheckpoint, like: HfCheckpoint | None)
                                       f"no {m.mcore[0].name} to export it from)")
     return frozenset(m.key for m in absent)
 
-def _manifest(src: Path) -> dict[str, Any]:
-    """What convert recorded; the dtype record and the sidecar list are checked where they are used."""
+def read_manifest(src: Path) -> dict[str, Any]:
+    """The source's glmconv.json as a dict ({} without one): what convert recorded, which anyone may have edited."""
     path = optional_file(src, MANIFEST_NAME)
     data = load_json_file(path, source=str(src / MANIFEST_NAME)) if path is not None else {}
-    types = {"text_prefix": str, "fp8_source": bool}  # convert wrote it, anyone may have edited it
-    out = {k: data[k] for k, kind in types.items() if isinstance(data, dict) and type(data.get(k)) is kind}
-    records = (source_dtypes.KEY, sidecars.KEY)
-    return {**out, **{k: data[k] for k in records if isinstance(data, dict) and k in data}}
+    return data if isinstance(data, dict) else {}
+
+
+def _manifest(src: Path) -> dict[str, Any]:
+    """The records export uses, of the types convert writes; the dtype record and the sidecar list are checked
+    where they are used."""
+    data = read_manifest(src)
+    types = {"text_prefix": str, "fp8_source": bool}
+    out = {k: data[k] for k, kind in types.items() if type(data.get(k)) is kind}
+    return {**out, **{k: data[k] for k in (source_dtypes.KEY, sidecars.KEY) if k in data}}
 
 def _check_like_config(cfg: GlmConfig, like: HfCheckpoint) -> None:
     """--like must describe the same model: every dimension and the layer schedules."""
@@ -267,11 +273,9 @@ def from_like_summary(plan: Plan, from_like: frozenset[tuple[str, ...]], src: Pa
                f"{src}: taken unchanged from --like {like}") if taken else None
     return {"taken_from_like": taken, "taken_from_like_warning": warning}
 
-def _is_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
-    """The audit sees a padded vocabulary as a shape mismatch on the source; export stripped it on purpose."""
-    spec = job.plan.mcore_index.get(f.tensor)
-    rows = job.stored_rows.get(f.tensor)
-    return f.side == "against" and f.kind == "shape" and spec is not None and rows is not None and \
-        f.found == str([rows, *spec.shape[1:]])
+def is_stripped_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
+    """The audit sees a padded vocabulary as a shape mismatch on the source; export strips it on purpose."""
+    spec, rows = job.plan.mcore_index.get(f.tensor), job.stored_rows.get(f.tensor)
+    return spec is not None and rows is not None and f.is_stored_shape([rows, *spec.shape[1:]])
 
 

@@ -32,10 +32,8 @@ from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_GROUP_BYTES, KEEP, zer
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io import finite, sidecars
 from glmconv.io.byte_copy import Extent
-from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
-from glmconv.io.jsonfile import load_json_file
 from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
@@ -54,7 +52,14 @@ from glmconv.rules.table import F32
 from glmconv.runners import audit as audit_mod
 from glmconv.runners import export as export_mod
 from glmconv.runners.convert import layout_summary
-from glmconv.runners.export_job import ExportJob, check_loadable, from_hf, from_like_summary, like_tensors
+from glmconv.runners.export_job import (
+    ExportJob,
+    check_loadable,
+    from_hf,
+    from_like_summary,
+    like_tensors,
+    read_manifest,
+)
 from glmconv.runners.flow import PlanRun, check_once, publish_run
 
 if TYPE_CHECKING:
@@ -130,7 +135,7 @@ def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | Non
     target = _padded(_like_source(plan, source), rows)
     common = relaid_common_state(read_common_state(ck.iter_dir), target.config, to)  # refused now, not after
     return RelayoutJob(src=src_p, out=Path(out), source=source, target=target, common=common,
-                       manifest=_manifest(src_p), sidecars=job.sidecars, padded=dict(job.stored_rows),
+                       manifest=read_manifest(src_p), sidecars=job.sidecars, padded=dict(job.stored_rows),
                        training_state=sum(names.is_training_state(n) for n in ck.tensors), like=job.like,
                        from_like=job.from_like)
 
@@ -175,13 +180,6 @@ def _padded(plan: Plan, rows: dict[tuple[str, ...], tuple[int, ...]]) -> Plan:
                                     mcore=(dataclasses.replace(m.mcore[0], shape=stored),))
         maps.append(m)
     return dataclasses.replace(plan, mappings=maps) if rows else plan
-
-
-def _manifest(src: Path) -> dict[str, Any]:
-    """The source's glmconv.json as a dict ({} without one); its records are checked where export uses them."""
-    path = optional_file(src, MANIFEST_NAME)
-    data = load_json_file(path, source=str(src / MANIFEST_NAME)) if path is not None else {}
-    return data if isinstance(data, dict) else {}
 
 
 # ---- making the target tensors -----------------------------------------------------------------------
@@ -316,9 +314,9 @@ def verify_staged(job: RelayoutJob, stage: Path) -> None:
 
 
 def _is_padding(job: RelayoutJob, f: audit_mod.Finding) -> bool:
+    """A padded vocabulary, kept as stored: the audit sees its shape differ from the plan's."""
     spec = job.target.mcore_index.get(f.tensor)
-    return f.side == "against" and f.kind == "shape" and spec is not None and f.tensor in job.padded and \
-        f.found == str(list(spec.shape))
+    return spec is not None and f.tensor in job.padded and f.is_stored_shape(spec.shape)
 
 
 # ---- running -----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import check_pair, check_same_model
-from glmconv.numerics.dequant import resolve_device, share_dequantizer
+from glmconv.numerics.dequant import require_device, share_dequantizer
 from glmconv.plan import Mapping, Plan
 from glmconv.rules.table import BF16, F32
 from glmconv.runners import convert, export_job
@@ -96,8 +96,7 @@ def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> dict[str, A
     """Compare every pair; the summary says whether all are equal, with the first and the worst mismatch (the
     same whatever the workers and threads: mismatches are put back in the pairs' order)."""
 
-    if opts.device == "cuda":
-        resolve_device(opts.device, convert.fp8_bytes([hf_m for hf_m, _ in job.pairs]))  # no GPU: refused now
+    require_device(opts.device)  # no GPU: refused now
     start = time.monotonic()
     found = run_ranks(verify_rank, (job, opts), opts.workers, "verify")["found"]
     return summary(job, found, time.monotonic() - start)
