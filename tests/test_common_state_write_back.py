@@ -43,7 +43,8 @@ buf = io.BytesIO(); torch.save([state], buf); open({str(saved)!r}, "wb").write(b
 import sys
 from glmconv.config import parse_config
 from glmconv.fixtures import preset_config
-from glmconv.io.torch_dist.common_state import load_common_state, relaid_common_state
+from glmconv.io.torch_dist.common_state import load_common_state
+from glmconv.megatron_args import relaid_common_state
 from glmconv.io.torch_dist.pickle_allow import OpaqueValue
 from glmconv.io.torch_dist.writer import _serialize
 read = load_common_state(open({str(saved)!r}, "rb").read(), source="saved")

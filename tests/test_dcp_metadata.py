@@ -257,7 +257,8 @@ def _saved(obj: Any) -> bytes:
 
 def test_a_common_state_reads_the_same_without_torch_as_with_it() -> None:
     from glmconv.fixtures import preset_config
-    from glmconv.io.torch_dist.common_state import _with_torch, _without_torch, build_common_state
+    from glmconv.io.torch_dist.common_state import _with_torch, _without_torch
+    from glmconv.megatron_args import build_common_state
 
     data = _saved([build_common_state(parse_config(preset_config("tiny")), iteration=7)])
     (plain,), (strict,) = _without_torch(data), _with_torch(data, "state")

@@ -30,9 +30,10 @@ from glmconv.io.file_names import (
     RELEASE,
     TRACKER_NAME,
 )
-from glmconv.io.torch_dist.common_state import build_common_state, load_common_state, read_common_state
+from glmconv.io.torch_dist.common_state import load_common_state, read_common_state
 from glmconv.io.torch_dist.reader import read_metadata
 from glmconv.io.torch_dist.writer import BACKEND_CONFIG, Chunk, DcpWriter, empty_extra_state, stacked_chunks
+from glmconv.megatron_args import build_common_state
 from glmconv.plan import Plan, build_plan
 from glmconv.rules import names
 from glmconv.rules.names import sharded_object_key

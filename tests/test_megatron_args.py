@@ -90,7 +90,7 @@ def test_cli_json_and_a_bad_cut(tiny_ckpt: Path) -> None:
     ("vocab_size", 1024, "say 1024 vocabulary (vocab_size) but the config says 512"),
 ])
 def test_stored_args_of_another_model_are_refused(tiny_ckpt: Path, field: str, value: object, said: str) -> None:
-    from glmconv.io.torch_dist.common_state import build_args
+    from glmconv.megatron_args import build_args
 
     config = load_config(tiny_ckpt)
     args = build_args(config)
@@ -103,7 +103,7 @@ def test_stored_args_of_another_model_are_refused(tiny_ckpt: Path, field: str, v
 
 def test_export_refuses_a_checkpoint_whose_stored_args_disagree(tiny_ckpt: Path, tmp_path: Path) -> None:
     """A legacy common.pt (read first, as Megatron does) saying 7 experts: export stops before any tensor."""
-    from glmconv.io.torch_dist.common_state import build_common_state
+    from glmconv.megatron_args import build_common_state
 
     mc = tmp_path / "mc"
     assert CliRunner().invoke(cli, ["convert", str(tiny_ckpt), str(mc)]).exit_code == 0
@@ -118,7 +118,7 @@ def test_export_refuses_a_checkpoint_whose_stored_args_disagree(tiny_ckpt: Path,
 def test_stored_args_use_megatron_lms_own_attribute_names(megatron_parser: argparse.ArgumentParser) -> None:
     """A trainer reads `args.<dest>` back from the checkpoint (--use-checkpoint-args): every name convert stores
     is a destination of Megatron-LM's parser (virtual_pipeline_model_parallel_size is set by its validate_args)."""
-    from glmconv.io.torch_dist.common_state import build_args
+    from glmconv.megatron_args import build_args
 
     dests = {a.dest for a in megatron_parser._actions} | {"virtual_pipeline_model_parallel_size"}
     assert sorted(set(vars(build_args(load_config(REAL_CONFIG)))) - dests) == []

@@ -108,7 +108,7 @@ def test_one_megatron_value_changed_is_named_in_the_table(converted: dict[str, t
 
 
 def test_stored_args_of_another_model_are_refused(converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
-    from glmconv.io.torch_dist.common_state import build_common_state
+    from glmconv.megatron_args import build_common_state
 
     hf, mc = converted["tiny"]
     shutil.copytree(mc, tmp_path / "mc")

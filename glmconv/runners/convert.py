@@ -32,9 +32,9 @@ from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.io.safetensors.reader import HfTensorSource
-from glmconv.io.torch_dist.common_state import build_common_state
 from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
+from glmconv.megatron_args import build_common_state
 from glmconv.mistakes import expect_hf
 from glmconv.numerics import dequant
 from glmconv.numerics.dequant import require_device, share_dequantizer

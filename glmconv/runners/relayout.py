@@ -38,11 +38,12 @@ from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.byte_route import piece_spans, route_extents
-from glmconv.io.torch_dist.common_state import read_common_state, relaid_common_state
+from glmconv.io.torch_dist.common_state import read_common_state
 from glmconv.io.torch_dist.metadata import inspect_torch_dist
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
+from glmconv.megatron_args import relaid_common_state
 from glmconv.mistakes import expect_torch_dist
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.rules import layouts, names

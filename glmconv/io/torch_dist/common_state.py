@@ -1,4 +1,5 @@
-"""The non-tensor ("common") state of a Megatron torch_dist checkpoint: build it, and read it safely.
+"""The non-tensor ("common") state of a Megatron torch_dist checkpoint, read safely and pickled back
+(`glmconv.megatron_args` builds it from a config).
 
 megatron-core 0.19.2 keeps it inside the DCP checkpoint as the bytes entry `common_state/shard_0_1`
 (`torch.save([state])`); older checkpoints keep it in `common.pt` (`torch.save(state)`). See
@@ -8,7 +9,6 @@ docs/torch_dist.md for the evidence. Reading never unpickles anything outside an
 from __future__ import annotations
 
 import argparse
-import copy
 import io
 import pickle
 import re
@@ -18,19 +18,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from glmconv.config import MOE, GlmConfig
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY
-from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES, OpaqueValue
 from glmconv.io.torch_dist.reader import read_bytes_entry
-from glmconv.rules.layouts import MTP_PART
-from glmconv.rules.layouts import layout as find_layout
-
-CHECKPOINT_VERSION = 3.0
-VOCAB_DIVISOR = 128
-
 
 
 class _StandInPickler(pickle._Pickler):  # type: ignore[name-defined, misc]  # the Python pickler: save_global
@@ -58,83 +50,6 @@ STAND_IN_PICKLE.Pickler = _StandInPickler  # type: ignore[attr-defined]
 def pickle_module_for(obj: Any) -> Any:
     """The pickle module `torch.save` needs for `obj`: `STAND_IN_PICKLE` when it holds a stand-in, else pickle."""
     return STAND_IN_PICKLE if any(isinstance(v, OpaqueValue) for _, v in _walk(obj)) else pickle
-
-
-GLMCONV_ENTRY = "glmconv"  # the common state's record of what glmconv wrote (its Megatron layout)
-
-
-def build_args(config: GlmConfig, *, padded_vocab_size: int | None = None, **overrides: Any) -> argparse.Namespace:
-    """The model args a Megatron trainer reads back from `state_dict['args']` (checks, --use-checkpoint-args)."""
-    t = config.text
-    shared = t["moe_intermediate_size"] * t["n_shared_experts"]
-    args: dict[str, Any] = dict(
-        num_layers=config.num_layers, hidden_size=t["hidden_size"], ffn_hidden_size=t["intermediate_size"],
-        num_attention_heads=t["num_attention_heads"], normalization="RMSNorm", layernorm_epsilon=t["rms_norm_eps"],
-        swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
-        position_embedding_type="none", add_position_embedding=False,
-        max_position_embeddings=t.get("max_position_embeddings"),
-        vocab_size=t["vocab_size"], padded_vocab_size=padded_vocab_size or t["vocab_size"],
-        make_vocab_size_divisible_by=VOCAB_DIVISOR, tokenizer_type="HuggingFaceTokenizer",
-        multi_latent_attention=True, q_lora_rank=t["q_lora_rank"], kv_lora_rank=t["kv_lora_rank"],
-        qk_head_dim=t["qk_nope_head_dim"], qk_pos_emb_head_dim=t["qk_rope_head_dim"], v_head_dim=t["v_head_dim"],
-        num_experts=t["n_routed_experts"], moe_ffn_hidden_size=t["moe_intermediate_size"],
-        moe_shared_expert_intermediate_size=shared or None, moe_router_topk=t["num_experts_per_tok"],
-        moe_layer_freq=[int(m == MOE) for m in config.mlp_types], moe_router_enable_expert_bias=True,
-        moe_router_score_function=t.get("scoring_func", "sigmoid"),
-        moe_router_topk_scaling_factor=t.get("routed_scaling_factor"),
-        mtp_num_layers=config.num_mtp_layers or None,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-        expert_tensor_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-        bf16=True, ckpt_format=TORCH_DIST, no_save_optim=True, no_save_rng=True,
-    )
-    args.update(overrides)
-    return argparse.Namespace(**args)
-
-
-def build_common_state(config: GlmConfig, *, iteration: int = 0, padded_vocab_size: int | None = None,
-                       content_metadata: dict[str, Any] | None = None, layout: str | None = None,
-                       **arg_overrides: Any) -> dict[str, Any]:
-    """`args`, `checkpoint_version` 3.0 and `iteration`; `content_metadata` only when the caller has one; with
-    `layout`, a `glmconv` entry recording it (a trainer ignores keys it does not know).
-
-    Without `content_metadata` a trainer uses its own sharding metadata (e.g. singleton_local_shards). In a
-    layout whose trainer has no MTP module the args say so (`mtp_num_layers` None): the MTP tensors are kept only.
-    """
-    if layout is not None:
-        arg_overrides.setdefault("mtp_num_layers", mtp_num_layers(config, layout))
-    state: dict[str, Any] = {
-        "args": build_args(config, padded_vocab_size=padded_vocab_size, **arg_overrides),
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": iteration,
-    }
-    if layout is not None:
-        state[GLMCONV_ENTRY] = {"layout": layout}
-    if content_metadata is not None:
-        state["content_metadata"] = dict(content_metadata)
-    return state
-
-
-def mtp_num_layers(config: GlmConfig, layout: str) -> int | None:
-    """`args.mtp_num_layers` in a layout: None where its trainer has no MTP module (the MTP tensors are kept only)."""
-
-    return None if MTP_PART in find_layout(layout).homeless_parts else config.num_mtp_layers or None
-
-
-def relaid_common_state(common: dict[str, Any], config: GlmConfig, layout: str) -> dict[str, Any]:
-    """A checkpoint's common state for `layout` (relayout): its own `args`, iteration and the rest kept, with the
-    layout's `mtp_num_layers` rule and `glmconv` entry, as `build_common_state` writes them.
-
-    Megatron objects the reader keeps as inert stand-ins (`OpaqueValue`) are carried as they are: the writer
-    pickles them back as the globals they stand for (`pickle_module_for`)."""
-    state = dict(common)
-    args = state.get("args")
-    if isinstance(args, argparse.Namespace | types.SimpleNamespace):
-        args = copy.copy(args)
-        args.mtp_num_layers = mtp_num_layers(config, layout)
-        state["args"] = args
-    entry = state.get(GLMCONV_ENTRY)
-    state[GLMCONV_ENTRY] = {**(entry if isinstance(entry, dict) else {}), "layout": layout}
-    return state
 
 
 def _walk(obj: Any, path: str = "") -> list[tuple[str, Any]]:
