@@ -50,7 +50,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 GLMCONV = [PY, "-m", "glmconv"]
-REAL_CONFIG = ROOT / "glmconv" / "fixtures" / "glm-5.3-flash.config.json"
+REAL_CONFIG = ROOT / "fixtures" / "glm-5.3-flash.config.json"
 POLL_S = 0.05
 TICK = os.sysconf("SC_CLK_TCK")
 

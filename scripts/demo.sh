@@ -16,7 +16,7 @@ $G fixture make "$OUT/hf-tiny-fp8" --preset tiny --fp8 --seed 0
 echo "== glmconv audit-names: the FP8 fixture against the plan its config implies"
 $G audit-names "$OUT/hf-tiny-fp8"
 echo "== glmconv audit-names: the real GLM-5.3-Flash config (76,108 tensors, FP8 + MTP + vision)"
-$G audit-names glmconv/fixtures/glm-5.3-flash.config.json --fp8
+$G audit-names fixtures/glm-5.3-flash.config.json --fp8
 echo "== glmconv convert: HF -> Megatron torch_dist"
 $G convert "$OUT/hf-tiny-fp8" "$OUT/mcore-tiny"
 echo "== glmconv audit-names --against: both sides and the mapping both ways"

@@ -16,6 +16,19 @@ settings.register_profile("fuzz", derandomize=False, deadline=None, max_examples
 settings.load_profile("ci")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--write-goldens", action="store_true",
+                     help="rewrite fixtures/golden/* from the tests' outputs instead of comparing (tests/goldens.py)")
+
+
+@pytest.fixture()
+def golden(pytestconfig: pytest.Config) -> Callable[[str, str], None]:
+    """Compare a rendering with its file in fixtures/golden/ (or rewrite it under --write-goldens)."""
+    from goldens import check
+
+    return lambda name, text: check(name, text, write=bool(pytestconfig.getoption("--write-goldens")))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Without CUDA, transformers' Glm5Next must use its torch KDA (fla's kernels are GPU-only): import it once
     with fla hidden (glmconv/fla_guard.py). Triton's own kernels (glmconv's kpool indexer) then run under its

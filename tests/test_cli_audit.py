@@ -12,6 +12,7 @@ from repo_files import REAL_CONFIG as REAL
 from test_dcp_metadata import mcore_tensors, write_torch_dist
 from test_hf_checkpoint import plan_tensors, tiny_config, write_hf
 
+from glmconv.fixtures.golden import render
 from glmconv.io.file_names import INDEX_NAME
 from glmconv.rules.names import HF_FLAT_PREFIX
 from glmconv_cli.main import cli
@@ -288,3 +289,32 @@ def test_fixture_with_a_dropped_shard_entry_is_caught(tiny_fp8_ckpt, tmp_path):
     (ck / INDEX_NAME).write_text(json.dumps(index))
     code, report = run_json(ck)
     assert code == 1 and _only(report) == ("index", victim)
+
+
+# ---- goldens (fixtures/golden/): what --emit and --json print for the tiny preset -------------------------
+
+@pytest.fixture()
+def tiny_preset_config(tmp_path: Path) -> Path:
+    from glmconv.fixtures.presets import preset_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(preset_config("tiny", fp8=True)))
+    return path
+
+
+@pytest.mark.parametrize("side,flags", [("hf", ["--fp8"]), ("mcore", [])])
+def test_emit_json_of_the_tiny_preset_is_its_golden(tiny_preset_config: Path, golden, side: str,
+                                                    flags: list[str]) -> None:
+    code, specs = run_json(tiny_preset_config, "--emit", side, *flags)
+    assert code == 0
+    golden(f"audit-emit-{side}-tiny.json", render(specs))
+
+
+def test_json_report_of_a_checkpoint_with_three_defects_is_its_golden(tmp_path: Path, golden) -> None:
+    t = plan_tensors(tiny_config(), fp8=True)
+    del t[FP8_W + "_scale_inv"]
+    t[L1 + "self_attn.indexer.k_norm.b"] = t.pop(L1 + "self_attn.indexer.k_norm.bias")
+    t[L1 + "mlp.gate.e_score_correction_bias"] = t[L1 + "mlp.gate.e_score_correction_bias"].half()
+    code, report = run_json(write_hf(tmp_path / "ck", tiny_config(True), t))
+    assert code == 1 and report["src"] == str(tmp_path / "ck")
+    golden("audit-report-three-defects.json", json.dumps({**report, "src": "CHECKPOINT"}, indent=2) + "\n")

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_files import REAL_CONFIG as CONFIG
 
-CONFIG = Path(__file__).resolve().parents[1] / "glmconv" / "fixtures" / "glm-5.3-flash.config.json"
 RUN = """
 import runpy, sys
 sys.argv = ["glmconv", *sys.argv[1:]]

@@ -164,3 +164,27 @@ def test_a_directory_glmconv_did_not_write_is_refused(tmp_path: Path) -> None:
     with pytest.raises(GlmconvError, match="not empty and not a report directory glmconv wrote"):
         write_report(_report(ERRS), tmp_path / "mine")
     assert (tmp_path / "mine" / MD_NAME).read_text() == "my notes"
+
+
+# ---- goldens (fixtures/golden/): every rendering of one fixed report -------------------------------------------
+
+def test_markdown_report_is_its_golden(golden) -> None:
+    from glmconv.compare.report import to_markdown
+
+    golden("parity-report.md", to_markdown(_report(ERRS, bounds=("kl>1e-6",))))
+
+
+def test_json_report_is_its_golden_but_for_the_version(golden) -> None:
+    from glmconv import __version__
+
+    loaded = json.loads(to_json(_report(ERRS, bounds=("kl>1e-6",))))
+    assert loaded["glmconv_version"] == __version__
+    golden("parity-report.json", json.dumps({**loaded, "glmconv_version": "VERSION"}, indent=2) + "\n")
+
+
+def test_terminal_table_is_its_golden(golden) -> None:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    print_table(_report(ERRS, bounds=("kl>1e-6",)), Console(file=buf, width=140, color_system=None))
+    golden("parity-table.txt", buf.getvalue())

@@ -1,13 +1,18 @@
-"""The planted-defect catalog, as data: conversion defects and convention slips that parity's verdict must name.
+"""The planted-defect catalog: conversion defects and convention slips that parity's verdict must name.
 
-Each entry says what is damaged and where (by layer kind, so it fits any checkpoint), and names its damage, which
+The definitions are data, `fixtures/defects.json` (installed as `glmconv_fixtures`), checked here on load. Each
+entry says what is damaged and where (by layer kind, so it fits any checkpoint), and names its damage, which
 glmconv.compare.defects implements over the train side's prepared weights. Kept free of torch: the CLI lists it.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from typing import Any
 
+from glmconv.data_files import DEFECTS_FILE, read_text
 from glmconv.errors import GlmconvError
 
 
@@ -25,36 +30,72 @@ class Defect:
     convention: str = ""  # KEY=VALUE for a convention defect
 
 
-CATALOG: tuple[Defect, ...] = (
-    Defect("kda-q-rows-permuted", "KDA q_proj: the first head's rows reversed (a row permutation inside a tensor)",
-           site="kda", path=("kda", "q_proj"), damage="reverse-first-eighth"),
-    Defect("experts-swapped", "MoE: experts 0 and 1 swapped (gate, up and down)", site="moe", sub_block="mlp",
-           path=("moe", "experts"), damage="swap-experts-0-1"),
-    Defect("fc1-mis-split", "dense MLP linear_fc1 split the wrong way round: gate and up halves swapped",
-           site="dense", sub_block="mlp", path=("dense",), damage="swap-gate-up"),
-    Defect("fp8-scale-block", "DSA indexer wk: one 128x128 FP8 scale block off by 2x", site="dsa",
-           path=("dsa", "indexer", "wk"), damage="double-first-block"),
-    Defect("norm-offset", "DSA q_a_norm stored as w + 1 (a norm-weight offset convention)", site="dsa",
-           path=("dsa", "q_a_norm"), damage="plus-one"),
-    Defect("layers-swapped", "the attention weights of the first two KDA layers swapped", site="kda",
-           damage="swap-layers"),
-    Defect("conv-reversed", "KDA short conv weights reversed along the kernel", site="kda:1",
-           path=("kda", "conv"), damage="flip-last-dim"),
-    Defect("decay-sign", "KDA dt_bias with its sign flipped (the decay gate's bias)", site="kda:2",
-           path=("kda", "dt_bias"), damage="negate"),
-    Defect("router-bias", "MoE router expert_bias shifted by one expert", site="moe", sub_block="mlp",
-           path=("moe", "expert_bias"), damage="roll-one"),
-    Defect("hc-mix-split", "the MLP hyper-connection fn: pre and post rows swapped (a mis-split fused tensor)",
-           site="moe", sub_block="mlp", path=("hc", "fn"), damage="swap-pre-post-rows"),
-    Defect("shared-rows-zero", "MoE shared expert down_proj: its first eighth of rows left at zero (a shard not "
-           "written)", site="moe", sub_block="mlp", path=("moe", "shared", "down"), damage="zero-first-eighth"),
-    Defect("kv-heads-permuted", "DSA kv_b: the first head's rows reversed", site="dsa", path=("dsa", "kv_b"),
-           damage="reverse-first-eighth"),
-    *(Defect(f"convention-{key}", f"train convention {key}={value} alone", kind="convention",
-             convention=f"{key}={value}")
-      for key, value in (("proj_rms", "megatron"), ("hc_mix", "bf16"), ("swiglu_clamp", "off"),
-                         ("indexer_query", "raw"), ("indexer_kpool", "off"))),
-)
+class CatalogError(GlmconvError):
+    """The defect catalog's data file does not say what a Defect needs (a key unknown, missing or mistyped)."""
+
+
+# the keys each kind of entry must have, with their JSON types (every key is required: the file says it all)
+FIELDS: dict[str, dict[str, type]] = {
+    "weights": {"name": str, "kind": str, "site": str, "sub_block": str, "path": list, "damage": str,
+                "summary": str},
+    "convention": {"name": str, "kind": str, "convention": str, "summary": str},
+}
+_SITE = re.compile(r"(kda|dsa|dense|moe)(:\d+)?")
+_SUB_BLOCKS = ("attention", "mlp")
+
+
+def parse_catalog(text: str, source: str = DEFECTS_FILE) -> tuple[Defect, ...]:
+    """The Defects a catalog file defines, in its order; a CatalogError naming the entry and key that is wrong."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CatalogError(f"{source}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or set(data) != {"defects"} or not isinstance(data["defects"], list):
+        raise CatalogError(f'{source}: expected an object with one key, "defects": a list of entries')
+    defects = tuple(_defect(entry, f"{source}: entry {i}") for i, entry in enumerate(data["defects"]))
+    names = [d.name for d in defects]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CatalogError(f"{source}: defect names given twice: {', '.join(twice)}")
+    return defects
+
+
+def _defect(entry: Any, where: str) -> Defect:
+    """One entry checked against FIELDS for its kind, then its values (site, sub-block, KEY=VALUE)."""
+    if not isinstance(entry, dict):
+        raise CatalogError(f"{where}: expected an object, got {type(entry).__name__}")
+    where = f"{where} ({entry['name']})" if isinstance(entry.get("name"), str) else where
+    kind = entry.get("kind")
+    if kind not in FIELDS:
+        raise CatalogError(f"{where}: kind must be one of {', '.join(FIELDS)}, not {kind!r}")
+    _check_keys(entry, FIELDS[kind], where)
+    if kind == "convention":
+        if not re.fullmatch(r"\w+=\w+", entry["convention"]):
+            raise CatalogError(f"{where}: convention must be KEY=VALUE, not {entry['convention']!r}")
+        return Defect(**entry)
+    if not _SITE.fullmatch(entry["site"]) or entry["sub_block"] not in _SUB_BLOCKS:
+        raise CatalogError(f"{where}: site must be kda, dsa, dense or moe (optionally :N) and sub_block "
+                           f"{' or '.join(_SUB_BLOCKS)}, not {entry['site']!r} / {entry['sub_block']!r}")
+    if not all(isinstance(p, str) for p in entry["path"]):
+        raise CatalogError(f"{where}: path must be a list of strings")
+    return Defect(**{**entry, "path": tuple(entry["path"])})
+
+
+def _check_keys(entry: dict[str, Any], fields: dict[str, type], where: str) -> None:
+    """Exactly the kind's keys, each of its JSON type: a typo is an error, never a silently defaulted field."""
+    has = f"(a {entry['kind']} entry has {', '.join(fields)})"
+    unknown, missing = sorted(set(entry) - set(fields)), [k for k in fields if k not in entry]
+    if unknown:
+        raise CatalogError(f"{where}: unknown key(s) {', '.join(unknown)} {has}")
+    if missing:
+        raise CatalogError(f"{where}: missing key(s) {', '.join(missing)} {has}")
+    for key, want in fields.items():
+        if not isinstance(entry[key], want) or (want is str and not entry[key]):
+            raise CatalogError(f"{where}: {key} must be {'a non-empty string' if want is str else 'a list'}, "
+                               f"not {entry[key]!r}")
+
+
+CATALOG: tuple[Defect, ...] = parse_catalog(read_text(DEFECTS_FILE))
 NAMES = tuple(d.name for d in CATALOG)
 
 
