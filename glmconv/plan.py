@@ -17,6 +17,8 @@ from glmconv.rules.layouts import DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.rules.table import BF16, F32, FP8, GLOBAL, KEEP, LAYER, MTP, VISION, Rule, rules_in
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from glmconv.rules.ops import Layout
 
 __all__ = ["BF16", "F32", "FP8", "Mapping", "Plan", "TensorSpec", "build_plan", "detect_layout", "dims", "retyped"]
@@ -231,7 +233,7 @@ def _placed(m: Mapping, ctx: _Ctx, homeless_parts: frozenset[str], num_layers: i
     return dataclasses.replace(m, key=key, mcore=mcore, homeless=True)
 
 
-def detect_layout(config: GlmConfig, keys: set[str] | dict[str, object]) -> str | None:
+def detect_layout(config: GlmConfig, keys: Iterable[str]) -> str | None:
     """The Megatron layout whose names a checkpoint's keys are spelled in; None when no key says.
 
     Decided by the names only one layout has: the plans of both, with every part, are compared to the keys.

@@ -7,12 +7,14 @@ side is looked up only when asked for (`TORCH_DTYPES`, `torch_dtype_code`), impo
 from __future__ import annotations
 
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
+
+    TORCH_DTYPES: dict[str, torch.dtype]  # built by `__getattr__` below on first use
 
 # safetensors code -> (bytes per element, torch dtype attribute; None where glmconv maps none)
 _TABLE: dict[str, tuple[int, str | None]] = {
@@ -39,7 +41,7 @@ DTYPE_NAMES: frozenset[str] = frozenset(_CODES)
 """The torch dtype attributes (`bfloat16`) of the table: the dtypes a checkpoint may hold."""
 
 
-def torch_dtype_code(dtype: Any) -> str:
+def torch_dtype_code(dtype: object) -> str:
     """`torch.bfloat16` -> "BF16" (the plan's codes); a dtype outside the table is a CheckpointError.
 
     Looked up by name, so that whatever an untrusted `.metadata` holds in its place is refused, not hashed.
@@ -50,7 +52,7 @@ def torch_dtype_code(dtype: Any) -> str:
     return code
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> dict[str, torch.dtype]:
     """`TORCH_DTYPES` (code -> torch dtype) is built on first use, so importing this module needs no torch."""
     if name == "TORCH_DTYPES":
         return _torch_dtypes()

@@ -66,10 +66,15 @@ if TYPE_CHECKING:
 
     from glmconv.io.byte_copy import Extent
     from glmconv.io.fp8_reuse import LikeFp8
+    from glmconv.io.jsonfile import JsonObject
     from glmconv.io.safetensors.like_files import LikeFiles
     from glmconv.io.safetensors.reader import HfTensorSource
     from glmconv.io.safetensors.writer import PlannedTensor, Shard
     from glmconv.io.torch_dist.reader import DcpReader
+    from glmconv.progress import Progress
+    from glmconv.runners.ranks import Group
+
+    Made = tuple[str, "torch.Tensor | list[Extent]"]  # an HF tensor, made, or its bytes' extents in the .distcp files
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
@@ -465,7 +470,7 @@ def rank_dir(stage: Path, rank: int) -> Path:
     return stage / _RANK_DIR.format(rank)
 
 
-def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Any,
+def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Progress,
               chunk_bytes: int, check_finite: bool = False, zero_copy: bool = True, threads: int = DEFAULT_THREADS,
               ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> ShareResult:
     """Export one worker's mappings into its own shards, reading, transforming and FP8-encoding on `threads`
@@ -474,14 +479,14 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     from glmconv.io.safetensors.writer import PlannedShardWriter
 
     readers = ThreadReaders(job.src, check_finite)
-    stats, consumed, copied = Fp8Stats(), [], 0
+    stats, consumed, copied = Fp8Stats(), list[str](), 0
     if not share:
         return ShareResult(rank, {}, 0, [], 0, stats)
     outputs = [planned_outputs(m, job.dtypes, chunk_bytes) for m in share]
     arrival = [t for ts in outputs for t in ts]
     writer = PlannedShardWriter(rank_dir(stage, rank), arrival, own_shards(job, arrival) or job.max_shard_bytes)
 
-    def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step]:
+    def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step[Made]]:
         for m, planned in zip(share, outputs):
             yield from export_steps(m, planned, readers, job, chunk_bytes, stats, like,
                                     zero_copy=zero_copy, like_src=like_src)
@@ -507,7 +512,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
 
 def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReaders, job: ExportJob, chunk_bytes: int,
                  stats: Fp8Stats, like: LikeFp8 | None, *, zero_copy: bool,
-                 like_src: HfTensorSource | None = None) -> Iterator[Step]:
+                 like_src: HfTensorSource | None = None) -> Iterator[Step[Made]]:
     """One mapping's work for `run_ahead`: its byte route (extents, no memory), else its read-and-encode steps,
     each on its thread's own DcpReader (which keeps the one stored chunk it last loaded: steps of a mapping that
     share a chunk on one thread read it once); a mapping SRC lacks (`job.from_like`) is made from --like's."""
@@ -703,7 +708,7 @@ def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[
     return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
 
 
-class ExportRun(PlanRun):
+class ExportRun(PlanRun[ShareResult]):
     """Export's steps of the shared flow: each rank writes shards into its own folder; rank 0 names them."""
 
     verb = "export"
@@ -723,7 +728,7 @@ class ExportRun(PlanRun):
     def share_items(self, share: list[Mapping]) -> int:
         return sum(len(planned_outputs(m, self.job.dtypes, self.opts.chunk_bytes)) for m in share)
 
-    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> ShareResult:
         o = self.opts
         return run_share(self.job, share, rank, stage, prog, o.chunk_bytes, o.check_finite, o.zero_copy, o.threads,
                          o.ahead_bytes)
@@ -733,7 +738,7 @@ class ExportRun(PlanRun):
         check_once((n for r in results for n in r.consumed), self.job.plan.mcore_index, "consumed")
         check_once((n for r in results for n in r.weight_map), self.job.plan.hf_index, "written")
 
-    def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
+    def finish(self, stage: Path, results: list[ShareResult], world: int) -> JsonObject:
         try:
             shards, total = merge_shards(stage, results, self.job.like_files)
             write_sidecars(self.job, stage, fp8_stats(results))

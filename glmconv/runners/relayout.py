@@ -47,10 +47,14 @@ from glmconv.runners.flow import DEFAULT_CHUNK_BYTES, PlanRun, check_once, publi
 if TYPE_CHECKING:
     import torch
 
+    from glmconv.io.jsonfile import JsonObject
     from glmconv.io.safetensors.reader import HfTensorSource
     from glmconv.io.torch_dist.reader import DcpReader
-    from glmconv.io.torch_dist.writer import Chunk
+    from glmconv.io.torch_dist.torch_save import FileTensor
+    from glmconv.io.torch_dist.writer import Chunk, DcpWriter
+    from glmconv.progress import Progress
     from glmconv.runners.export import ExportJob
+    from glmconv.runners.ranks import Group
 
 CARRIED = ("fp8_source", "mtp", "vision", "text_prefix", "hf_tensors", "left_out", "dtype", "narrowed_f32_to_bf16",
            "widened_bf16_to_f32")  # glmconv.json records of the source kept as they are (with the dtype record)
@@ -143,6 +147,7 @@ def _stored_like(job: ExportJob) -> Plan:
         return job.plan
     from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 
+    assert job.like is not None  # tensors come from --like only when it is given
     stored = {n: t.dtype for n, t in inspect_hf_checkpoint(job.like).tensors.items()}
     dtypes = {}
     for key in job.from_like:
@@ -219,7 +224,7 @@ def _extents(src_m: Mapping, reader: DcpReader, pieces: list[Piece]) -> list[Ext
     return out
 
 
-def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]) -> Any:
+def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]) -> FileTensor:
     import torch
 
     from glmconv.io.dtypes import TORCH_DTYPES
@@ -372,7 +377,7 @@ def relayout(job: RelayoutJob, opts: RelayoutOptions, *, force: bool = False) ->
                        (lambda: space_plan(job, True)) if opts.space_check else None)
 
 
-class RelayoutRun(PlanRun):
+class RelayoutRun(PlanRun[Counts]):
     """Relayout's steps of the shared flow (one rank): DCP data files, then objects, common state, metadata."""
 
     verb = "relayout"
@@ -380,7 +385,7 @@ class RelayoutRun(PlanRun):
 
     def __init__(self, job: RelayoutJob, opts: RelayoutOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
-        self._writer: Any = None
+        self._writer: DcpWriter | None = None
 
     def share_of(self, rank: int, world: int) -> list[Mapping]:
         return list(self.job.target.mappings)
@@ -391,11 +396,11 @@ class RelayoutRun(PlanRun):
     def share_items(self, share: list[Mapping]) -> int:
         return sum(len(m.mcore) for m in share)
 
-    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> Counts:
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> Counts:
         from glmconv.io.torch_dist.reader import DcpReader
         from glmconv.io.torch_dist.writer import DcpWriter
 
-        self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog)
+        writer = self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog)
         reader = DcpReader(self.job.src)
         counts = Counts()
         pairs = {m.key: src for src, m in self.job.pairs}
@@ -406,21 +411,22 @@ class RelayoutRun(PlanRun):
                                        like_src if m.key in self.job.from_like else None)
 
         with like_tensors(self.job.like, share, self.job.from_like) as like_src:
-            self._writer.write_stream(chunks(like_src), self.opts.group_bytes)
+            writer.write_stream(chunks(like_src), self.opts.group_bytes)
         counts.bytes_read = reader.bytes_read
         return counts
 
     def check(self, results: list[Counts]) -> None:
         check_once((n for r in results for n in r.consumed), self.job.source.mcore_index, "consumed")
 
-    def after_check(self, rank: int, stage: Path, group: Any) -> None:
+    def after_check(self, rank: int, stage: Path, group: Group) -> None:
         """The `_extra_state` objects the target plan asks for, then DCP's metadata and the common state."""
         from glmconv.io.torch_dist.writer import empty_extra_state
 
+        assert self._writer is not None  # run_share made it
         self._writer.write_objects({key: empty_extra_state() for key in self.job.target.mcore_objects()})
         self._writer.finish(self.job.common)
 
-    def finish(self, stage: Path, results: list[Counts], world: int) -> dict[str, Any]:
+    def finish(self, stage: Path, results: list[Counts], world: int) -> JsonObject:
         write_sidecars(self.job, stage)
         verify_staged(self.job, stage)
         c = results[0]
