@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from itertools import groupby
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,6 +14,9 @@ from glmconv.rules.layouts import LAYOUT_CHOICES
 from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 ROWS_PER_KIND = 20
 
@@ -112,7 +116,7 @@ def _table(report: AuditReport) -> object:
     return table
 
 
-def _cells(f: Finding, sides: bool) -> list[object]:
+def _cells(f: Finding, sides: bool) -> list[Text]:
     """Plain text (`[bold]` in a name is not markup), escaped (a newline or ANSI escape in a name is shown)."""
     from rich.text import Text
 

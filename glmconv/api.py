@@ -166,7 +166,8 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
 
     A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
     workers, read_threads = A.workers(workers), A.read_threads(read_threads)
-    A.choice("--device", device, A.DEVICE_CHOICES), _flags(progress=progress)
+    A.choice("--device", device, A.DEVICE_CHOICES)
+    _flags(progress=progress)
     job = prepare(hf_dir, mcore_dir)
     opts = VerifyOptions(workers=worker_count(workers, job.hf.bytes_in, fp8_bytes(job.hf.plan.mappings)),
                          threads=read_threads, device=device, progress=progress)
@@ -190,7 +191,8 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
     from glmconv.rules.layouts import LAYOUT_CHOICES
     from glmconv.weight_sync import hf_weights as run
 
-    _flags(fp8=fp8), A.choice("--layout", layout, LAYOUT_CHOICES)
+    _flags(fp8=fp8)
+    A.choice("--layout", layout, LAYOUT_CHOICES)
     return run(params, config, fp8=fp8, dtypes=dtypes, layout=layout)
 
 
@@ -222,7 +224,8 @@ def audit_report(src: str | Path, against: str | Path | None = None, *, fp8: boo
     A.path("SRC", src), A.optional(A.path, "--against", against), A.optional(A.path, "--config", config)
     for name, value in (("fp8", fp8), ("mtp", mtp), ("vision", vision)):
         A.optional(A.flag, f"--{name}", value)
-    A.optional(A.int_in, "--layers", layers, 1), _flags(accept_flat_prefix=accept_flat_prefix)
+    A.optional(A.int_in, "--layers", layers, 1)
+    _flags(accept_flat_prefix=accept_flat_prefix)
     A.optional(A.choice, "--layout", layout, LAYOUT_CHOICES)
     return run(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers, accept_flat_prefix=accept_flat_prefix,
                config=config, layout=layout)
@@ -275,7 +278,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     return report
 
 
-def _parity_arguments(hf_dir: object, mcore_dir: object, tokens: object, sequences: object, prompt_file: object,
+def _parity_arguments(hf_dir: str | Path, mcore_dir: str | Path, tokens: object, sequences: object, prompt_file: object,
                       report_dir: object, options: dict[str, Any]) -> None:
     """parity's paths, counts and option names, checked before anything is read."""
     import dataclasses

@@ -19,7 +19,7 @@ import types
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from glmconv.config import MOE, GlmConfig
 from glmconv.errors import CheckpointError
@@ -67,7 +67,7 @@ class OpaqueValue:
     def __reduce__(self) -> tuple[Any, ...]:
         args = getattr(self, "args", None)  # None: it was made by NEWOBJ (cls.__new__), as copyreg pickles objects
         if args is None:
-            return (copyreg.__newobj__, (type(self),), self.state)
+            return (copyreg.__newobj__, (type(self),), self.state)  # type: ignore[attr-defined]  # typeshed omits it
         return (type(self), args) if self.state is None else (type(self), args, self.state)
 
     def __repr__(self) -> str:
@@ -81,7 +81,21 @@ def _opaque_allow_list() -> list[tuple[type, str]]:
 _OPAQUE = _opaque_allow_list()
 
 
-class _StandInPickler(pickle._Pickler):  # type: ignore[name-defined, misc]  # the Python pickler: save_global
+if TYPE_CHECKING:
+    class _PyPickler(pickle._Pickler):
+        """The Python pickler's undocumented internals that `_StandInPickler` uses (typeshed leaves them out)."""
+
+        proto: int
+
+        def save(self, obj: object) -> None: ...
+        def write(self, data: bytes) -> None: ...
+        def memoize(self, obj: object) -> None: ...
+        def save_global(self, obj: object, name: str | None = None) -> None: ...
+else:
+    _PyPickler = pickle._Pickler  # the Python pickler: save_global can be overridden
+
+
+class _StandInPickler(_PyPickler):
     """pickle's own (Python) pickler, writing a stand-in class as the megatron global it stands for, by name: a
     trainer's unpickler finds the real class there; megatron is never imported here."""
 
@@ -217,12 +231,18 @@ class _TorchDecides(Exception):
     """Something `_without_torch` does not read (a tensor, another global, another format): torch.load decides."""
 
 
+def _module_and_name(qualname: str) -> tuple[str, str]:
+    """`"a.b.C"` -> `("a.b", "C")`, as pickle names a global."""
+    module, _, name = qualname.rpartition(".")
+    return module, name
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """The allow-list of `_with_torch` (SAFE_CLASSES, the opaque megatron stand-ins, OrderedDict), nothing else."""
 
     ALLOWED: dict[tuple[str, str], Any] = {
         **{(c.__module__, c.__qualname__): c for c in SAFE_CLASSES},
-        **{tuple(name.rsplit(".", 1)): cls for cls, name in _OPAQUE}, ("collections", "OrderedDict"): OrderedDict}
+        **{_module_and_name(name): cls for cls, name in _OPAQUE}, ("collections", "OrderedDict"): OrderedDict}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:

@@ -55,7 +55,7 @@ class FileTensor:
     def materialize(self) -> torch.Tensor:
         """The tensor in memory (tests, and callers that must look at the values)."""
         out = torch.empty(self.nbytes, dtype=torch.uint8)
-        read_into(self.extents, memoryview(out.numpy()))
+        read_into(self.extents, out.numpy().data)
         return out.view(self.dtype).reshape(self.shape)
 
 
@@ -146,7 +146,7 @@ def save_tensor(fd: int, tensor: torch.Tensor | FileTensor, copier: FileCopier) 
         data = tensor.detach().contiguous()
     try:
         with no_crc32():
-            torch.save(data, sink)
+            torch.save(data, sink)  # type: ignore[arg-type]  # a file-like: torch only writes, tells, flushes
     except Exception:
         if sink.error is not None:
             raise sink.error from None  # the copy's own error, not torch's "unexpected pos" about the output

@@ -410,7 +410,7 @@ class _NewFilesOnly(FileSystem):
     """torch's FileSystem, creating `.metadata.tmp` with O_EXCL|O_NOFOLLOW like every file glmconv writes."""
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         with new_file(Path(path), mode) as f:
             yield cast(io.IOBase, f)
 
