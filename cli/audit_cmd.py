@@ -66,7 +66,7 @@ def audit_names(src: str, against: str | None, as_json: bool, config: str | None
 
 
 def _emit(src: str, side: str, as_json: bool, **kw: object) -> None:
-    specs = expected_tensors(src, side, **kw)  # type: ignore[arg-type]
+    specs = expected_tensors(src, side, **kw)  # type: ignore[arg-type]  # click passes the typed options
     if as_json:
         click.echo(json.dumps([s.as_json() for s in specs]))
         return

@@ -280,7 +280,7 @@ def _scopes(plan: Plan) -> Iterator[tuple[str, _Ctx]]:
             yield MTP, _Ctx({"layer": (names.hf_layer(tp, hf_l), None), "mtp": names.mcore_mtp(k)}, hf_l)
     if plan.vision:
         yield VISION, _Ctx({"visual": names.HF_VISUAL_PREFIX})
-        for b in range(cfg.vision.depth):  # type: ignore[union-attr]
+        for b in range(cfg.vision.depth):  # type: ignore[union-attr]  # plan.vision: the config has one
             yield VISION, _Ctx({"visual": names.HF_VISUAL_PREFIX, "b": b}, block=b)
 
 

@@ -114,7 +114,7 @@ class _StandInPickler(_PyPickler):
 
 
 STAND_IN_PICKLE = types.ModuleType("glmconv_stand_in_pickle")  # torch.save(..., pickle_module=STAND_IN_PICKLE)
-STAND_IN_PICKLE.Pickler = _StandInPickler  # type: ignore[attr-defined]
+STAND_IN_PICKLE.Pickler = _StandInPickler  # type: ignore[attr-defined]  # a module built here
 
 
 def pickle_module_for(obj: Any) -> Any:
