@@ -45,10 +45,13 @@ demo: env
 test: env lint gate
 	$(VPY) -m pytest -q -n 2 tests
 
-# ruff, then the layer contract (.importlinter: layers, no cycles, counting imports inside functions).
+# ruff; the layer contract (.importlinter: layers, no cycles, counting imports inside functions); mypy (mypy.ini),
+# which reads cli/ under the name it installs as, glmconv_cli: a link in mypy's own cache directory.
 lint: env
 	$(VENV)/bin/ruff check glmconv cli tests benchmarks scripts
 	$(VENV)/bin/lint-imports --no-cache
+	mkdir -p .mypy_cache/src && ln -sfn ../../cli .mypy_cache/src/glmconv_cli
+	$(VENV)/bin/mypy
 
 # The fuzz tests with fresh random examples, 20x the CI count (CI runs them derandomized: tests/fuzzing.py).
 fuzz: env

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from itertools import groupby
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
@@ -15,6 +16,9 @@ from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
+
+if TYPE_CHECKING:
+    pass
 
 ROWS_PER_KIND = 20
 
@@ -64,7 +68,7 @@ def audit_names(src: str, against: str | None, as_json: bool, config: str | None
 
 
 def _emit(src: str, side: str, as_json: bool, **kw: object) -> None:
-    specs = expected_tensors(src, side, **kw)  # type: ignore[arg-type]
+    specs = expected_tensors(src, side, **kw)  # type: ignore[arg-type]  # click passes the typed options
     if as_json:
         click.echo(json.dumps([s.as_json() for s in specs]))
         return
@@ -112,7 +116,7 @@ def _table(report: AuditReport) -> object:
     return table
 
 
-def _cells(f: Finding, sides: bool) -> list[object]:
+def _cells(f: Finding, sides: bool) -> list[Text]:
     """Plain text (`[bold]` in a name is not markup), escaped (a newline or ANSI escape in a name is shown)."""
 
     cells = (f.kind, *([f.side] if sides else []), f.tensor, f.file, f.expected, f.found)

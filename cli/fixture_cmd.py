@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from glmconv.fixtures.generate import FixtureInfo
 from glmconv.fixtures.inits import DEFAULT_INIT, INIT_HELP, INITS
 from glmconv.fixtures.presets import PRESETS, REAL_CUTS
+from glmconv.fixtures.real import RealCutInfo
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SEED, SEED_HELP, SIZE
+
+if TYPE_CHECKING:
+    pass
 
 
 @click.group()
@@ -50,6 +56,7 @@ def make(out: Path, preset: str, layers: int | None, size: int | None, shard_siz
     if layers is not None and preset not in REAL_CUTS:
         raise click.BadParameter(f"only the real-cut presets ({', '.join(REAL_CUTS)}) take a layer count",
                                  param_hint="--layers")
+    info: RealCutInfo | FixtureInfo
     if preset in REAL_CUTS:
         from glmconv.fixtures.real import write_real_cut
 

@@ -169,7 +169,8 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
 
     A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
     workers, read_threads = A.workers(workers), A.read_threads(read_threads)
-    A.choice("--device", device, D.DEVICE_CHOICES), _flags(progress=progress)
+    A.choice("--device", device, D.DEVICE_CHOICES)
+    _flags(progress=progress)
     job = verify_runner.prepare(hf_dir, mcore_dir)
     n = worker_count(workers, job.hf.bytes_in, convert_runner.fp8_bytes(job.hf.plan.mappings))
     opts = verify_runner.VerifyOptions(workers=n, threads=read_threads, device=device, progress=progress)
@@ -191,7 +192,8 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
     carry (`miles` or `mcore`; a directory says its own).
     """
 
-    _flags(fp8=fp8), A.choice("--layout", layout, LAYOUT_CHOICES)
+    _flags(fp8=fp8)
+    A.choice("--layout", layout, LAYOUT_CHOICES)
     return weight_sync.hf_weights(params, config, fp8=fp8, dtypes=dtypes, layout=layout)
 
 
@@ -221,7 +223,8 @@ def audit_report(src: str | Path, against: str | Path | None = None, *, fp8: boo
     A.path("SRC", src), A.optional(A.path, "--against", against), A.optional(A.path, "--config", config)
     for name, value in (("fp8", fp8), ("mtp", mtp), ("vision", vision)):
         A.optional(A.flag, f"--{name}", value)
-    A.optional(A.int_in, "--layers", layers, 1), _flags(accept_flat_prefix=accept_flat_prefix)
+    A.optional(A.int_in, "--layers", layers, 1)
+    _flags(accept_flat_prefix=accept_flat_prefix)
     A.optional(A.choice, "--layout", layout, LAYOUT_CHOICES)
     return audit_runner.audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
                               accept_flat_prefix=accept_flat_prefix, config=config, layout=layout)
@@ -268,7 +271,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     return report
 
 
-def _parity_arguments(hf_dir: object, mcore_dir: object, tokens: object, sequences: object, prompt_file: object,
+def _parity_arguments(hf_dir: str | Path, mcore_dir: str | Path, tokens: object, sequences: object, prompt_file: object,
                       report_dir: object, options: dict[str, Any]) -> None:
     """parity's paths, counts and option names, checked before anything is read."""
 

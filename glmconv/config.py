@@ -183,8 +183,9 @@ class Field:
 
     def expected(self) -> str:
         """What the value must be, in words: "a positive integer up to 1024"."""
+        items = _TYPE_WORDS.get(self.items, "values") if self.items else "values"
         word = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-                dict: "an object", list: f"a list of {_TYPE_WORDS.get(self.items, 'values')}s"}[self.kind]
+                dict: "an object", list: f"a list of {items}s"}[self.kind]
         if self.kind is int and self.low in (0, 1):
             word = "a positive integer" if self.low == 1 else "a non-negative integer"
         elif self.low is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -228,7 +228,7 @@ def _placed(m: Mapping, ctx: _Ctx, homeless_parts: frozenset[str], num_layers: i
     return dataclasses.replace(m, key=key, mcore=mcore, homeless=True)
 
 
-def detect_layout(config: GlmConfig, keys: set[str] | dict[str, object]) -> str | None:
+def detect_layout(config: GlmConfig, keys: Iterable[str]) -> str | None:
     """The Megatron layout whose names a checkpoint's keys are spelled in; None when no key says.
 
     Decided by the names only one layout has: the plans of both, with every part, are compared to the keys.
@@ -275,7 +275,7 @@ def _scopes(plan: Plan) -> Iterator[tuple[str, _Ctx]]:
             yield MTP, _Ctx({"layer": (names.hf_layer(tp, hf_l), None), "mtp": names.mcore_mtp(k)}, hf_l)
     if plan.vision:
         yield VISION, _Ctx({"visual": names.HF_VISUAL_PREFIX})
-        for b in range(cfg.vision.depth):  # type: ignore[union-attr]
+        for b in range(cfg.vision.depth):  # type: ignore[union-attr]  # plan.vision: the config has one
             yield VISION, _Ctx({"visual": names.HF_VISUAL_PREFIX, "b": b}, block=b)
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import sys
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, TextColumn
+from rich.progress import BarColumn, TaskID, TextColumn
 from rich.progress import Progress as RichProgress
 
 from glmconv.text import printable
+
+if TYPE_CHECKING:
+    pass
 
 PLAN, COPY, FLUSH, VERIFY, PUBLISH = "plan", "copy", "flush", "verify", "publish"
 BAR_COLUMNS = 80  # the bar's line fits a terminal this wide: the bar itself takes what the text leaves
@@ -36,25 +40,25 @@ class Progress:
     """Counts written bytes and finished tensors against known totals; silent when `enabled` is False (--json)."""
 
     def __init__(self, label: str, total_bytes: int, total_items: int, *, enabled: bool = True,
-                 every_s: float = 5.0, noun: str = "tensors", console: object | None = None) -> None:
+                 every_s: float = 5.0, noun: str = "tensors", console: Console | None = None) -> None:
         self.label, self.total_bytes, self.total_items, self.noun = label, total_bytes, total_items, noun
         self.done_bytes = self.done_items = 0
         self.enabled, self.every_s = enabled, every_s
         self.phase_name = ""
         self._console = console  # a rich Console to draw the bar on (tests); None: stderr, when it is a terminal
-        self._rich = None
-        self._task = None
+        self._rich: RichProgress | None = None
+        self._task: TaskID | None = None
         self._start = self._last = self._last_byte = time.monotonic()
 
     def __enter__(self) -> Progress:
         if self.enabled and (self._console is not None or on_terminal()):
             console = self._console or Console(stderr=True)
-            console.width = min(console.width, BAR_COLUMNS)  # type: ignore[attr-defined]
-            self._rich = RichProgress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=None),
+            console.width = min(console.width, BAR_COLUMNS)
+            rich = self._rich = RichProgress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=None),
                                       TextColumn("{task.fields[counts]}", markup=False), console=console,
                                       transient=True, expand=True)
-            self._rich.__enter__()
-            self._task = self._rich.add_task(self._description(), total=self.total_bytes, counts=self._counts())
+            rich.__enter__()
+            self._task = rich.add_task(self._description(), total=self.total_bytes, counts=self._counts())
         return self
 
     def advance(self, nbytes: int, items: int = 1) -> None:
@@ -63,7 +67,7 @@ class Progress:
         self.done_items += items
         if nbytes:
             self._last_byte = time.monotonic()
-        if self._rich is not None:
+        if self._rich is not None and self._task is not None:
             self._rich.update(self._task, advance=nbytes, counts=self._counts())
         elif self.enabled and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
@@ -74,7 +78,7 @@ class Progress:
         if name == self.phase_name:
             return
         self.phase_name = name
-        if self._rich is not None:
+        if self._rich is not None and self._task is not None:
             self._rich.update(self._task, description=self._description())
             if not quiet:
                 self._rich.console.print(self._phase_text(name, detail), markup=False, highlight=False)

@@ -28,7 +28,7 @@ def record(plan: Plan) -> dict[str, Any]:
         for d in m.stored:
             if d is not None and d != FP8:
                 counts.setdefault(rule_key(m.rule), Counter())[d] += 1
-    defaults = {k: max(sorted(c), key=lambda d, c=c: c[d]) for k, c in counts.items()}
+    defaults = {k: max(sorted(c), key=c.__getitem__) for k, c in counts.items()}
     exceptions = {t.name: d for m in plan.mappings for t, d in zip(m.hf, m.stored)
                   if d is not None and d != FP8 and d != defaults[rule_key(m.rule)]}
     return {"defaults": dict(sorted(defaults.items())), "exceptions": dict(sorted(exceptions.items()))}

@@ -58,7 +58,7 @@ def plan(out: str | Path, bytes_in: int, bytes_out: int, fp8: bool, check: bool 
     where = nearest_existing(out)
     free, need = free_bytes(where), needed_bytes(bytes_out)
     fits = None if free is None else need <= free
-    if check and fits is False:
+    if check and free is not None and not fits:
         raise GlmconvError(f"{out}: the output needs {need / 1e9:.3f} GB but {where} has {free / 1e9:.3f} GB free; "
                            f"free some space, choose another OUT, or pass --no-space-check to try anyway")
     return {"estimate_s": round(estimate_seconds(bytes_in, fp8), 1),

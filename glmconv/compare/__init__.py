@@ -82,7 +82,7 @@ def self_test_sides(config: GlmConfig, train: Model, train_precise: Model | None
         if planted is None:
             continue
         conv = planted.conventions or train_conv
-        model = train.variant(conv, patch=planted.patch if planted.conventions is None else None,  # type: ignore
+        model = train.variant(conv, patch=planted.patch if planted.conventions is None else None,
                               kernels=getattr(train, "kernels", "reference"))
         precise = model.precise_twin()
         if precise is not None and train_precise is not None:

@@ -7,7 +7,7 @@ side is looked up only when asked for (`torch_dtype`, `torch_dtype_code`), impor
 from __future__ import annotations
 
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 
@@ -44,7 +44,7 @@ DTYPE_NAMES: frozenset[str] = frozenset(_CODES)
 """The torch dtype attributes (`bfloat16`) of the table: the dtypes a checkpoint may hold."""
 
 
-def torch_dtype_code(dtype: Any) -> str:
+def torch_dtype_code(dtype: object) -> str:
     """`torch.bfloat16` -> "BF16" (the plan's codes); a dtype outside the table is a CheckpointError.
 
     Looked up by name, so that whatever an untrusted `.metadata` holds in its place is refused, not hashed.

@@ -166,7 +166,7 @@ class GlmModel:
         if self.conventions.output_contraction == "mean":
             h = head_mean(x)
         else:
-            h = head_learned(x, hc_head.fn, hc_head.base, hc_head.scale, self.eps, self.hc.hc_eps,  # type: ignore
+            h = head_learned(x, hc_head.fn, hc_head.base, hc_head.scale, self.eps, self.hc.hc_eps,  # type: ignore[union-attr]  # a learned head has its hc_head
                              self.conventions.proj_rms)
         return self._logits(rms_norm(h, norm, self.eps))
 

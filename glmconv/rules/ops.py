@@ -117,7 +117,7 @@ class SplitVector(Transform):
         return [(1,)] * n_mcore
 
     def forward(self, hf: list[torch.Tensor], n_mcore: int) -> list[torch.Tensor]:
-        return [t.clone() for t in hf[0].split(1)]
+        return [hf[0][i:i + 1].clone() for i in range(hf[0].shape[0])]
 
     def backward(self, mcore: list[torch.Tensor], hf_shapes: list[Shape]) -> list[torch.Tensor]:
         import torch

@@ -136,7 +136,7 @@ def _r(hf: str | tuple[str, ...], mcore: str | tuple[str, ...], *shapes: tuple[s
         kw["homes"] = ((MCORE, Home((native,) if isinstance(native, str) else native)),)
     elif isinstance(native, Home):
         kw["homes"] = ((MCORE, native),)
-    return Rule(hf=hf_t, mcore=mc_t, shapes=shapes, **kw)  # type: ignore[arg-type]
+    return Rule(hf=hf_t, mcore=mc_t, shapes=shapes, **kw)  # type: ignore[arg-type]  # kw: optional Rule fields
 
 
 def _hc(site_hf: str, site_mc: str) -> list[Rule]:

@@ -29,9 +29,10 @@ from glmconv.io import finite, sidecars
 from glmconv.io.byte_copy import Extent
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
+from glmconv.io.jsonfile import JsonObject
 from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
-from glmconv.io.safetensors.reader import HfTensorSource
+from glmconv.io.safetensors.reader import Dequantize, HfTensorSource
 from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.megatron_args import build_common_state
@@ -39,11 +40,13 @@ from glmconv.mistakes import expect_hf
 from glmconv.numerics import dequant
 from glmconv.numerics.dequant import require_device, share_dequantizer
 from glmconv.plan import Mapping, Plan, build_plan
+from glmconv.progress import Progress
 from glmconv.rules import layouts
 from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import BF16, F32
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.flow import PlanRun, check_once, publish_run, shares
+from glmconv.runners.ranks import Group
 
 if TYPE_CHECKING:
     import torch
@@ -153,13 +156,13 @@ def _step_bytes(m: Mapping, chunk_bytes: int) -> int:
     return m.mcore_bytes + m.hf_bytes
 
 
-def mapping_chunks(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Chunk]:
+def mapping_chunks(m: Mapping, source: HfTensorSource, chunk_bytes: int) -> Iterator[Chunk]:
     """The Megatron tensors of one mapping, made here, in order (`mapping_steps` one after the other)."""
     for step in mapping_steps(m, source, chunk_bytes):
         yield from step.make()
 
 
-def mapping_steps(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Step]:
+def mapping_steps(m: Mapping, source: HfTensorSource, chunk_bytes: int) -> Iterator[Step[Chunk]]:
     """The Megatron tensors of one mapping as independent steps; stacked experts come as dim-0 chunks, never whole.
 
     Where the mapping only moves bytes (same dtype on both sides, no check to make on the values), the
@@ -177,13 +180,13 @@ def mapping_steps(m: Mapping, source: Any, chunk_bytes: int) -> Iterator[Step]:
         yield Step(m.mcore_bytes, lambda: _computed_chunks(m, source, out_dtype))
 
 
-def _moved_chunks(m: Mapping, source: Any, dtype: torch.dtype, layout: list[list[Piece]]) -> list[Chunk]:
+def _moved_chunks(m: Mapping, source: HfTensorSource, dtype: torch.dtype, layout: list[list[Piece]]) -> list[Chunk]:
 
     extents = _scanned(m, source, range(len(m.hf)), dtype)
     return [Chunk(spec.name, _file_tensor(spec.shape, dtype, pieces, extents)) for spec, pieces in zip(m.mcore, layout)]
 
 
-def _scanned(m: Mapping, source: Any, picks: range | list[int], dtype: torch.dtype) -> list[Extent]:
+def _scanned(m: Mapping, source: HfTensorSource, picks: range | list[int], dtype: torch.dtype) -> list[Extent]:
     """The source extents of `m`'s HF tensors, those in `picks` scanned for NaN/Inf as their bytes are copied."""
 
     extents = [source.entry(t.name)[1] for t in m.hf]
@@ -193,19 +196,19 @@ def _scanned(m: Mapping, source: Any, picks: range | list[int], dtype: torch.dty
     return extents
 
 
-def _computed_chunks(m: Mapping, source: Any, dtype: torch.dtype) -> list[Chunk]:
+def _computed_chunks(m: Mapping, source: HfTensorSource, dtype: torch.dtype) -> list[Chunk]:
 
     hf = [source.weight(t.name, dtype) for t in m.hf]
     return [Chunk(spec.name, tensor.contiguous())
             for spec, tensor in zip(m.mcore, m.rule.transform.forward(hf, len(m.mcore)))]
 
 
-def byte_layout(m: Mapping, source: Any) -> list[list[Piece]] | None:
+def byte_layout(m: Mapping, source: HfTensorSource) -> list[list[Piece]] | None:
     """The transform's byte layout when this mapping is a pure byte move on this source, else None."""
     return m.byte_layout([source.stored_dtype(t.name) for t in m.hf])
 
 
-def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], extents: list[Extent]) -> Any:
+def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], extents: list[Extent]) -> FileTensor:
     import torch
 
 
@@ -213,20 +216,23 @@ def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece]
         Extent(extents[p.source].path, extents[p.source].offset + p.offset, p.length) for p in pieces))
 
 
-def _row_steps(m: Mapping, source: Any, chunk_bytes: int, dtype: torch.dtype,
-               layout: list[list[Piece]] | None) -> Iterator[Step]:
+def _row_steps(m: Mapping, source: HfTensorSource, chunk_bytes: int, dtype: torch.dtype,
+               layout: list[list[Piece]] | None) -> Iterator[Step[Chunk]]:
     spec = m.mcore[0]
     row_bytes = spec.nbytes // spec.shape[0]
     for rows, picks in m.row_steps(chunk_bytes) or []:
-        if layout is not None:
-            yield Step(0, lambda rows=rows, picks=picks: [_moved_rows(m, source, dtype, layout[0], rows, picks,
-                                                                      row_bytes)])
-        else:
-            yield Step(len(rows) * row_bytes, lambda rows=rows, picks=picks: [_computed_rows(m, source, dtype, rows,
-                                                                                             picks)])
+        yield _row_step(m, source, dtype, layout, rows, picks, row_bytes)
 
 
-def _moved_rows(m: Mapping, source: Any, dtype: torch.dtype, layout: list[Piece], rows: range,
+def _row_step(m: Mapping, source: HfTensorSource, dtype: torch.dtype, layout: list[list[Piece]] | None,
+              rows: range, picks: list[int], row_bytes: int) -> Step[Chunk]:
+    """One dim-0 chunk: its bytes moved file to file (no memory held), or computed."""
+    if layout is not None:
+        return Step(0, lambda: [_moved_rows(m, source, dtype, layout[0], rows, picks, row_bytes)])
+    return Step(len(rows) * row_bytes, lambda: [_computed_rows(m, source, dtype, rows, picks)])
+
+
+def _moved_rows(m: Mapping, source: HfTensorSource, dtype: torch.dtype, layout: list[Piece], rows: range,
                 picks: range | list[int], row_bytes: int) -> Chunk:
 
     spec = m.mcore[0]
@@ -236,7 +242,7 @@ def _moved_rows(m: Mapping, source: Any, dtype: torch.dtype, layout: list[Piece]
     return Chunk(spec.name, _file_tensor(shape, dtype, pieces, extents), row=rows.start, shape=spec.shape)
 
 
-def _computed_rows(m: Mapping, source: Any, dtype: torch.dtype, rows: range, picks: list[int]) -> Chunk:
+def _computed_rows(m: Mapping, source: HfTensorSource, dtype: torch.dtype, rows: range, picks: list[int]) -> Chunk:
 
     (chunk,) = m.rule.transform.forward([source.weight(m.hf[i].name, dtype) for i in picks], 1)
     return Chunk(m.mcore[0].name, chunk.contiguous(), row=rows.start, shape=m.mcore[0].shape)
@@ -250,9 +256,9 @@ class ShareResult:
     device: str = "cpu"  # where this share's FP8 weights were dequantised
 
 
-def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any, *, group_bytes: int,
+def run_share(job: ConvertJob, share: list[Mapping], writer: DcpWriter, progress: Progress, *, group_bytes: int,
               chunk_bytes: int, check_finite: bool = False, threads: int = DEFAULT_THREADS,
-              ahead_bytes: int = DEFAULT_AHEAD_BYTES, dequantize: Any = None) -> ShareResult:
+              ahead_bytes: int = DEFAULT_AHEAD_BYTES, dequantize: Dequantize | None = None) -> ShareResult:
     """Convert one worker's mappings into its own data files, reading and dequantising on `threads` threads
     ahead of the writer (at most `ahead_bytes` made ahead), FP8 by `dequantize` (glmconv/numerics/dequant.py; None:
     the reference call); the files are those of the serial path, byte for byte.
@@ -261,7 +267,7 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: Any, progress: Any,
     consumed: list[str] = []
     state = {"written": 0, "bytes": 0}
 
-    def steps(source: HfTensorSource) -> Iterator[Step]:
+    def steps(source: HfTensorSource) -> Iterator[Step[Chunk]]:
         for m in share:
             yield from mapping_steps(m, source, chunk_bytes)
             consumed.extend(t.name for t in m.hf)  # a step that fails later raises: nothing is then checked
@@ -362,7 +368,7 @@ def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[s
                        (lambda: space_plan(job, True)) if opts.space_check else None)
 
 
-class ConvertRun(PlanRun):
+class ConvertRun(PlanRun[ShareResult]):
     """Convert's steps of the shared flow: each rank writes its own DCP data files; rank 0 the metadata."""
 
     verb = "convert"
@@ -370,7 +376,7 @@ class ConvertRun(PlanRun):
 
     def __init__(self, job: ConvertJob, opts: RunOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
-        self._writer: Any = None  # this rank's DcpWriter, made in its own process
+        self._writer: DcpWriter | None = None  # this rank's writer, made in its own process
         self.world = 1
 
     def share_of(self, rank: int, world: int) -> list[Mapping]:
@@ -383,7 +389,7 @@ class ConvertRun(PlanRun):
     def share_items(self, share: list[Mapping]) -> int:
         return sum(len(m.mcore) for m in share)
 
-    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> ShareResult:
 
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
         o = self.opts
@@ -397,15 +403,16 @@ class ConvertRun(PlanRun):
     def check(self, results: list[ShareResult]) -> None:
         check_once((n for r in results for n in r.consumed), self.job.plan.hf_index, "consumed")
 
-    def after_check(self, rank: int, stage: Path, group: Any) -> None:
+    def after_check(self, rank: int, stage: Path, group: Group) -> None:
         """The `_extra_state` objects (rank 0), then DCP's global metadata and the common state, collectively."""
 
+        assert self._writer is not None  # run_share made it, on this rank
         if rank == 0:
             self._writer.write_objects({key: empty_extra_state() for key in self.job.plan.mcore_objects()})
         self._writer.finish(build_common_state(self.job.plan.config, layout=self.job.plan.layout) if rank == 0
                             else None)
 
-    def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
+    def finish(self, stage: Path, results: list[ShareResult], world: int) -> JsonObject:
         write_sidecars(self.job, stage)
         verify_staged(self.job, stage)
         devices = ",".join(sorted({r.device for r in results}))

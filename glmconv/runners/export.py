@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from glmconv import space
 from glmconv.ahead import Step, run_ahead
@@ -44,13 +44,14 @@ from glmconv.defaults import (
     zero_copy,
 )
 from glmconv.errors import CheckpointError, GlmconvError
-from glmconv.io.byte_copy import FileCopier
+from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.file_names import (
     CONFIG_NAME,
     INDEX_NAME,
     MANIFEST_NAME,
     SHARD_NAME,
 )
+from glmconv.io.jsonfile import JsonObject
 from glmconv.io.output import check_overlap, copy_new, manifest_fields, write_new
 from glmconv.io.safetensors.like_files import LikeFiles, fit
 from glmconv.io.safetensors.like_fp8 import LikeFp8
@@ -60,6 +61,7 @@ from glmconv.io.torch_dist.byte_route import Span, locate, scanned_extents
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import expect_torch_dist
 from glmconv.plan import FP8, Mapping
+from glmconv.progress import Progress
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.backward import (
@@ -79,7 +81,12 @@ from glmconv.runners.export_job import (
     source_job,
 )
 from glmconv.runners.flow import PlanRun, balanced, check_once, publish_run, shares
+from glmconv.runners.ranks import Group
 
+if TYPE_CHECKING:
+    import torch
+
+Made = tuple[str, "torch.Tensor | list[Extent]"]  # an HF tensor, made, or its bytes' extents in the .distcp files
 _RANK_DIR = ".rank-{:05d}"
 
 
@@ -187,21 +194,21 @@ def rank_dir(stage: Path, rank: int) -> Path:
     return stage / _RANK_DIR.format(rank)
 
 
-def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Any,
+def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Progress,
               chunk_bytes: int, check_finite: bool = False, zero_copy: bool = True, threads: int = DEFAULT_THREADS,
               ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> ShareResult:
     """Export one worker's mappings into its own shards, reading, transforming and FP8-encoding on `threads`
     threads ahead of the writer (at most `ahead_bytes` made ahead); the shards are those of the serial path."""
 
     readers = ThreadReaders(job.src, check_finite)
-    stats, consumed, copied = Fp8Stats(), [], 0
+    stats, consumed, copied = Fp8Stats(), list[str](), 0
     if not share:
         return ShareResult(rank, {}, 0, [], 0, stats)
     outputs = [planned_outputs(m, job.dtypes, chunk_bytes) for m in share]
     arrival = [t for ts in outputs for t in ts]
     writer = PlannedShardWriter(rank_dir(stage, rank), arrival, own_shards(job, arrival) or job.max_shard_bytes)
 
-    def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step]:
+    def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step[Made]]:
         for m, planned in zip(share, outputs):
             yield from export_steps(m, planned, readers, job, chunk_bytes, stats, like,
                                     zero_copy=zero_copy, like_src=like_src)
@@ -227,7 +234,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
 
 def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReaders, job: ExportJob, chunk_bytes: int,
                  stats: Fp8Stats, like: LikeFp8 | None, *, zero_copy: bool,
-                 like_src: HfTensorSource | None = None) -> Iterator[Step]:
+                 like_src: HfTensorSource | None = None) -> Iterator[Step[Made]]:
     """One mapping's work for `run_ahead`: its byte route (extents, no memory), else its read-and-encode steps,
     each on its thread's own DcpReader (which keeps the one stored chunk it last loaded: steps of a mapping that
     share a chunk on one thread read it once); a mapping SRC lacks (`job.from_like`) is made from --like's."""
@@ -378,7 +385,7 @@ def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[
     return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
 
 
-class ExportRun(PlanRun):
+class ExportRun(PlanRun[ShareResult]):
     """Export's steps of the shared flow: each rank writes shards into its own folder; rank 0 names them."""
 
     verb = "export"
@@ -398,7 +405,7 @@ class ExportRun(PlanRun):
     def share_items(self, share: list[Mapping]) -> int:
         return sum(len(planned_outputs(m, self.job.dtypes, self.opts.chunk_bytes)) for m in share)
 
-    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> ShareResult:
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> ShareResult:
         o = self.opts
         return run_share(self.job, share, rank, stage, prog, o.chunk_bytes, o.check_finite, o.zero_copy, o.threads,
                          o.ahead_bytes)
@@ -408,7 +415,7 @@ class ExportRun(PlanRun):
         check_once((n for r in results for n in r.consumed), self.job.plan.mcore_index, "consumed")
         check_once((n for r in results for n in r.weight_map), self.job.plan.hf_index, "written")
 
-    def finish(self, stage: Path, results: list[ShareResult], world: int) -> dict[str, Any]:
+    def finish(self, stage: Path, results: list[ShareResult], world: int) -> JsonObject:
         try:
             shards, total = merge_shards(stage, results, self.job.like_files)
             write_sidecars(self.job, stage, fp8_stats(results))

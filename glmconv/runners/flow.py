@@ -9,15 +9,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.jsonfile import JsonObject
 from glmconv.plan import Mapping
-from glmconv.progress import COPY, FLUSH, PUBLISH, VERIFY, say
-from glmconv.runners.ranks import broadcast, gather, progress, run_on_output, try_, try_none
+from glmconv.progress import COPY, FLUSH, PUBLISH, VERIFY, Progress, say
+from glmconv.runners.ranks import Group, broadcast, gather, progress, run_on_output, try_, try_none
+
+R = TypeVar("R")  # what one rank's share comes back as, gathered on rank 0 (each direction has its own)
 
 
-class PlanRun(ABC):
+class PlanRun(ABC, Generic[R]):
     """One direction of the plan (convert or export); an instance travels to every worker process."""
 
     verb: str
@@ -38,22 +41,22 @@ class PlanRun(ABC):
         """The tensors `share` writes (`noun`), as the summary counts them."""
 
     @abstractmethod
-    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> Any:
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> R:
         """Write `share` into `stage` (`group`: the ranks' process group, None alone); the result goes to rank 0."""
 
     @abstractmethod
-    def check(self, results: list[Any]) -> None:
+    def check(self, results: list[R]) -> None:
         """Rank 0: every source tensor read once and every destination written once, across all ranks."""
 
-    def after_check(self, rank: int, stage: Path, group: Any) -> None:  # noqa: B027 - an optional step
+    def after_check(self, rank: int, stage: Path, group: Group) -> None:
         """Every rank, once the shares are checked: collective steps of the output format (none by default)."""
 
     @abstractmethod
-    def finish(self, stage: Path, results: list[Any], world: int) -> dict[str, Any]:
+    def finish(self, stage: Path, results: list[R], world: int) -> JsonObject:
         """Rank 0: sidecars and verification of the staged output; the summary to publish."""
 
 
-def run_plan(run: PlanRun, stage: Path, rank: int, world: int, group: Any) -> dict[str, Any]:
+def run_plan(run: PlanRun[R], stage: Path, rank: int, world: int, group: Group) -> JsonObject:
     """One rank's part of `run` (the `fn` that `ranks.run_on_output` calls); rank 0's summary on every rank."""
     share = run.share_of(rank, world)
     label = f"{run.verb} [{rank}/{world}]" if world > 1 else run.verb
@@ -62,21 +65,20 @@ def run_plan(run: PlanRun, stage: Path, rank: int, world: int, group: Any) -> di
         prog.phase(COPY, f"{prog.total_bytes / 1e9:.3f} GB in {prog.total_items:,} {run.noun}")
         outcome = try_(lambda: run.run_share(share, rank, stage, prog, group))
         prog.phase(FLUSH, f"(copy done: {prog.summary_line()})")
-        results = gather(group, outcome, world)
+        gathered = gather(group, outcome, world)
+        results = [r for r in gathered if not isinstance(r, str)]
         error = None
         if rank == 0:
-            error = next((r for r in results if isinstance(r, str)), None) or try_none(lambda: run.check(results))
+            error = next((r for r in gathered if isinstance(r, str)), None) or try_none(lambda: run.check(results))
         _raise(broadcast(group, error))
         run.after_check(rank, stage, group)
         prog.phase(VERIFY)
         verdict = try_(lambda: run.finish(stage, results, world)) if rank == 0 else None
-    verdict = broadcast(group, verdict)
-    _raise(verdict if isinstance(verdict, str) else None)
-    return verdict
+    return _summary(broadcast(group, verdict))
 
 
-def publish_run(run: PlanRun, out: Path, inputs: dict[str, Path | None], force: bool, workers: int,
-                space_check: Callable[[], Any] | None) -> dict[str, Any]:
+def publish_run(run: PlanRun[R], out: Path, inputs: dict[str, Path | None], force: bool, workers: int,
+                space_check: Callable[[], object] | None) -> JsonObject:
     """`run` staged beside `out`, run on `workers` ranks, verified and published: how every command writes."""
 
     return run_on_output(out, inputs, force, run_plan, (run,), workers, run.verb, space_check=space_check,
@@ -118,3 +120,11 @@ def check_once(names: Iterable[str], planned: Iterable[str], what: str) -> None:
 def _raise(error: str | None) -> None:
     if error:
         raise GlmconvError(error)
+
+
+def _summary(verdict: JsonObject | str | None) -> JsonObject:
+    """Rank 0's summary; its error (a message) raised on every rank."""
+    if isinstance(verdict, dict):
+        return verdict
+    _raise(verdict)
+    raise GlmconvError("rank 0 reported no summary")

@@ -18,8 +18,9 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
 from glmconv import interrupt
 from glmconv.errors import GlmconvError
@@ -28,7 +29,16 @@ from glmconv.io.output import STAGING_SUFFIX
 from glmconv.lock import OutputLock
 from glmconv.progress import Progress
 
-RankFn = Callable[..., dict[str, Any]]
+if TYPE_CHECKING:
+
+    from torch.distributed import ProcessGroup
+
+
+    Group: TypeAlias = ProcessGroup | None  # the ranks' gloo group; None: one rank, in this process
+
+T = TypeVar("T")  # a value that travels between ranks
+S = TypeVar("S")  # what a rank function returns: rank 0's summary (a dict)
+RankFn = Callable[..., S]  # `fn(*args, rank, world, group)`: the arguments differ per runner
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _HELD: list[int] = []  # a worker's flocked staging marker
 _EXIT: dict[str, bool] = {"cli": False, "group_open": False}  # see `cli_ends_the_process` and `leave_now`
@@ -46,7 +56,7 @@ def staging_dir(out: Path) -> Path:
 
 # ---- errors that every rank must see -----------------------------------------------------------------
 
-def try_(fn: Callable[[], Any]) -> Any:
+def try_(fn: Callable[[], T]) -> T | str:
     """Run `fn`; a user-facing error becomes its message (so every rank still reaches the collectives)."""
     try:
         return fn()
@@ -54,22 +64,23 @@ def try_(fn: Callable[[], Any]) -> Any:
         return str(exc)
 
 
-def try_none(fn: Callable[[], Any]) -> str | None:
+def try_none(fn: Callable[[], object]) -> str | None:
     out = try_(fn)
     return out if isinstance(out, str) else None
 
 
-def gather(group: Any, value: Any, world: int) -> list[Any]:
+def gather(group: Group, value: T, world: int) -> list[T]:
+    """Every rank's `value`, in rank order, on every rank."""
     if group is None:
         return [value]
     import torch.distributed as dist
 
-    out: list[Any] = [None] * world
+    out: list[object] = [None] * world
     dist.all_gather_object(out, value, group=group)
-    return out
+    return cast("list[T]", out)  # every slot now holds a rank's `value`
 
 
-def broadcast(group: Any, value: Any) -> Any:
+def broadcast(group: Group, value: T) -> T:
     """Rank 0's `value`, seen by every rank."""
     if group is None:
         return value
@@ -80,12 +91,12 @@ def broadcast(group: Any, value: Any) -> Any:
     return box[0]
 
 
-def collective_error(group: Any, error: str | None) -> str | None:
+def collective_error(group: Group, error: str | None) -> str | None:
     """Rank 0's verdict, seen by every rank."""
     return broadcast(group, error)
 
 
-def progress(label: str, total: int, items: int, enabled: bool, noun: str = "tensors") -> Any:
+def progress(label: str, total: int, items: int, enabled: bool, noun: str = "tensors") -> Progress:
 
     return Progress(label, total, items, enabled=enabled, noun=noun)
 
@@ -98,9 +109,9 @@ def torchrun_env() -> tuple[int, int] | None:
     return (int(os.environ["RANK"]), world) if world > 1 and "RANK" in os.environ else None
 
 
-def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: RankFn, args: tuple[Any, ...],
-                  workers: int, what: str, space_check: Callable[[], Any] | None = None,
-                  on_publish: Callable[[], None] | None = None) -> dict[str, Any]:
+def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: RankFn[S], args: tuple[object, ...],
+                  workers: int, what: str, space_check: Callable[[], object] | None = None,
+                  on_publish: Callable[[], None] | None = None) -> S:
     """Check OUT against the inputs, then stage, run every rank and publish, holding OUT's exclusive lock.
 
     `space_check` (glmconv/space.py) runs once OUT is known to be writable, before anything is written;
@@ -132,8 +143,8 @@ def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: Ra
             raise really from None
 
 
-def _run_staged(out: Path, real: Path, force: bool, fn: RankFn, args: tuple[Any, ...], workers: int,
-                what: str, on_publish: Callable[[], None] | None = None) -> dict[str, Any]:
+def _run_staged(out: Path, real: Path, force: bool, fn: RankFn[S], args: tuple[object, ...], workers: int,
+                what: str, on_publish: Callable[[], None] | None = None) -> S:
     """The lead makes the staging directory, runs the ranks, publishes; on any failure it discards the stage."""
     env = torchrun_env()
     stage = output.open_stage(real) if env is None or env[0] == 0 else None
@@ -150,8 +161,8 @@ def _run_staged(out: Path, real: Path, force: bool, fn: RankFn, args: tuple[Any,
         raise
 
 
-def run_ranks(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
-              stage: output.Stage | None = None) -> dict[str, Any]:
+def run_ranks(fn: RankFn[S], args: tuple[object, ...], workers: int, what: str,
+              stage: output.Stage | None = None) -> S:
     """`fn(*args, rank, world, group)` under torchrun, in `workers` processes, or here; rank 0's summary."""
     env = torchrun_env()
     if env is not None:
@@ -173,7 +184,7 @@ def leave_now(code: int) -> None:
         os._exit(code)
 
 
-def _torchrun_rank(fn: RankFn, args: tuple[Any, ...], rank: int, world: int) -> dict[str, Any]:
+def _torchrun_rank(fn: RankFn[S], args: tuple[object, ...], rank: int, world: int) -> S:
     """One torchrun rank. A gloo group torn down (destroy, or the interpreter's exit) while a peer tears its
     own down aborts a rank now and then ("terminate called without an active exception"): once every rank is
     past its last collective (counted on torchrun's store, which outlives the ranks), the command line's
@@ -208,7 +219,7 @@ def _all_past_collectives(world: int) -> None:
         time.sleep(0.01)
 
 
-def _then_barrier(result: Any) -> Any:
+def _then_barrier(result: T) -> T:
     """`result`, once every rank has it: no rank tears the gloo group down while a peer is still in a collective
     (seen under torchrun: a rank that exits early makes its peer's gloo thread abort in destroy_process_group)."""
     import torch.distributed as dist
@@ -217,8 +228,8 @@ def _then_barrier(result: Any) -> Any:
     return result
 
 
-def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
-          stage: output.Stage | None = None) -> dict[str, Any]:
+def spawn(fn: RankFn[S], args: tuple[object, ...], workers: int, what: str,
+          stage: output.Stage | None = None) -> S:
     """--workers N on one machine: N gloo processes, each running its rank of `fn`.
 
     The workers die with this process (`_bind_to_parent`) and, on any failure or interruption here, are
@@ -254,7 +265,7 @@ def spawn(fn: RankFn, args: tuple[Any, ...], workers: int, what: str,
         raise GlmconvError(errors[0])
     if not any(isinstance(o, dict) for o in outcomes):
         raise GlmconvError(f"no {what} worker reported a result; nothing published")
-    return next(o for o in outcomes if isinstance(o, dict))
+    return cast("S", next(o for o in outcomes if isinstance(o, dict)))  # not a message: what `fn` returned
 
 
 @contextmanager
@@ -285,7 +296,7 @@ def _tracker_relaunch_quiet() -> Iterator[None]:
         yield
 
 
-def _kill(procs: list[Any]) -> None:
+def _kill(procs: list[SpawnProcess]) -> None:
     """SIGKILL every started worker and wait for it: nothing of theirs writes after this returns."""
     for p in procs:
         if p.pid is not None and p.is_alive():
@@ -313,7 +324,7 @@ class _Link:
     unregister semaphores it never saw (a KeyError traceback on the user's terminal). A pipe registers nothing.
     """
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: SpawnContext) -> None:
         self.out_recv, self.out_send = ctx.Pipe(duplex=False)
         self.done_recv, self.done_send = ctx.Pipe(duplex=False)
 
@@ -330,7 +341,7 @@ class _Link:
             conn.close()
 
 
-def _collect(links: list[_Link], procs: list[Any]) -> tuple[list[Any], list[str]]:
+def _collect(links: list[_Link], procs: list[SpawnProcess]) -> tuple[list[object], list[str]]:
     """One outcome per worker, and the workers that died (killed, or exited non-zero) before all were in.
 
     A dead worker is noticed at once, whatever phase it died in (importing torch, joining the group, inside a
@@ -338,12 +349,13 @@ def _collect(links: list[_Link], procs: list[Any]) -> tuple[list[Any], list[str]
     the workers go once every outcome is in: no rank leaves while a peer may still be in a collective.
     """
 
-    outcomes: list[Any] = []
+    outcomes: list[object] = []
     died: list[str] = []
     waiting = {link.out_recv: link for link in links}
     try:
         while waiting and not died:
-            for conn in wait(list(waiting), timeout=DEATH_POLL_S):
+            ready = wait(list(waiting), timeout=DEATH_POLL_S)
+            for conn in [c for c in list(waiting) if c in ready]:
                 del waiting[conn]
                 try:
                     outcomes.append(conn.recv())
@@ -362,8 +374,8 @@ def _collect(links: list[_Link], procs: list[Any]) -> tuple[list[Any], list[str]
     return outcomes, died
 
 
-def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Path, results: Connection, parent: int,
-            hold: tuple[Path, str] | None, done: Connection) -> None:
+def _worker(fn: RankFn[S], args: tuple[object, ...], rank: int, world: int, store: Path, results: Connection,
+            parent: int, hold: tuple[Path, str] | None, done: Connection) -> None:
     """One rank of --workers: bound to its parent's life, holding the run's staging directory, never publishing.
 
     It ends with `os._exit`, never tearing gloo down: a gloo group destroyed, or its threads met by the
@@ -398,7 +410,7 @@ def _worker(fn: RankFn, args: tuple[Any, ...], rank: int, world: int, store: Pat
         _leave(results, done if ok else None)
 
 
-def _send(results: Connection, outcome: Any) -> None:
+def _send(results: Connection, outcome: object) -> None:
     try:
         results.send(outcome)
     except OSError:

@@ -34,6 +34,7 @@ from glmconv.io import finite, sidecars
 from glmconv.io.byte_copy import Extent
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
+from glmconv.io.jsonfile import JsonObject
 from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
@@ -46,12 +47,12 @@ from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.megatron_args import relaid_common_state
 from glmconv.mistakes import expect_torch_dist
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
+from glmconv.progress import Progress
 from glmconv.rules import layouts, names
 from glmconv.rules.ops import Rename
 from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import F32
 from glmconv.runners import audit as audit_mod
-from glmconv.runners import export as export_mod
 from glmconv.runners.convert import layout_summary
 from glmconv.runners.export_job import (
     ExportJob,
@@ -60,8 +61,10 @@ from glmconv.runners.export_job import (
     from_like_summary,
     like_tensors,
     read_manifest,
+    source_job,
 )
 from glmconv.runners.flow import PlanRun, check_once, publish_run
+from glmconv.runners.ranks import Group
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +127,7 @@ def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | Non
     src_p = Path(src)
     expect_torch_dist(src_p, "relayout")  # an HF directory: convert was meant
     check_overlap(Path(out), {"input": src_p, "--like directory": Path(like) if like is not None else None})
-    job = export_mod.source_job(src_p, like=like, config_option=None)
+    job = source_job(src_p, like=like, config_option=None)
     if job.plan.layout == to:
         raise GlmconvError(f"{src_p}: already in the {to} layout; relayout --to {to} would only copy it "
                            f"(cp -r does that)")
@@ -147,6 +150,7 @@ def _stored_like(job: ExportJob) -> Plan:
     if not job.from_like:
         return job.plan
 
+    assert job.like is not None  # tensors come from --like only when it is given
     stored = {n: t.dtype for n, t in inspect_hf_checkpoint(job.like).tensors.items()}
     dtypes = {}
     for key in job.from_like:
@@ -209,7 +213,7 @@ def _extents(src_m: Mapping, reader: DcpReader, pieces: list[Piece]) -> list[Ext
     return route_extents(reader, piece_spans(pieces, [t.name for t in src_m.mcore]))
 
 
-def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]) -> Any:
+def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]) -> FileTensor:
     import torch
 
 
@@ -352,7 +356,7 @@ def relayout(job: RelayoutJob, opts: RelayoutOptions, *, force: bool = False) ->
                        (lambda: space_plan(job, True)) if opts.space_check else None)
 
 
-class RelayoutRun(PlanRun):
+class RelayoutRun(PlanRun[Counts]):
     """Relayout's steps of the shared flow (one rank): DCP data files, then objects, common state, metadata."""
 
     verb = "relayout"
@@ -360,7 +364,7 @@ class RelayoutRun(PlanRun):
 
     def __init__(self, job: RelayoutJob, opts: RelayoutOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
-        self._writer: Any = None
+        self._writer: DcpWriter | None = None
 
     def share_of(self, rank: int, world: int) -> list[Mapping]:
         return list(self.job.target.mappings)
@@ -371,9 +375,9 @@ class RelayoutRun(PlanRun):
     def share_items(self, share: list[Mapping]) -> int:
         return sum(len(m.mcore) for m in share)
 
-    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Any, group: Any) -> Counts:
+    def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> Counts:
 
-        self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog)
+        writer = self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog)
         reader = DcpReader(self.job.src)
         counts = Counts()
         pairs = {m.key: src for src, m in self.job.pairs}
@@ -384,20 +388,21 @@ class RelayoutRun(PlanRun):
                                        like_src if m.key in self.job.from_like else None)
 
         with like_tensors(self.job.like, share, self.job.from_like) as like_src:
-            self._writer.write_stream(chunks(like_src), self.opts.group_bytes)
+            writer.write_stream(chunks(like_src), self.opts.group_bytes)
         counts.bytes_read = reader.bytes_read
         return counts
 
     def check(self, results: list[Counts]) -> None:
         check_once((n for r in results for n in r.consumed), self.job.source.mcore_index, "consumed")
 
-    def after_check(self, rank: int, stage: Path, group: Any) -> None:
+    def after_check(self, rank: int, stage: Path, group: Group) -> None:
         """The `_extra_state` objects the target plan asks for, then DCP's metadata and the common state."""
 
+        assert self._writer is not None  # run_share made it
         self._writer.write_objects({key: empty_extra_state() for key in self.job.target.mcore_objects()})
         self._writer.finish(self.job.common)
 
-    def finish(self, stage: Path, results: list[Counts], world: int) -> dict[str, Any]:
+    def finish(self, stage: Path, results: list[Counts], world: int) -> JsonObject:
         write_sidecars(self.job, stage)
         verify_staged(self.job, stage)
         c = results[0]

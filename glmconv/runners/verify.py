@@ -14,26 +14,31 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from glmconv.ahead import Step, run_ahead
 from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE, DEFAULT_THREADS, DEFAULT_WORKERS
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.dtypes import torch_dtype
+from glmconv.io.jsonfile import JsonObject
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import check_pair, check_same_model
 from glmconv.numerics.dequant import require_device, share_dequantizer
 from glmconv.plan import Mapping, Plan
+from glmconv.progress import Progress
 from glmconv.rules.table import BF16, F32
 from glmconv.runners import convert, export_job
 from glmconv.runners.backward import ThreadReaders
 from glmconv.runners.flow import shares
-from glmconv.runners.ranks import gather, progress, run_ranks, try_
+from glmconv.runners.ranks import Group, gather, progress, run_ranks, try_
 
 if TYPE_CHECKING:
     import torch
 
+
+    # one step's outcome: (pair index, Megatron bytes compared, whether it ends the pair, its mismatches)
+    Compared = tuple[int, int, bool, list["Mismatch"]]
 
 LISTED = 100  # mismatches listed in the summary (all are counted)
 
@@ -59,7 +64,7 @@ class Mismatch:
     of: int
     max_abs_diff: float
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JsonObject:
         return {"hf": self.hf, "mcore": self.mcore, "rows": list(self.rows) if self.rows else None,
                 "values": self.values, "of": self.of, "max_abs_diff": self.max_abs_diff}
 
@@ -92,7 +97,7 @@ class VerifyOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
 
-def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> dict[str, Any]:
+def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> JsonObject:
     """Compare every pair; the summary says whether all are equal, with the first and the worst mismatch (the
     same whatever the workers and threads: mismatches are put back in the pairs' order)."""
 
@@ -102,7 +107,8 @@ def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> dict[str, A
     return summary(job, found, time.monotonic() - start)
 
 
-def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int, group: Any) -> dict[str, Any]:
+def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int,
+                group: Group) -> dict[str, list[Mismatch]]:
     """One rank's share of the pairs; every rank returns all mismatches, in the pairs' order."""
 
     mine = pair_share(job, rank, world)
@@ -110,10 +116,11 @@ def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int, grou
     total = sum(job.pairs[i][1].mcore_bytes for i in mine)
     with progress(label, total, len(mine), opts.progress and rank == 0, "mappings") as prog:
         outcome = try_(lambda: compare_share(job, mine, prog, opts, rank, world))
-    results = gather(group, outcome, world)
-    error = next((r for r in results if isinstance(r, str)), None)
+    gathered = gather(group, outcome, world)
+    error = next((r for r in gathered if isinstance(r, str)), None)
     if error:
         raise GlmconvError(error)
+    results = [r for r in gathered if not isinstance(r, str)]
     tagged = sorted((t for r in results for t in r), key=lambda t: t[0])  # stable: steps keep their order
     return {"found": [m for _, m in tagged]}
 
@@ -124,7 +131,7 @@ def pair_share(job: VerifyJob, rank: int, world: int) -> list[int]:
     return sorted(index[id(m)] for m in shares([hf_m for hf_m, _ in job.pairs], world)[rank])
 
 
-def compare_share(job: VerifyJob, mine: list[int], prog: Any, opts: VerifyOptions, rank: int,
+def compare_share(job: VerifyJob, mine: list[int], prog: Progress, opts: VerifyOptions, rank: int,
                   world: int) -> list[tuple[int, Mismatch]]:
     """Compare pairs `mine` on `opts.threads` threads (each with its own DcpReader), FP8 dequantised where
     convert would dequantise it; mismatches tagged with their pair's index."""
@@ -133,7 +140,7 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Any, opts: VerifyOption
     fp8 = convert.fp8_bytes([job.pairs[i][0] for i in mine])
     found: list[tuple[int, Mismatch]] = []
 
-    def steps(source: HfTensorSource) -> Iterator[Step]:
+    def steps(source: HfTensorSource) -> Iterator[Step[Compared]]:
         for i in mine:
             yield from compare_steps(i, *job.pairs[i], source, readers, job.mcore.stored_rows, opts.chunk_bytes)
 
@@ -147,7 +154,7 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Any, opts: VerifyOption
 
 
 def compare_steps(i: int, hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, readers: ThreadReaders,
-                  stored_rows: dict[str, int], chunk_bytes: int) -> Iterator[Step]:
+                  stored_rows: dict[str, int], chunk_bytes: int) -> Iterator[Step[Compared]]:
     """Pair `i` as `run_ahead` steps, each reading on its thread's reader and comparing both ways; a step makes
     one chunk: (i, Megatron bytes compared, whether it ends the pair, its mismatches)."""
     steps = hf_m.row_steps(chunk_bytes)
@@ -158,8 +165,13 @@ def compare_steps(i: int, hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, 
     total, n = mc_m.mcore_bytes, max(mc_m.mcore[0].shape[0], 1)
     for k, (rows, picks) in enumerate(steps):
         nbytes, last = total * rows.stop // n - total * rows.start // n, k == len(steps) - 1
-        yield Step(0, lambda rows=rows, picks=picks, nbytes=nbytes, last=last: [
-            (i, nbytes, last, list(compare_rows(hf_m, mc_m, source, readers.get(), rows, picks)))])
+        yield _rows_step(i, hf_m, mc_m, source, readers, rows, picks, nbytes, last)
+
+
+def _rows_step(i: int, hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, readers: ThreadReaders,
+               rows: range, picks: list[int], nbytes: int, last: bool) -> Step[Compared]:
+    """Rows `rows` of pair `i` compared both ways, on the thread's own reader."""
+    return Step(0, lambda: [(i, nbytes, last, list(compare_rows(hf_m, mc_m, source, readers.get(), rows, picks)))])
 
 
 def compare_whole(hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, reader: DcpReader,
@@ -244,7 +256,7 @@ def dtype_changes(job: VerifyJob) -> dict[str, int]:
     return changes
 
 
-def summary(job: VerifyJob, found: list[Mismatch], elapsed: float) -> dict[str, Any]:
+def summary(job: VerifyJob, found: list[Mismatch], elapsed: float) -> JsonObject:
     """Counts, the first and the worst mismatch, and up to LISTED of them."""
     plan: Plan = job.mcore.plan
     hf_names = sum(len(hf_m.hf) + sum(1 for s in hf_m.scales if s) for hf_m, _ in job.pairs)

@@ -78,7 +78,7 @@ def inspect_hf_checkpoint(path: str | Path, *, strict: bool = True) -> HfCheckpo
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(f"{show(p.file)}: {p.message}{more}")
     return HfCheckpoint(path=root, config=config, index_file=index_file, tensors=tensors,
-                        text_prefix=detect_text_prefix(tensors.keys()), problems=problems)
+                        text_prefix=detect_text_prefix(set(tensors)), problems=problems)
 
 
 def _check_dir(root: Path) -> None:

@@ -84,7 +84,7 @@ class HfTensorSource:
             extent = Extent(extent.path, extent.offset + start * row_bytes, row_bytes * (stop - start))
             shape[0] = stop - start
         out = torch.empty(extent.length, dtype=torch.uint8, pin_memory=pin)
-        self._shards.read_into([extent], memoryview(out.numpy()))
+        self._shards.read_into([extent], out.numpy().data)
         return out.view(torch_dtype(e.dtype)).reshape(shape)
 
     def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:

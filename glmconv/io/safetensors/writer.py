@@ -144,7 +144,7 @@ class ShardWriter(_Closing):
             try:
                 _pwrite_all(fd, head, 0)
                 for name, tensor in self._buffer.items():
-                    _pwrite_all(fd, memoryview(tensor.reshape(-1).view(_u8()).numpy()).cast("B"), offsets[name])
+                    _pwrite_all(fd, tensor.reshape(-1).view(_u8()).numpy().data.cast("B"), offsets[name])
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -283,7 +283,7 @@ class PlannedShardWriter(_Closing):
                 raise CheckpointError(f"{name}: {got} {list(tensor.shape)} written, planned {t.dtype} {list(t.shape)}")
             data = tensor.detach().contiguous().reshape(-1).view(_u8()).numpy()
             self._check_size(t, data.nbytes)
-            _pwrite_all(self._fd_for(t), memoryview(data).cast("B"), self._offsets[name])
+            _pwrite_all(self._fd_for(t), data.data.cast("B"), self._offsets[name])
             self._done(t)
         except BaseException as exc:
             self._fail(exc)

@@ -16,7 +16,7 @@ import types
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
@@ -24,8 +24,21 @@ from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY
 from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES, OpaqueValue
 from glmconv.io.torch_dist.reader import read_bytes_entry
 
+if TYPE_CHECKING:
+    class _PyPickler(pickle._Pickler):
+        """The Python pickler's undocumented internals that `_StandInPickler` uses (typeshed leaves them out)."""
 
-class _StandInPickler(pickle._Pickler):  # type: ignore[name-defined, misc]  # the Python pickler: save_global
+        proto: int
+
+        def save(self, obj: object) -> None: ...
+        def write(self, data: bytes) -> None: ...
+        def memoize(self, obj: object) -> None: ...
+        def save_global(self, obj: object, name: str | None = None) -> None: ...
+else:
+    _PyPickler = pickle._Pickler  # the Python pickler: save_global can be overridden
+
+
+class _StandInPickler(_PyPickler):
     """pickle's own (Python) pickler, writing a stand-in class as the megatron global it stands for, by name: a
     trainer's unpickler finds the real class there; megatron is never imported here."""
 
@@ -44,7 +57,7 @@ class _StandInPickler(pickle._Pickler):  # type: ignore[name-defined, misc]  # t
 
 
 STAND_IN_PICKLE = types.ModuleType("glmconv_stand_in_pickle")  # torch.save(..., pickle_module=STAND_IN_PICKLE)
-STAND_IN_PICKLE.Pickler = _StandInPickler  # type: ignore[attr-defined]
+STAND_IN_PICKLE.Pickler = _StandInPickler  # type: ignore[attr-defined]  # a module built here
 
 
 def pickle_module_for(obj: Any) -> Any:
@@ -82,12 +95,18 @@ class _TorchDecides(Exception):
     """Something `_without_torch` does not read (a tensor, another global, another format): torch.load decides."""
 
 
+def _module_and_name(qualname: str) -> tuple[str, str]:
+    """`"a.b.C"` -> `("a.b", "C")`, as pickle names a global."""
+    module, _, name = qualname.rpartition(".")
+    return module, name
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """The allow-list of `_with_torch` (SAFE_CLASSES, the opaque megatron stand-ins, OrderedDict), nothing else."""
 
     ALLOWED: dict[tuple[str, str], Any] = {
         **{(c.__module__, c.__qualname__): c for c in SAFE_CLASSES},
-        **{tuple(name.rsplit(".", 1)): cls for cls, name in OPAQUE_CLASSES},
+        **{_module_and_name(name): cls for cls, name in OPAQUE_CLASSES},
         ("collections", "OrderedDict"): OrderedDict}
 
     def find_class(self, module: str, name: str) -> Any:

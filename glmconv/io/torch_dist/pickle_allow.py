@@ -46,7 +46,7 @@ class OpaqueValue:
     def __reduce__(self) -> tuple[Any, ...]:
         args = getattr(self, "args", None)  # None: it was made by NEWOBJ (cls.__new__), as copyreg pickles objects
         if args is None:
-            return (copyreg.__newobj__, (type(self),), self.state)
+            return (copyreg.__newobj__, (type(self),), self.state)  # type: ignore[attr-defined]  # typeshed omits it
         return (type(self), args) if self.state is None else (type(self), args, self.state)
 
     def __repr__(self) -> str:

@@ -42,6 +42,7 @@ from glmconv.numerics.finite import require_finite
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 
 class DcpReader:
@@ -51,8 +52,8 @@ class DcpReader:
         self.ckpt: DcpCheckpoint = inspect_torch_dist(path)  # tracker, metadata.json, data files present
         self._check_finite = check_finite
         metadata = load_metadata(self.ckpt.iter_dir / DCP_METADATA_NAME)
-        self._entries: dict[str, Any] = {k: v for k, v in metadata.state_dict_metadata.items()
-                                         if k in self.ckpt.tensors}
+        self._entries: dict[str, TensorStorageMetadata] = {  # `inspect_torch_dist` checked these are tensors'
+            k: v for k, v in metadata.state_dict_metadata.items() if k in self.ckpt.tensors}
         self._storage: dict[Any, Any] = dict(metadata.storage_data or {})
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
         self._raw: dict[tuple[str, tuple[int, ...]], Extent | None] = {}
@@ -167,7 +168,7 @@ class DcpReader:
         """Forget the last chunk read (kept so that row-by-row reads of one chunk load it once)."""
         self._cache = None
 
-    def _entry(self, name: str) -> Any:
+    def _entry(self, name: str) -> TensorStorageMetadata:
         entry = self._entries.get(name)
         if entry is None:
             raise CheckpointError(f"{name}: not a tensor of {self.iter_dir}")
@@ -205,8 +206,8 @@ class DcpReader:
         path = self._data_file(name, info)
         try:
             with open(path, "rb") as fh:  # torch.load reads the chunk in place: no copy of its bytes
-                tensor = torch.load(_Slice(fh, int(info.offset), int(info.length)), map_location="cpu",
-                                    weights_only=True)
+                tensor = torch.load(_Slice(fh, int(info.offset), int(info.length)),  # type: ignore[arg-type]
+                                    map_location="cpu", weights_only=True)  # (a file-like: torch reads, seeks)
         except OSError as exc:
             raise CheckpointError(f"{path.name}: cannot read {name} ({exc.strerror or exc})") from None
         except Exception as exc:  # whatever torch.load raises on a damaged archive

@@ -138,7 +138,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         if where not in ENUMS:
             members: dict[str, Any] = {}
         elif stand_in:  # the stand-in of the member's value, as a member pickled by value loads
-            members = {n: cls(value) for n, value in ENUM_MEMBERS[where].items()}  # type: ignore[index]
+            members = {n: cls(value) for n, value in ENUM_MEMBERS[where].items()}
         else:
             members = dict(cls.__members__)
         if isinstance(name, str) and name in members:
@@ -159,7 +159,7 @@ def safe_load(path: str | Path, *, stand_ins: bool = False) -> Any:
     p = Path(path)
     try:
         with open(p, "rb") as fh:
-            return RestrictedUnpickler(fh, p.name, stand_ins).load()  # type: ignore[arg-type]
+            return RestrictedUnpickler(fh, p.name, stand_ins).load()
     except CheckpointError:
         raise
     except OSError as exc:

@@ -59,7 +59,7 @@ class FileTensor:
         import torch
 
         out = torch.empty(self.nbytes, dtype=torch.uint8)
-        read_into(self.extents, memoryview(out.numpy()))
+        read_into(self.extents, out.numpy().data)
         return out.view(self.dtype).reshape(self.shape)
 
 
@@ -156,7 +156,7 @@ def save_tensor(fd: int, tensor: torch.Tensor | FileTensor, copier: FileCopier) 
         data = tensor.detach().contiguous()
     try:
         with no_crc32():
-            torch.save(data, sink)
+            torch.save(data, sink)  # type: ignore[arg-type]  # a file-like: torch only writes, tells, flushes
     except Exception:
         if sink.error is not None:
             raise sink.error from None  # the copy's own error, not torch's "unexpected pos" about the output

@@ -38,20 +38,18 @@ from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-    MetadataIndex,
-    TensorStorageMetadata,
-)
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-
+    _Entry: TypeAlias = TensorStorageMetadata | BytesStorageMetadata
+    _Part: TypeAlias = tuple[dict[str, _Entry], dict[MetadataIndex, _StorageInfo], str | None]
 
 BACKEND_CONFIG = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1}
 _OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
-_Entry = "TensorStorageMetadata | BytesStorageMetadata"
-_Part = tuple[dict[str, _Entry], dict["MetadataIndex", "_StorageInfo"], str | None]
 
 
 
@@ -464,7 +462,7 @@ def _new_files_only() -> type:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
 
-    class NewFilesOnly(FileSystem):  # type: ignore[misc]  # torch's class is untyped here
+    class NewFilesOnly(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
             with new_file(Path(path), mode) as f:

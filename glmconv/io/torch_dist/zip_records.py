@@ -27,7 +27,7 @@ def record_start(fh: Any, offset: int, length: int, info: zipfile.ZipInfo) -> in
     start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if start + info.file_size > length:
         return None
-    return offset + start
+    return int(offset + start)
 
 
 def stored_record(fh: Any, offset: int, length: int, info: zipfile.ZipInfo, limit: int) -> bytes | None:
