@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from glmconv.fixtures.generate import FixtureInfo
-from glmconv.fixtures.inits import DEFAULT_INIT, INIT_HELP, INITS
+from glmconv.defaults import DEFAULT_INIT, INIT_CHOICES
+from glmconv.fixtures.generate import FixtureInfo, write_fixture
+from glmconv.fixtures.inits import INIT_HELP
 from glmconv.fixtures.presets import PRESETS, REAL_CUTS
-from glmconv.fixtures.real import RealCutInfo
+from glmconv.fixtures.real import RealCutInfo, write_real_cut
 from glmconv.text import count, printable
 from glmconv_cli.sizes import SEED, SEED_HELP, SIZE
 
@@ -40,7 +41,7 @@ def fixture() -> None:
 @click.option("--fp8", is_flag=True, help="Store the release's FP8 set as e4m3 with 128x128 block scales.")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help=f"Seed of every value ({SEED_HELP}): the same seed gives byte-identical files.")
-@click.option("--init", type=click.Choice(INITS), default=DEFAULT_INIT, show_default=True, help=INIT_HELP)
+@click.option("--init", type=click.Choice(INIT_CHOICES), default=DEFAULT_INIT, show_default=True, help=INIT_HELP)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--no-space-check", "no_space_check", is_flag=True,
               help="real-cut presets: do not refuse an output larger than the free space at OUT (checked first).")
@@ -58,14 +59,10 @@ def make(out: Path, preset: str, layers: int | None, size: int | None, shard_siz
                                  param_hint="--layers")
     info: RealCutInfo | FixtureInfo
     if preset in REAL_CUTS:
-        from glmconv.fixtures.real import write_real_cut
-
         info = write_real_cut(out, preset, layers=layers, fp8=fp8, seed=seed, force=force, shard_bytes=shard_size,
                               init=init, progress=not as_json, space_check=not no_space_check)
         what = f"{preset} {count(info.layers, 'layer')}"
     else:
-        from glmconv.fixtures.generate import write_fixture
-
         info = write_fixture(out, preset, fp8=fp8, seed=seed, force=force, size=size, shard_bytes=shard_size,
                              init=init)
         what = preset

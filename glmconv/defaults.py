@@ -43,6 +43,13 @@ DEFAULT_REPLAY = "none"
 REPLAY_CHOICES = (DEFAULT_REPLAY, "routing", "indexer", "both")
 
 
+# ---- fixtures ---------------------------------------------------------------------------------------
+DEFAULT_PRESET = "tiny"
+DEFAULT_BENCH_BYTES = 10**9  # the bench preset's size without --size
+DEFAULT_INIT = "realistic"
+INIT_CHOICES = (DEFAULT_INIT, "unit")  # the real model's statistics, or every residual stream at RMS ~1
+
+
 def zero_copy() -> bool:
     """Whether bytes that only move are copied file to file (unless GLMCONV_ZERO_COPY=0)."""
     return os.environ.get(ZERO_COPY_ENV, "1") != "0"

@@ -24,3 +24,7 @@ class ConfigError(GlmconvError):
 
 class CheckpointError(GlmconvError):
     """A checkpoint file or directory is missing, malformed or does not match its config."""
+
+
+class FixtureError(GlmconvError):
+    """A fixture cannot be made (unknown preset, output in the way, upstream model disagrees with the plan)."""

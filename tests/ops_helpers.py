@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from glmconv.fixtures.presets import preset_config
+from glmconv.fixtures.configs import preset_config
 
 
 def text_config(**overrides: Any) -> Any:

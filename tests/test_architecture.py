@@ -32,14 +32,14 @@ def _modules() -> Iterator[tuple[str, Path, ast.Module]]:
 
 
 def _target(module: str, node: ast.Import | ast.ImportFrom, is_package: bool) -> list[str]:
-    """The absolute module names an import statement names (a `from X import y` names X.y when y is a module)."""
+    """The names an import statement loads: `from X import y` loads X.y when that is a module, else X."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names]
     base = node.module or ""
     if node.level:
         parts = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
         base = ".".join([*parts, *([node.module] if node.module else [])])
-    return [f"{base}.{a.name}" for a in node.names] + [base]
+    return [f"{base}.{a.name}" for a in node.names]
 
 
 def _is_type_checking(node: ast.AST) -> bool:
@@ -70,7 +70,7 @@ def _resolved(module: str, node: ast.Import | ast.ImportFrom, is_package: bool, 
         if target.split(".")[0] not in PACKAGES:
             out.add(target.split(".")[0])
             continue
-        while target and target not in own:
+        while target and target not in own:  # a name defined in a module: the module
             target = target.rpartition(".")[0]
         if target and target != module:
             out.add(target)

@@ -295,7 +295,7 @@ def test_fixture_with_a_dropped_shard_entry_is_caught(tiny_fp8_ckpt, tmp_path):
 
 @pytest.fixture()
 def tiny_preset_config(tmp_path: Path) -> Path:
-    from glmconv.fixtures.presets import preset_config
+    from glmconv.fixtures.configs import preset_config
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(preset_config("tiny", fp8=True)))

@@ -157,8 +157,10 @@ def assert_nothing_published(out: Path, why: str) -> None:
 @pytest.fixture(scope="module")
 def big_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """cut8's schedule with hidden 128, 64 routed experts of width 64: ~20 MB, 4 shards, seed 0."""
-    from glmconv.fixtures.generate import checked_plan, fixture_tensors
-    from glmconv.fixtures.presets import generation_config, preset_config
+    from glmconv.fixtures.configs import preset_config
+    from glmconv.fixtures.generate import checked_plan
+    from glmconv.fixtures.presets import generation_config
+    from glmconv.fixtures.tensors import fixture_tensors
     from glmconv.io.safetensors.writer import ShardWriter
 
     out = tmp_path_factory.mktemp("kill") / "big"

@@ -18,7 +18,8 @@ from repo_files import REAL_CONFIG
 from glmconv import api
 from glmconv.config import DSA, KDA, parse_config
 from glmconv.fixtures import FixtureError, make_fixture, preset_config, real
-from glmconv.fixtures.generate import fixture_tensors, upstream_shapes
+from glmconv.fixtures.generate import upstream_shapes
+from glmconv.fixtures.tensors import fixture_tensors
 from glmconv.numerics.fp8 import dequantize_fp8_blocks
 from glmconv.plan import FP8
 from glmconv.rules import names

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from glmconv.config import DSA, KDA, parse_config
 from glmconv.errors import GlmconvError
-from glmconv.fixtures import FixtureError, generate, make_fixture, preset_config
+from glmconv.fixtures import FixtureError, generate, make_fixture, preset_config, tensors
 from glmconv.io.file_names import INDEX_NAME
 from glmconv.io.safetensors.writer import ShardWriter
 from glmconv.numerics.fp8 import dequantize_fp8_blocks, scale_shape
@@ -288,7 +288,7 @@ def test_unit_init_is_the_seeded_fan_in_formula(tiny_unit_ckpt):
     layer = names.hf_layer(names.HF_TEXT_PREFIX, 0)
 
     def draw(name: str) -> torch.Tensor:
-        return torch.randn(tuple(t[name].shape), generator=torch.Generator().manual_seed(generate.tensor_seed(0, name)))
+        return torch.randn(tuple(t[name].shape), generator=torch.Generator().manual_seed(tensors.tensor_seed(0, name)))
 
     emb, gate = names.HF_TEXT_PREFIX + "embed_tokens.weight", layer + "mlp.gate_proj.weight"
     norm = layer + "input_layernorm.weight"
@@ -362,7 +362,7 @@ def test_plan_disagreeing_with_transformers_is_refused(monkeypatch):
 
 def test_a_1d_tensor_without_an_init_rule_is_refused():
     with pytest.raises(FixtureError, match="no random init rule"):
-        generate.random_tensor("mystery_vector", "", (4,), seed=0)
+        tensors.random_tensor("mystery_vector", "", (4,), seed=0)
 
 
 def test_non_empty_out_is_refused_unless_forced(tmp_path):

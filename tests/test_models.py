@@ -101,7 +101,7 @@ def test_conventions_defaults_and_overrides() -> None:
 
 def test_every_text_rule_has_a_unique_role() -> None:
     from glmconv.config import parse_config
-    from glmconv.fixtures.presets import preset_config
+    from glmconv.fixtures.configs import preset_config
     from glmconv.models.weights import role_index
     from glmconv.plan import build_plan
 

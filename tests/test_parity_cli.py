@@ -76,7 +76,7 @@ class FakeModel:
 
 @pytest.fixture()
 def dirs(tmp_path: Path) -> tuple[Path, Path]:
-    from glmconv.fixtures.presets import preset_config
+    from glmconv.fixtures.configs import preset_config
 
     hf, mc = tmp_path / "hf", tmp_path / "mc"
     hf.mkdir()

@@ -23,7 +23,7 @@ from glmconv.compare.replay import (
 )
 from glmconv.config import GlmConfig, parse_config
 from glmconv.errors import GlmconvError
-from glmconv.fixtures.presets import preset_config
+from glmconv.fixtures.configs import preset_config
 
 T = 12
 

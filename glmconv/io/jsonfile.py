@@ -14,16 +14,14 @@ import os
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 from glmconv.errors import CheckpointError, GlmconvError
 
-if TYPE_CHECKING:
-
-    # A JSON value, as glmconv writes them (summaries, manifests); what it reads stays `Any` until checked.
-    # Read-only containers: a `list[str]` or `dict[str, int]` is one too.
-    JsonValue: TypeAlias = None | bool | int | float | str | Sequence["JsonValue"] | Mapping[str, "JsonValue"]
-    JsonObject: TypeAlias = dict[str, JsonValue]
+# A JSON value, as glmconv writes them (summaries, manifests); what it reads stays `Any` until checked.
+# Read-only containers: a `list[str]` or `dict[str, int]` is one too.
+JsonValue: TypeAlias = None | bool | int | float | str | Sequence["JsonValue"] | Mapping[str, "JsonValue"]
+JsonObject: TypeAlias = dict[str, JsonValue]
 
 MAX_JSON_BYTES = 256 << 20  # the release's index is ~6 MB, its config ~4 KB: far above either
 MAX_INT_DIGITS = 40  # a u64 has 20; more is a corrupt or hostile file, never a real size or offset

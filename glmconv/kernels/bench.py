@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.kernels import dsa
 from glmconv.kernels.kda import kda_core
-from glmconv.kernels.kpool import kpool_topk as kernel  # triton: imported only where it runs
-from glmconv.kernels.kpool import layout  # triton: imported only where it runs
 from glmconv.ops import dsa as dsa_reference
 from glmconv.ops import kda as kda_reference
 from glmconv.ops import kpool as kpool_reference
@@ -146,6 +144,8 @@ class Row:
 
 def bench_kpool(lengths: Sequence[int], device: str = "cuda") -> Row:
 
+    from glmconv.kernels.kpool import kpool_topk as kernel  # triton: imported only where it runs
+
     reference = kpool_reference.kpool_topk
 
     x, q, w = indexer_inputs(sum(lengths), device)
@@ -240,6 +240,8 @@ def kpool_disagreements(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensor
     """
     import torch
     import torch.nn.functional as F
+
+    from glmconv.kernels.kpool import layout  # triton: imported only where it runs
 
 
     rows = (~same_sets(got, want)).nonzero().flatten().tolist()

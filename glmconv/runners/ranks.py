@@ -30,11 +30,9 @@ from glmconv.lock import OutputLock
 from glmconv.progress import Progress
 
 if TYPE_CHECKING:
-
     from torch.distributed import ProcessGroup
 
-
-    Group: TypeAlias = ProcessGroup | None  # the ranks' gloo group; None: one rank, in this process
+Group: TypeAlias = "ProcessGroup | None"  # the ranks' gloo group; None: one rank, in this process
 
 T = TypeVar("T")  # a value that travels between ranks
 S = TypeVar("S")  # what a rank function returns: rank 0's summary (a dict)

@@ -15,10 +15,9 @@ from glmconv.numerics.fp8 import check_scales, dequantize_fp8_blocks
 from glmconv.rules import names
 
 if TYPE_CHECKING:
-
     import torch
 
-    Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+Dequantize = Callable[["torch.Tensor", "torch.Tensor", "torch.dtype"], "torch.Tensor"]  # (codes, scales, dtype)
 
 
 class HfTensorSource:
