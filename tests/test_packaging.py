@@ -4,6 +4,7 @@ top-level `cli` or `fixtures` package."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,9 +16,14 @@ from repo_files import DEFECTS, FIXTURES, REAL_CONFIG, ROOT
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """A wheel built from a copy of the sources, as from a clean clone (a checkout's stale build/ is not read)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for name in ("setup.py", "setup.cfg", "README.md"):
+        shutil.copy(ROOT / name, src)
+    for name in ("glmconv", "cli", "fixtures"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(out), str(ROOT)], check=True, capture_output=True)
+                    str(out), str(src)], check=True, capture_output=True)
     (built,) = out.glob("glmconv-*.whl")
     return built
 
