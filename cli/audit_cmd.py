@@ -27,26 +27,42 @@ ROWS_PER_KIND = 20
 @click.argument("src", type=click.Path(path_type=str))
 @click.option("--against", "against", type=click.Path(path_type=str), default=None,
               help="Second checkpoint (HF or torch_dist) or config to check through the mapping, both ways.")
+
+
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--config", "config", type=click.Path(path_type=str), default=None,
               help="config.json for torch_dist checkpoints (default: the config.json next to them).")
+
+
 @click.option("--fp8/--no-fp8", default=None,
               help="Expect the FP8 release layout, or a BF16 one. Default: whatever SRC holds; with --emit "
                    "(nothing to look at), BF16.")
+
+
 @click.option("--mtp/--no-mtp", default=None,
               help="Expect the MTP layer, or none. Default: whatever SRC holds; with --emit, the MTP layer. With "
                    "--against it describes DST: SRC is audited as it is and the part left out is not compared.")
+
+
 @click.option("--vision/--no-vision", default=None,
               help="Expect the vision tower, or none. Default: whatever SRC holds; with --emit, the tower. With "
                    "--against, as --mtp.")
+
+
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Cut the config to N layers; a deeper checkpoint is audited on its first N (no MTP).")
+
+
 @click.option("--accept-flat-prefix", is_flag=True, help="Accept text tensors under the flat `model.` prefix.")
 @click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
               help="Megatron layout of torch_dist sides and of --emit mcore (default: what their names say; "
               "emit: miles).")
+
+
 @click.option("--emit", type=click.Choice(defaults.EMIT_CHOICES), default=None,
               help="Print the full expected tensor list (name, shape, dtype) for SRC's config and exit.")
+
+
 def audit_names(src: str, against: str | None, as_json: bool, config: str | None, fp8: bool | None,
                 mtp: bool | None, vision: bool | None, layers: int | None, accept_flat_prefix: bool,
                 layout: str | None, emit: str | None) -> None:

@@ -22,11 +22,12 @@ def bench() -> None:
 @bench.command("kernels")
 @click.option("--tokens", type=int, default=8192, show_default=True,
               help="Tokens of the single-sequence kpool and KDA runs (DSA runs half, at least 64).")
+
+
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def kernels(tokens: int, as_json: bool) -> None:
     """kpool indexer (one sequence and packed 4097/2048/1023/130/2), KDA and DSA SparseMLA at the real dims."""
     import torch
-
 
     if tokens < 64:
         raise GlmconvError(f"--tokens {tokens}: at least 64")
@@ -38,7 +39,6 @@ def kernels(tokens: int, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
         return
-
 
     t = Table(title=f"glmconv bench kernels ({torch.cuda.get_device_name()})")
     for col in ("op", "shape", "kernel ms", "reference ms", "speedup", "reference", "check"):

@@ -21,27 +21,41 @@ from glmconv_cli.workers import device_option, read_threads_option, workers_opti
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, peak memory per worker, estimated time, "
               "free space at OUT_DIR); write nothing.")
+
+
 @click.option("--no-space-check", "no_space_check", is_flag=True,
               help="Do not refuse an output larger than the free space at OUT_DIR (checked before writing).")
+
+
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @workers_option("FP8 source")
 @device_option("cast to BF16")
 @read_threads_option("reading and dequantising ahead of its writer")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
+
+
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Carry the MTP layer (mtp.layers.0.*).")
 @click.option("--vision/--no-vision", default=True, show_default=True, help="Carry the vision tower (vision_model.*).")
 @click.option("--group-size", type=SIZE, default=D.GROUP_SIZE_TEXT, show_default=True,
               help="Bytes per data file (bounds memory per worker).")
+
+
 @click.option("--check-finite", is_flag=True,
               help="Always on (kept for old scripts): NaN/Inf in any source tensor is refused, naming the first one.")
+
+
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=KEEP, show_default=True,
               help="What Megatron gets: keep = what the source stores (bit-exact round trip); bf16 rounds F32 "
               "weights (counted in the summary); fp32 widens. F32 state (A_log, hc, biases) stays F32.")
+
+
 @click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=DEFAULT_LAYOUT, show_default=True,
               help="Whose Megatron names to write: miles (the miles glm5_next plugin) or mcore (megatron-core's native "
               "modules, as Megatron-Bridge builds them). What mcore has no parameter for (kpool compression, MTP, "
               "vision) is kept under glmconv_kept. and said so.")
+
+
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int | str,
             device: str, read_threads: int, force: bool, mtp: bool, vision: bool, group_size: int,
             check_finite: bool, dtype: str, layout: str) -> None:

@@ -22,27 +22,45 @@ from glmconv_cli.workers import read_threads_option, workers_option
 @click.option("--like", "like", type=click.Path(path_type=Path), default=None,
               help="HF checkpoint to imitate: its text prefix, per-tensor dtypes, config, tokenizer files and shard "
               "files.")
+
+
 @click.option("--config", "config", type=click.Path(path_type=Path), default=None,
               help="config.json of the model (default: the one convert left in MCORE_DIR).")
+
+
 @click.option("--max-shard-size", type=SIZE, default=None,
               help="Largest safetensors shard [default: with --like, its own files (names, tensors, order), where "
               "they hold every tensor; else 5GB].")
+
+
 @click.option("--fp8", is_flag=True, help="Re-quantise the release's FP8 set (e4m3, 128x128 block scales).")
 @workers_option("with --fp8")
 @read_threads_option("reading, transforming and FP8-encoding ahead of its writer", "; every choice writes the same "
                      "shards")
+
+
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
+
+
 @click.option("--check-finite", is_flag=True,
               help="Always on (kept for old scripts): NaN/Inf in any Megatron tensor is refused.")
+
+
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, estimated time, free space at OUT_DIR); "
               "write nothing.")
+
+
 @click.option("--no-space-check", "no_space_check", is_flag=True,
               help="Do not refuse an output larger than the free space at OUT_DIR (checked before writing).")
+
+
 @click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
               help="Megatron layout of MCORE_DIR (default: the one glmconv.json records, else the one its names are "
               "spelled in; a contradiction is refused).")
+
+
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int | None,
            fp8: bool, workers: int | str, read_threads: int, as_json: bool, force: bool, check_finite: bool,
            dry_run: bool, no_space_check: bool, layout: str | None) -> None:

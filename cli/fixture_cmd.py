@@ -32,19 +32,31 @@ def fixture() -> None:
               help="tiny: 4 layers; cut8: the real 8-layer schedule, both at toy sizes; bench: --size on disk; "
               "real-cut4: the release's config.json cut to layers 0-3 (KDA x3 dense, DSA + MoE) at the real dims, "
               "no MTP, no vision (19.1 GB BF16, 11.3 GB with --fp8).")
+
+
 @click.option("--layers", type=int, default=None,
               help="real-cut presets only: the release's first N decoder layers (default 4).")
+
+
 @click.option("--size", type=SIZE, default=None,
               help="bench only: bytes on disk, e.g. 2GB (default 1GB); dims scale to it.")
+
+
 @click.option("--shard-size", type=SIZE, default=None, help="Maximum bytes per shard (default: a third of the total; "
               "bench: a quarter, at most 2GB).")
+
+
 @click.option("--fp8", is_flag=True, help="Store the release's FP8 set as e4m3 with 128x128 block scales.")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help=f"Seed of every value ({SEED_HELP}): the same seed gives byte-identical files.")
+
+
 @click.option("--init", type=click.Choice(INIT_CHOICES), default=DEFAULT_INIT, show_default=True, help=INIT_HELP)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--no-space-check", "no_space_check", is_flag=True,
               help="real-cut presets: do not refuse an output larger than the free space at OUT (checked first).")
+
+
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of one line.")
 def make(out: Path, preset: str, layers: int | None, size: int | None, shard_size: int | None, fp8: bool, seed: int,
          init: str, force: bool, no_space_check: bool, as_json: bool) -> None:

@@ -20,6 +20,8 @@ from glmconv.text import printable
 @click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=DEFAULT_LAYOUT, show_default=True,
               help="The Megatron layout trained: mcore (megatron-core's native modules) has no MTP module, so no "
               "--mtp-num-layers.")
+
+
 def megatron_args(config: Path, layers: int | None, as_json: bool, layout: str) -> None:
     """Print the Megatron-LM model flags for CONFIG (a config.json or a checkpoint directory holding one).
 

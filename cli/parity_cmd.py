@@ -25,59 +25,93 @@ from glmconv_cli.sizes import SEED, SEED_HELP
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
               help="Token ids instead of random ones: one sequence per line (whitespace-separated ids) or JSON "
                    "list(s) of ids; several sequences run as one packed batch.")
+
+
 @click.option("--sequences", type=int, default=None,
               help="Split the random tokens into K packed sequences (default 1).")
+
+
 @click.option("--seed", type=SEED, default=0, show_default=True, help=f"Seed of the random tokens ({SEED_HELP}).")
 @click.option("--mode", type=click.Choice(D.PARITY_MODES), default=D.DEFAULT_MODE, show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
                    "metrics then compare heads only) gets the serve side's input.")
+
+
 @click.option("--dtype", type=click.Choice(D.PARITY_DTYPES), default=D.DEFAULT_PARITY_DTYPE, show_default=True,
               help="Weights and activations of both models (bf16 keeps in fp32 what the reference keeps in fp32); "
                    "each side is also run as its fp32 torch-reference twin, which measures the run's own noise.")
+
+
 @click.option("--device", default=D.DEFAULT_PARITY_DEVICE, show_default=True,
               help="torch device for both models (cpu, cuda, cuda:1).")
+
+
 @click.option("--train-conventions", type=click.Choice(D.TRAIN_CONVENTIONS), default=D.DEFAULT_TRAIN_CONVENTIONS,
               show_default=True,
               help="The train side's starting conventions: Megatron's defaults for MCORE_DIR's layout (mcore: "
                    "indexer_kpool=off, megatron-core's token-level DSA indexer), or serve's (aligned).")
+
+
 @click.option("--train-convention", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override one train-side convention (repeatable): "
                    + "; ".join(f"{key}={'|'.join(values)}" for key, values in CHOICES.items())
                    + f". KEY={SERVE_ALIAS} sets one to serve's value, a bare '{SERVE_ALIAS}' all of them.")
+
+
 @click.option("--threshold", type=float, default=None,
               help=f"The floor: the smallest stream rel err (on the fp32 references, or beyond {MARGIN:g}x the "
                    f"measured noise) named as a divergence (default {STREAM_FLOOR:g}).")
+
+
 @click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC>VALUE",
               help="Gate on these bounds instead of the verdict (repeatable; add 'divergences>0' to keep the "
                    "verdict too): METRIC>VALUE or METRIC<VALUE, e.g. 'excess.max>4' (rel err over the measured "
                    "noise), 'ref_rel_err.max>1e-4', 'logprob_abs_diff.max>1e-4', 'top1_agreement<0.99', 'kl>1e-6'.")
+
+
 @click.option("--self-test", is_flag=True,
               help="Also plant each defect of the catalog in memory (conversion defects and convention slips) and "
                    "report whether the verdict names each at its layer and sub-block: proof, on your own "
                    "checkpoint, that the gate catches them. Exit 1 when one is missed.")
+
+
 @click.option("--defects", default=None, metavar="NAME,...",
               help="With --self-test: only these catalog defects (" + ", ".join(DEFECT_NAMES) + ").")
+
+
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
               help="Write report.json, report.md and error_per_layer.png here (the PNG needs matplotlib: "
                    "pip install 'glmconv[report]').")
+
+
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @click.option("--kernels", type=click.Choice(D.KERNEL_CHOICES), default=D.DEFAULT_KERNELS, show_default=True,
               help="Train side ops: auto = fla KDA, tilelang SparseMLA and the triton kpool indexer on CUDA (the torch "
                    "references on CPU), with each kernel's own error reported; reference = torch everywhere.")
+
+
 @click.option("--stream-layers", is_flag=True,
               help="Hold one decoder layer's weights at a time (embedding rows and head windows read as needed): "
                    "a full-size model in about one MoE layer of memory per side. Same numbers as without.")
+
+
 @click.option("--replay", type=click.Choice(D.REPLAY_CHOICES), default=D.DEFAULT_REPLAY, show_default=True,
               help="The train side uses the serve side's selections: routing = its MoE expert ids (the gate weights "
                    "stay the train router's own scores at those experts, normalised as usual, as Megatron's routing "
                    "replay does), indexer = its DSA top-k token ids (shared-indexer layers too), both. Rel errs then "
                    "show the numerics alone; the overlap column still shows the train side's own selection.")
+
+
 @click.option("--replay-file", type=click.Path(path_type=Path), default=None,
               help="Replay these selections instead of the serve side's: a safetensors file with routed_experts "
                    "[MoE layers, tokens, top_k] and/or indexer_topk [DSA layers, tokens, width] (what an RL engine "
                    "captured for the same tokens), checked before use.")
+
+
 @click.option("--allow-different-weights", is_flag=True,
               help="Compare even when MCORE_DIR is not a conversion of HF_DIR (e.g. a checkpoint trained further).")
+
+
 def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path | None, sequences: int | None,
            seed: int, mode: str, dtype: str, device: str, train_conventions: str, overrides: tuple[str, ...],
            threshold: float | None, fail_on: tuple[str, ...], report_dir: Path | None, as_json: bool,

@@ -23,18 +23,30 @@ from glmconv_cli.sizes import SIZE
               help="The layout to write: miles (the miles glm5_next plugin) or mcore (megatron-core's native modules, "
               "as Megatron-Bridge builds them); required. The layout MCORE_DIR already has is refused (cp -r copies "
               "it).")
+
+
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, estimated time, free space at OUT_DIR); "
               "write nothing.")
+
+
 @click.option("--no-space-check", "no_space_check", is_flag=True,
               help="Do not refuse an output larger than the free space at OUT_DIR (checked before writing).")
+
+
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "
               "one is verified); any other non-empty directory is refused.")
+
+
 @click.option("--like", "like", type=click.Path(path_type=Path), default=None,
               help="The HF checkpoint training started from: gives the tensors MCORE_DIR's trainer has no parameter "
               "for (the kpool compression of a Megatron-Bridge checkpoint), unchanged.")
+
+
 @click.option("--group-size", type=SIZE, default=D.GROUP_SIZE_TEXT, show_default=True,
               help="Bytes per data file (bounds memory where tensors must be read and rebuilt).")
+
+
 def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_space_check: bool, as_json: bool,
              force: bool, like: Path | None, group_size: int) -> None:
     """Rewrite a torch_dist checkpoint in the other Megatron layout: the same tensors bit for bit, bytes that

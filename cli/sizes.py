@@ -54,6 +54,7 @@ class SizeType(click.ParamType):
 
 SIZE = SizeType()
 
+
 class SeedType(click.ParamType):
     """A seed as torch.Generator.manual_seed takes it: anything else is a usage error, not an OverflowError. The
     range is said in words (SEED_HELP), not as click's 20-digit bounds that break across help lines."""

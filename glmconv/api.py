@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
-
-
 def _flags(**flags: object) -> None:
     """Each yes/no option is a bool."""
     for name, value in flags.items():
@@ -246,7 +243,6 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     ...); any other keyword is refused.
     """
 
-
     start = time.monotonic()
     _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, report_dir, options)
     bounds = tuple(parse_bound(b) for b in A.fail_on(fail_on))  # bad syntax fails before any model is built
@@ -274,7 +270,6 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
 def _parity_arguments(hf_dir: str | Path, mcore_dir: str | Path, tokens: object, sequences: object, prompt_file: object,
                       report_dir: object, options: dict[str, Any]) -> None:
     """parity's paths, counts and option names, checked before anything is read."""
-
 
     A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
     A.optional(A.path, "--prompt-file", prompt_file), A.optional(A.path, "--report-dir", report_dir)

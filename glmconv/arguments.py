@@ -10,7 +10,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar, cast
 
 from glmconv.defaults import AUTO, MAX_WORKERS, READ_THREADS_RANGE
 from glmconv.errors import GlmconvError
@@ -31,7 +31,7 @@ class ArgumentError(GlmconvError):
         super().__init__(f"{option} {self.detail}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -41,15 +41,15 @@ def workers(value: object) -> int | str:
         return AUTO
     if isinstance(value, str) and decimal(value.strip()) is not None:
         value = decimal(value.strip())
-    if _is_int(value) and 1 <= value <= MAX_WORKERS:  # type: ignore[operator]
-        return value  # type: ignore[return-value]
+    if _is_int(value) and 1 <= value <= MAX_WORKERS:
+        return value
     raise ArgumentError("--workers", value, f"expected a count from 1 to {MAX_WORKERS}, or auto")
 
 
 def int_in(option: str, value: object, low: int | None = None, high: int | None = None) -> int:
     """An int (never a bool or a float) from `low` to `high` (either None: no bound here; the run checks it)."""
-    if _is_int(value) and (low is None or low <= value) and (high is None or value <= high):  # type: ignore[operator]
-        return value  # type: ignore[return-value]
+    if _is_int(value) and (low is None or low <= value) and (high is None or value <= high):
+        return value
     span = ("" if low is None and high is None else f" from {low} to {high}" if low is not None and high is not None
             else f" of at least {low}" if low is not None else f" of at most {high}")
     raise ArgumentError(option, value, f"expected a whole number{span}")
@@ -62,8 +62,8 @@ def read_threads(value: object) -> int:
 
 def size(option: str, value: object) -> int:
     """A byte count from 1 to 1 PiB (the CLI parses `5GB` into one first)."""
-    if _is_int(value) and 1 <= value <= MAX_SIZE:  # type: ignore[operator]
-        return value  # type: ignore[return-value]
+    if _is_int(value) and 1 <= value <= MAX_SIZE:
+        return value
     raise ArgumentError(option, value, f"expected a size from 1 byte to 1PiB ({MAX_SIZE} bytes)")
 
 
@@ -102,7 +102,7 @@ def keywords_checked(fn: F) -> F:
             raise GlmconvError(f"glmconv.{fn.__name__}(): {exc}") from None
         return fn(*args, **kwargs)
 
-    return call  # type: ignore[return-value]
+    return cast(F, call)
 
 
 def path(option: str, value: object) -> object:

@@ -249,7 +249,6 @@ def retyped(plan: Plan, mcore_dtypes: dict[str, str]) -> Plan:
     return dataclasses.replace(plan, mappings=maps)
 
 
-
 @dataclass(frozen=True)
 class _Ctx:
     values: dict[str, object]

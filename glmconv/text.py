@@ -62,7 +62,6 @@ def console(**kwargs: Any) -> Any:
     """A rich Console for stdout that, when stdout is not a terminal (a pipe, a file, CI logs) and COLUMNS is not
     set, is PIPE_WIDTH wide instead of rich's 80: tables keep their natural width and names stay on one line."""
 
-
     out = Console(**kwargs)
     if not out.is_terminal and "COLUMNS" not in os.environ:
         out.width = PIPE_WIDTH

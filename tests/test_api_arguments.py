@@ -43,6 +43,8 @@ def _refusal(fn: Any, *args: Any, **kw: Any) -> str:
     ({"layout": "nemo"}, "--layout nemo: choose from miles, mcore"),
     ({"force": "yes"}, "--force yes: expected True or False"),
 ])
+
+
 def test_convert_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -> None:
     assert _refusal(glmconv.convert, NOWHERE, NOWHERE + "-out", **kw) == message
 
@@ -53,6 +55,8 @@ def test_convert_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) 
     ({"max_shard_bytes": 0}, "--max-shard-size 0: expected a size from 1 byte to 1PiB (1125899906842624 bytes)"),
     ({"like": 3}, "--like 3: expected a path (a str or pathlib.Path)"),
 ])
+
+
 def test_export_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -> None:
     assert _refusal(glmconv.export, NOWHERE, NOWHERE + "-out", **kw) == message
 
@@ -63,6 +67,8 @@ def test_export_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -
     ({"device": "tpu"}, "--device tpu: choose from auto, cpu, cuda"),
     ({"progress": "yes"}, "--progress yes: expected True or False"),
 ])
+
+
 def test_verify_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -> None:
     assert _refusal(glmconv.verify, NOWHERE, NOWHERE + "-mc", **kw) == message
 
@@ -85,6 +91,8 @@ def test_audit_refuses_zero_layers() -> None:
 
 @pytest.mark.parametrize("fn", [glmconv.convert, glmconv.export, glmconv.relayout, glmconv.verify, glmconv.audit,
                                 glmconv.parity])
+
+
 def test_an_unknown_keyword_is_a_glmconv_error_naming_it(fn: Any) -> None:
     required = {"to": "mcore"} if fn is glmconv.relayout else {}
     message = _refusal(fn, NOWHERE, NOWHERE, bogus=1, **required)

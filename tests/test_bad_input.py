@@ -478,6 +478,8 @@ def _run_case(case: Case, sources: dict[str, Path], tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("case", HF_CASES + MCORE_CASES + AUDIT_CASES,
                          ids=lambda c: f"{c.command}:{c.id}")
+
+
 def test_bad_input_is_one_error_line_and_nothing_published(case: Case, sources: dict[str, Path],
                                                            tmp_path: Path) -> None:
     _run_case(case, sources, tmp_path)
@@ -553,6 +555,8 @@ def test_read_only_output_location(source: str, sources: dict[str, Path], mount_
     ("a path past PATH_MAX", r"a path component is longer|the path is [\d,]+ bytes"),
     ("a path too long for the files below it", r"the path is [\d,]+ bytes; the files glmconv writes below it"),
 ])
+
+
 def test_output_path_too_long(source: str, shape: str, pattern: str, sources: dict[str, Path],
                               tmp_path: Path) -> None:
     """Issue 25: an OUT the filesystem cannot name (ENAMETOOLONG) is the user's input, not an internal error."""

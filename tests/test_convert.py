@@ -177,6 +177,8 @@ def test_force_replaces_existing_output_whole(sources: dict[str, Path], tmp_path
 
 @pytest.mark.parametrize("part, prefix, option", [("mtp", "mtp.", "--no-mtp"),
                                                   ("vision", "vision_model.", "--no-vision")])
+
+
 def test_left_out_part_is_absent_and_the_summary_says_so(part: str, prefix: str, option: str,
                                                          sources: dict[str, Path], tmp_path: Path) -> None:
     src, out = sources["cut8"], tmp_path / "out"
@@ -258,6 +260,8 @@ def drop_tensor(src: Path, dst: Path, name: str) -> None:
     ("tiny", "model.language_model.layers.3.mlp.experts.5.up_proj.weight"),
     ("tiny-fp8", "model.language_model.layers.3.self_attn.q_b_proj.weight_scale_inv"),
 ])
+
+
 def test_source_with_a_dropped_tensor_is_refused_before_anything_is_written(
         fixture: str, dropped: str, sources: dict[str, Path], tmp_path: Path) -> None:
     src = tmp_path / "src"

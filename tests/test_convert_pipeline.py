@@ -151,6 +151,8 @@ def test_every_data_file_is_fsynced_before_any_metadata_is_written(
     (11_260_000_000, 11_000_000_000, 2, 1),  # this 2-core host
     (100_000_000_000, 0, 128, 8),  # one disk: never more than 8
 ])
+
+
 def test_auto_worker_count_follows_bytes_cores_and_the_fp8_share(bytes_in: int, fp8: int, cores: int,
                                                                  want: int) -> None:
     from glmconv.runners.workers import auto_workers

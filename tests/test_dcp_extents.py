@@ -93,6 +93,8 @@ def test_every_item_of_a_converted_checkpoint_is_located(tiny_ckpt: Path, tmp_pa
     ("another size than the metadata says", torch.arange(12, dtype=torch.float32), (13,)),
     ("another dtype than the metadata says", torch.arange(12, dtype=torch.int32), (12,)),
 ])
+
+
 def test_an_item_that_is_not_exactly_the_chunk_has_no_extent(tmp_path: Path, what: str, tensor: torch.Tensor,
                                                              sizes: tuple[int, ...]) -> None:
     path, offset, length = _item_file(tmp_path, _saved(tensor))

@@ -359,6 +359,8 @@ def test_the_stand_in_enum_members_are_torchs() -> None:
 @pytest.mark.parametrize("target, attr", [
     ("Metadata", "__init__"), ("TensorProperties", "create_from_tensor"), ("_MEM_FORMAT_ENCODING", "__class__"),
     ("_MEM_FORMAT_ENCODING", "_member_map_"), ("_MEM_FORMAT_ENCODING", 1)])
+
+
 def test_getattr_reaches_nothing_but_an_allow_listed_enum_member(target: str, attr: Any, stand_ins: bool,
                                                                  tmp_path: Path) -> None:
     import torch.distributed.checkpoint.metadata as dcp_md

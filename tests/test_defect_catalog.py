@@ -51,6 +51,8 @@ def test_a_convention_entry_becomes_a_convention_defect() -> None:
     ({**CONVENTION, "convention": "hc_mix"}, r"convention must be KEY=VALUE, not 'hc_mix'"),
     (["norm-offset"], r"entry 0: expected an object, got list"),
 ])
+
+
 def test_a_bad_entry_is_refused_naming_it_and_its_fault(entry: Any, message: str) -> None:
     with pytest.raises(CatalogError, match=message):
         parse_catalog(_text(entry))
@@ -66,6 +68,8 @@ def test_a_name_given_twice_is_refused() -> None:
     ('[{"name": "a"}]', r'x.json: expected an object with one key, "defects"'),
     ('{"defects": [], "extra": 1}', r'x.json: expected an object with one key, "defects"'),
 ])
+
+
 def test_a_file_of_the_wrong_shape_is_refused_naming_the_file(text: str, message: str) -> None:
     with pytest.raises(CatalogError, match=message):
         parse_catalog(text, "x.json")

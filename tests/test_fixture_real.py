@@ -143,6 +143,8 @@ def test_make_fixture_takes_layers_for_real_cuts_only(tmp_path):
     (["--preset", "real-cut4", "--layers", "0"], "error: --layers 0: must be between 1 and 45 (the release's "
                                                  "decoder layers)"),
 ])
+
+
 def test_cli_refuses_bad_layers_before_writing(tmp_path, args, message):
     out = tmp_path / "out"
     r = CliRunner().invoke(cli, ["fixture", "make", str(out), *args])

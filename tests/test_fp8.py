@@ -120,7 +120,6 @@ def test_bf16_input_quantises_like_its_fp32_value():
     assert torch.equal(q1.float(), q2.float()) and torch.equal(s1, s2)
 
 
-
 def test_block_aligned_weight_quantises_like_its_padded_copy_and_is_left_unchanged():
     w = _weights(256, 384, seed=7) * 3
     w[:128, :128] = -torch.rand(128, 128)  # a block whose amax is a negative value's magnitude
@@ -134,8 +133,11 @@ def test_block_aligned_weight_quantises_like_its_padded_copy_and_is_left_unchang
     assert s[1, 2].item() == 1.0 and s[0, 0] == w[:128, :128].abs().max() / E4M3_MAX
     assert torch.equal(w, kept)
 
+
 @pytest.mark.parametrize("bad", [torch.zeros(4), torch.zeros(2, 3, 4), torch.zeros(4, 4, dtype=torch.int32),
                                  torch.zeros(4, 4).to(torch.float8_e4m3fn)])
+
+
 def test_quantize_rejects_non_2d_or_non_float(bad):
     with pytest.raises(Fp8FormatError):
         quantize_fp8_blocks(bad)

@@ -180,6 +180,8 @@ def test_config_value_of_the_wrong_type_names_the_key(key: tuple[str, str, Any],
     ("n_routed_experts", 0, "0 (an integer)"), ("layer_types", "linear_attention", "'linear_attention' (a string)"),
     ("mlp_layer_types", [["dense"]], "a list of 1 item"), ("rms_norm_eps", "1e-5", "'1e-5' (a string)"),
 ])
+
+
 def test_config_type_error_says_expected_and_found(key: str, value: Any, found: str, tiny_ckpt: Path,
                                                    tmp_path: Path) -> None:
     src = tmp_path / "src"
@@ -219,6 +221,8 @@ def test_parse_size_returns_a_size_in_range_or_a_usage_error(text: str) -> None:
     ("0", "at least 1 byte"), ("nan", "expected a size"), ("inf", "expected a size"), ("0.1", "at least 1 byte"),
     ("1e30", "larger than the largest size"), ("5XB", "expected a size"), ("9" * 5000, "larger than the largest size"),
 ])
+
+
 @pytest.mark.parametrize("command", ["convert --group-size", "export --max-shard-size"])
 def test_bad_size_option_is_one_usage_line(command: str, text: str, reason: str, tmp_path: Path) -> None:
     name, option = command.split()
@@ -239,6 +243,8 @@ def test_exact_sizes() -> None:
 @pytest.mark.parametrize("exc", [RuntimeError("boom\nsecond line"), ZeroDivisionError("division by zero"),
                                  RecursionError("maximum recursion depth exceeded"), KeyError("x"),
                                  MemoryError()])
+
+
 def test_unexpected_exception_is_an_internal_error_line_exit_3(exc: Exception, monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
     def boom(*_: object, **__: object) -> None:

@@ -131,6 +131,8 @@ def test_a_malformed_metadata_object_is_one_checkpoint_error(small: Path, data: 
 
 @pytest.mark.parametrize("case", ["storage_data a list", "storage offset None", "relative_path renamed",
                                   "chunk sizes a string", "dtype a string"])
+
+
 def test_the_reported_malformations_name_metadata(case: str, small: Path, tmp_path: Path) -> None:
     md = safe_load(small / RELEASE / DCP_METADATA_NAME)
     info = next(iter(md.storage_data.values()))

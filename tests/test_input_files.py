@@ -179,6 +179,8 @@ def test_directory_in_place_of_the_dcp_metadata_is_refused(mc_ckpt: Path, tmp_pa
 
 @pytest.mark.parametrize(("value", "shown"), [(0.0, "0"), (-0.0123, "-0.0123"), (1e-40, "9.999946e-41"),
                                               (float("nan"), "nan"), (float("inf"), "inf")])
+
+
 def test_fp8_scale_that_is_not_positive_finite_normal_is_refused(value: float, shown: str, tiny_fp8_ckpt: Path,
                                                                  tmp_path: Path) -> None:
     src = _copy(tiny_fp8_ckpt, tmp_path / "src")

@@ -30,6 +30,8 @@ LENGTHS = (100, 1, 3, 4, 16, 17, 45)
 @pytest.mark.parametrize("p", [KpoolParams(4, 16, 16, 4, True), KpoolParams(4, 16, 16, 4, False),
                                KpoolParams(8, 16, 24, 8, True), KpoolParams(4, 32, 16, 1, True)],
                          ids=["tiny", "no-tail", "kpool8", "kpool1"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
 def test_selections_equal_reference(p: KpoolParams, dtype: torch.dtype) -> None:

@@ -89,6 +89,8 @@ def test_cli_json_and_a_bad_cut(tiny_ckpt: Path) -> None:
     ("moe_layer_freq", [0, 0, 0, 1], "say 3 leading dense layers (dense_layers) but the config says 2"),
     ("vocab_size", 1024, "say 1024 vocabulary (vocab_size) but the config says 512"),
 ])
+
+
 def test_stored_args_of_another_model_are_refused(tiny_ckpt: Path, field: str, value: object, said: str) -> None:
     from glmconv.megatron_args import build_args
 

@@ -185,6 +185,8 @@ def test_megatron_layout_is_read_natively_into_the_same_tensors(ckpts: Any) -> N
     ("cut8", "indexer_query=raw", (3, "attention")),
     ("cut8", "proj_rms=megatron", (0, "attention")),
 ])
+
+
 def test_each_divergence_first_shows_where_expected(preset: str, override: str, first: tuple[int, str],
                                                     ckpts: Any) -> None:
     """On the default (realistic) fixtures as made: streams at RMS ~2e-3, where the proj-RMS eps form matters, and

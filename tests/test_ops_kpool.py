@@ -50,6 +50,8 @@ def _local(ids: torch.Tensor, start: int) -> torch.Tensor:
     {"index_topk": 24, "index_kpool": 8, "index_n_heads": 8},
     {"index_kpool": 1},
 ], ids=["tiny", "no-tail", "kpool8", "kpool1"])
+
+
 @torch.no_grad()
 def test_ids_equal_transformers_per_packed_sequence(overrides: dict) -> None:
     cfg, ix = _indexer(0, **overrides)

@@ -36,6 +36,8 @@ def _expert(m):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("overrides", [{}, {"n_group": 2, "topk_group": 1}, {"num_experts_per_tok": 3}],
                          ids=["tiny", "grouped", "top3"])
+
+
 @torch.no_grad()
 def test_routing_matches_transformers(overrides: dict) -> None:
     cfg, m = _moe(0, **overrides)

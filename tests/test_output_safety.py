@@ -157,6 +157,8 @@ def _spell(out: Path, spelling: str) -> str:
 @settings(derandomize=True, deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(command=st.sampled_from(["convert", "export", "export-like"]), relation=st.sampled_from(RELATIONS),
        force=st.booleans(), spelling=st.sampled_from(["absolute", "relative", "dotted", "trailing-dot"]))
+
+
 def test_output_overlapping_any_input_never_changes_it(tiny_ckpt: Path, mc: Path, command: str, relation: str,
                                                        force: bool, spelling: str) -> None:
     """Property: whatever the path relation, OUT overlapping an input is refused and the inputs stay intact."""

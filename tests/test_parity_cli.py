@@ -108,6 +108,8 @@ def test_random_batch_is_seeded_and_packed() -> None:
     ("[[1, 2, 3], [4, 5]]", [0, 3, 5]),
     ("[1, 2, 3]\n[4, 5]\n", [0, 3, 5]),
 ])
+
+
 def test_prompt_file_formats(tmp_path: Path, text: str, cu: list[int]) -> None:
     (tmp_path / "p").write_text(text)
     b = load_prompt_file(tmp_path / "p", VOCAB)
@@ -118,6 +120,8 @@ def test_prompt_file_formats(tmp_path: Path, text: str, cu: list[int]) -> None:
     ("1 two 3", "'two' is not an integer"), ("1 512", "outside the vocabulary"), ("", "no token ids"),
     ("[1, [2]]", "JSON list"), ("[1, 2", "not valid JSON"), ("[[]]", "JSON list"), ("[true]", "JSON list"),
 ])
+
+
 def test_prompt_file_errors(tmp_path: Path, text: str, match: str) -> None:
     (tmp_path / "p").write_text(text)
     with pytest.raises(GlmconvError, match=match):
@@ -225,6 +229,8 @@ def test_cli_prompt_file_packs_sequences(monkeypatch: pytest.MonkeyPatch, dirs: 
     (["--threshold", "0"], "must be positive"),
     (["--train-conventions", "serve", "--fail-on", "expert_overlap_min<1", "--tokens", "0"], "must be positive"),
 ])
+
+
 def test_cli_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path], args: list[str],
                                  match: str) -> None:
     _fake(monkeypatch, None)
@@ -241,6 +247,8 @@ def test_cli_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Pa
      "error: indexer payload: 4 streams but the config has 1 DSA layer (one per DSA layer, in layer order; "
      "KDA layers have no indexer)"),
 ])
+
+
 def test_cli_refuses_a_bad_replay_payload_exit_2(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Path, Path],
                                                  tmp_path: Path, tensors: dict[str, torch.Tensor], match: str) -> None:
     """tiny: MoE layers 2 and 3, one DSA layer (3) among three KDA ones; 16 tokens."""

@@ -106,6 +106,8 @@ def _rec(layer: int, sub: str, err: float) -> dict:
     (" kl > 0.5 ", "kl", ">", 0.5),
     ("expert_overlap_min<1", "expert_overlap_min", "<", 1.0),
 ])
+
+
 def test_parse_bound(text: str, metric: str, op: str, limit: float) -> None:
     b = m.parse_bound(text)
     assert (b.metric, b.op, b.limit) == (metric, op, limit)

@@ -53,6 +53,8 @@ def _numbers(report: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("pair, mode", [("tiny", "propagated"), ("tiny", "isolated"), ("tiny-fp8", "propagated"),
                                         ("cut8", "propagated")])
+
+
 def test_streamed_report_equals_resident_report_exactly(pairs: dict, pair: str, mode: str) -> None:
     """Megatron-default conventions, so every sub-block carries non-zero errors that must match to the bit."""
     hf, mc = pairs[pair]

@@ -63,6 +63,8 @@ def test_the_golden_index_holds_the_releases_76108_keys_with_347_vision_ones(gol
     ("model.language_model.layers.45.eh_proj.weight", (4096, 8192), "BF16"),
     ("model.language_model.layers.45.mlp.experts.287.down_proj.weight_scale_inv", (32, 16), "F32"),
 ])
+
+
 def test_the_golden_index_agrees_with_the_releases_documented_tensors(golden: Index, name: str,
                                                                     shape: tuple[int, ...], dtype: str) -> None:
     assert golden[name] == (shape, dtype)

@@ -192,6 +192,8 @@ def test_a_replay_file_of_zeros_names_the_bypassed_capture(cut8: GlmConfig, tmp_
     ("routing", {"experts": torch.ones(5, T, 2)}, "holds 'experts'; a replay file holds only routed_experts"),
     ("routing", {"routed_experts": torch.ones(T, 2)}, r"routed_experts has shape \[12, 2\]; expected \[layers, "),
 ])
+
+
 def test_a_replay_file_must_hold_what_replay_asks(cut8: GlmConfig, tmp_path: Path, replay: str,
                                                   tensors: dict[str, torch.Tensor], match: str) -> None:
     save_file(tensors, tmp_path / "p")

@@ -17,6 +17,8 @@ def _rand(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
     (StackExperts(parts=2), [_rand(6, 4) for _ in range(6)]),
     (StackExperts(parts=1), [_rand(4, 6) for _ in range(3)]),
 ])
+
+
 def test_forward_then_backward_is_bit_exact_and_shapes_agree(op, hf):
     n_mcore = 3 if isinstance(op, SplitVector) else 1
     mc = op.forward(hf, n_mcore)

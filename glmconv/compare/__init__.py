@@ -41,6 +41,7 @@ from glmconv.models.weights import HfWeights, MegatronWeights
 
 __all__ = ["DEFAULT_TOKENS", "ParityOptions", "run_parity"]
 
+
 def run_parity(opts: ParityOptions) -> dict[str, Any]:
     """Build both models, run them over the batch, and return the report (see `report.build_report`)."""
     import torch
@@ -103,7 +104,6 @@ def make_batch(opts: ParityOptions, vocab: int) -> Batch:
 def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, dict[str, dict[str, str]]]:
     """(serve model, train model, both sides' conventions as plain dicts); tests replace this with fakes."""
     import torch
-
 
     device = check_device(opts.device)
     dtype = torch.float32 if opts.dtype == "fp32" else torch.bfloat16

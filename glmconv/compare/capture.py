@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 ATTENTION, MLP = "attention", "mlp"
 
 

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 Damage = Callable[["torch.Tensor"], "torch.Tensor"]
 FP8_BLOCK = 128  # the release's FP8 scale blocks: [128, 128] weights share one scale
 

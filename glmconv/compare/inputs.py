@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 MAX_PROMPT_BYTES = 64 << 20  # token ids for a parity run: far more than any GPU holds
 MAX_TOKENS = 1 << 24  # one packed batch; beyond this the activations alone exceed any accelerator
 

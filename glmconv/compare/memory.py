@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 HEADROOM = 0.9  # share of the free memory a resident run may plan to fill (activations need the rest)
 
 

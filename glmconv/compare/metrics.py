@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 LOGIT_CHUNK = 512  # rows of [T, V] logits turned into log-probs at once: bounds memory at the real vocab
 
 

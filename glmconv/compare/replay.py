@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 BYPASSED = "all routed-expert ids are 0: the backend most likely bypassed routing capture"
 
 
@@ -205,7 +204,6 @@ def load_replay_file(path: Path, replay: Replay, config: GlmConfig, cu_seqlens: 
 def _read(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
 
     if not path.is_file():
         raise GlmconvError(f"{show(str(path))}: no such replay file")

@@ -71,7 +71,7 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
 def _judged(cap: Capture, opts: ParityOptions, conventions: dict[str, Any]) -> Side:
     """A capture of records alone (a test double's, or one read back): judged here as capture would have."""
 
-    return Side("clean", None, judge=judge_records(cap.layers, conventions, judge_of(opts)))  # type: ignore[arg-type]
+    return Side("clean", None, judge=judge_records(cap.layers, conventions, judge_of(opts)))  # type: ignore[arg-type]  # records only: no model
 
 
 def _global_defects(cap: Capture, opts: ParityOptions) -> list[dict[str, Any]]:

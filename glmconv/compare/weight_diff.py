@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 _BITS = {2: "int16", 4: "int32", 8: "int64"}  # a float compared bit for bit as the int of its size
 
 

@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 _SCAN_BYTES = 1 << 24  # scanned a window at a time: memory stays at a few windows whatever the tensor
 
 

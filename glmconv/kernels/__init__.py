@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
-
 @dataclass(frozen=True)
 class OpSet:
     """The attention ops a model calls (same signatures as the references)."""

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 REAL_KPOOL = KpoolParams(heads=32, head_dim=128, topk=2048, kpool=4, select_tail=True)
 REAL_KDA = KdaParams(heads=64, head_dim=128, lower_bound=-5.0, norm_eps=1e-5)
 HIDDEN, Q_LORA, LATENT, DSA_HEADS, NOPE, V_DIM = 4096, 1536, 512, 64, 256, 256
@@ -242,7 +241,6 @@ def kpool_disagreements(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensor
     import torch.nn.functional as F
 
     from glmconv.kernels.kpool import layout  # triton: imported only where it runs
-
 
     rows = (~same_sets(got, want)).nonzero().flatten().tolist()
     if not rows:

@@ -17,8 +17,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
-
 def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Causal depthwise conv + SiLU of packed sequences: x [T, C], weight [C, 1, W] -> [T, C] in x.dtype."""
     from fla.modules.causal_conv1d import causal_conv1d

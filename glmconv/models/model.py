@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 DTYPES = ("float32", "bfloat16")  # torch dtype names a model runs in
 ATTN, MLP = "attention", "mlp"  # the two sub-blocks of a layer
 # A weight defect planted in memory: (sub_block, layer, prepared weights, read another layer) -> weights to run.

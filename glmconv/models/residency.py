@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 Key = tuple[str, int]  # (sub-block kind, layer); layer -1 for model-wide pieces
 LOAD_THREADS = min(8, os.cpu_count() or 1)
 LOAD_AHEAD_BYTES = 2 << 30  # expert bytes read ahead of the device copy, at most (a group larger runs alone)

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 EXPERT_WINDOW_BYTES = 1 << 30  # stacked-expert rows read at once on the Megatron side
 ROW_WINDOW_BYTES = 1 << 28  # embedding / head rows read at once when they are streamed
 

@@ -155,7 +155,6 @@ def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
     """The reference's checks on the whole weight: dtypes, the scale grid, NaN codes."""
     import torch
 
-
     if fp8.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise Fp8FormatError(f"expected a float8_e4m3fn weight and F32 block scales, got {fp8.dtype} and "
                              f"{scale_inv.dtype}")

@@ -29,7 +29,6 @@ def quantize_fp8_exact_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     (export --like, glmconv/numerics/fp8_reuse.py) count only the blocks they take."""
     import torch
 
-
     w = w.contiguous()
     q, s = quantize_fp8_blocks(w)
     if w.dtype != torch.bfloat16:
@@ -65,7 +64,6 @@ def _scale_bounds(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch
 def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tensor:
     """Reduce a 2-D tensor over its 128x128 blocks (edge blocks padded with `fill`)."""
     import torch
-
 
     rows, cols = x.shape
     sr, sc = scale_shape((rows, cols), B)

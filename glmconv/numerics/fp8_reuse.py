@@ -35,16 +35,15 @@ def encode(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> F
     """`w` as FP8: --like's blocks where they reproduce `w` bit for bit, the others re-quantised."""
     import torch
 
-
     keep = reusable_blocks(w, *like) if like is not None else None
-    if keep is not None and bool(keep.all()):
-        return Fp8Blocks(like[0], like[1], 0, 0, 0)  # type: ignore[index]
+    if like is not None and keep is not None and bool(keep.all()):
+        return Fp8Blocks(like[0], like[1], 0, 0, 0)
     q, s, moved, inexact = quantize_fp8_exact_blocks(w)
-    if keep is None:
+    if like is None or keep is None:
         return Fp8Blocks(q, s, s.numel(), int(moved.sum()), int(inexact.sum()))
     new = keep.logical_not()
-    codes = torch.where(_elements(new, tuple(w.shape)), q.view(torch.uint8), like[0].view(torch.uint8))  # type: ignore[index]
-    scales = torch.where(new, s, like[1])  # type: ignore[index]
+    codes = torch.where(_elements(new, tuple(w.shape)), q.view(torch.uint8), like[0].view(torch.uint8))
+    scales = torch.where(new, s, like[1])
     return Fp8Blocks(codes.view(torch.float8_e4m3fn), scales.contiguous(), int(new.sum()), int((moved & new).sum()),
                      int((inexact & new).sum()))
 
@@ -52,7 +51,6 @@ def encode(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> F
 def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """Per block: do --like's codes and scale give back `w` exactly (and is the scale valid)? None: not comparable."""
     import torch
-
 
     if (w.dim() != 2 or w.element_size() not in _INT_VIEW_BYTES or codes.dtype != torch.float8_e4m3fn
             or tuple(codes.shape) != tuple(w.shape) or scales.dtype != torch.float32

@@ -8,7 +8,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalised in fp32, cast back to x.dtype, then scaled by the weight."""
     import torch

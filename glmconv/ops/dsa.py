@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 INDEXER_QUERIES = ("normed", "raw")
 GATHER_BUDGET = 256 << 20  # bytes of gathered fp32 latents per query chunk
 

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 K_NORM_EPS = 1e-6
 SCORE_BUDGET = 256 << 20  # bytes of fp32 [queries, heads, pools] scores per block
 

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 RMS_FORMS = ("reference", "megatron")
 MIX_DTYPES = ("bf16", "fp32")
 MEGATRON_RMS_EPS = 1e-6

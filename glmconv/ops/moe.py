@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 CLAMPS = ("off", "10")
 SWIGLU_LIMIT = 10.0
 

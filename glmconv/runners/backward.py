@@ -27,11 +27,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
-
-
-
-
 Rows = tuple[int, int] | None
 
 Read = Callable[[str, Rows], "torch.Tensor"]  # a Megatron tensor of the mapping, whole or rows [start, stop)
@@ -39,6 +34,7 @@ Read = Callable[[str, Rows], "torch.Tensor"]  # a Megatron tensor of the mapping
 Named = tuple[str, "torch.Tensor"]
 
 _STATS_LOCK = threading.Lock()
+
 
 @dataclass
 class Fp8Stats:
@@ -56,12 +52,14 @@ class Fp8Stats:
         for k in vars(other):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
+
 def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
                like: LikeFp8 | None = None) -> Iterator[Named]:
     """The HF tensors of `m` (FP8 weights followed by their scales), its Megatron tensors taken from `read`;
     stacked experts come `chunk_bytes` of experts at a time, never whole."""
     for _, make in mapping_hf_steps(m, read, dtypes, chunk_bytes, stats, like):
         yield from make()
+
 
 def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
                      like: LikeFp8 | None = None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
@@ -83,10 +81,12 @@ def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes
 
         yield len(rows) * row_bytes, part
 
+
 def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
              stats: Fp8Stats, like: LikeFp8 | None) -> list[Named]:
     return [out for i, tensor in zip(picks, tensors, strict=True)
             for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like)]
+
 
 def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
            stats: Fp8Stats, like: LikeFp8 | None = None) -> Iterator[Named]:
@@ -117,6 +117,7 @@ def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str
     for m in mappings:
         yield from mapping_tensors(m, reader, dtypes or {}, stored_rows or {}, chunk_bytes, stats or Fp8Stats())
 
+
 def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], stored_rows: dict[str, int],
                     chunk_bytes: int, stats: Fp8Stats,
                     like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -127,10 +128,12 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
     finally:
         reader.drop_cache()
 
+
 def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int]) -> Read:
     """How `mapping_hf` reads `m`'s Megatron tensors: whole ones as stored, a padded vocabulary by its first rows."""
     plain = {t.name: (0, t.shape[0]) if t.name in stored_rows else None for t in m.mcore}
     return lambda name, rows: reader().read(name, plain[name] if rows is None else rows)
+
 
 class ThreadReaders:
     """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
@@ -155,5 +158,4 @@ class ThreadReaders:
     def bytes_read(self) -> int:
         with self._lock:
             return sum(r.bytes_read for r in self._all)
-
 

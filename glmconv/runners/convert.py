@@ -52,8 +52,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
-
 @dataclass
 class ConvertJob:
     """Everything decided before a byte of tensor data is read."""
@@ -210,7 +208,6 @@ def byte_layout(m: Mapping, source: HfTensorSource) -> list[list[Piece]] | None:
 
 def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], extents: list[Extent]) -> FileTensor:
     import torch
-
 
     return FileTensor(torch.Size(shape), dtype, tuple(
         Extent(extents[p.source].path, extents[p.source].offset + p.offset, p.length) for p in pieces))

@@ -186,7 +186,6 @@ class ShareResult:
 def like_fp8(job: ExportJob) -> AbstractContextManager[LikeFp8 | None]:
     """--like's FP8 codes and scales to reuse, when both the export and --like are FP8-capable; else None."""
 
-
     return LikeFp8(job.like) if job.plan.fp8 and job.like is not None else nullcontext(None)
 
 

@@ -44,15 +44,10 @@ if TYPE_CHECKING:
     import torch
 
 
-
-
-
-
-
-
 VOCAB_DIM = "vocab"
 
 LIKE, CONVERTED, PLAN = "--like", "converted checkpoint", "plan"  # where dtypes and sidecars come from
+
 
 @dataclass
 class ExportJob:
@@ -76,6 +71,7 @@ class ExportJob:
     dtypes_from: str = PLAN  # LIKE, CONVERTED (glmconv.json's record) or PLAN (an older glmconv's checkpoint)
     sidecars_from: str | None = None  # LIKE, CONVERTED or None
     from_like: frozenset[tuple[str, ...]] = frozenset()  # keys of homeless mappings SRC lacks, taken from --like
+
 
 def source_job(src: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
                fp8: bool = False, layout: str | None = None, config_option: str | None = "--config") -> ExportJob:
@@ -116,6 +112,7 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
         sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from, from_like=from_like)
 
+
 def homeless_from_like(plan: Plan, ck: DcpCheckpoint, like: HfCheckpoint | None) -> frozenset[tuple[str, ...]]:
     """The homeless mappings (no trainer parameter holds them: the kpool compression in the mcore layout) that SRC
     lacks altogether, as a checkpoint saved by that layout's trainer does: their HF tensors are --like's, which
@@ -138,6 +135,7 @@ def homeless_from_like(plan: Plan, ck: DcpCheckpoint, like: HfCheckpoint | None)
                                       f"no {m.mcore[0].name} to export it from)")
     return frozenset(m.key for m in absent)
 
+
 def read_manifest(src: Path) -> dict[str, Any]:
     """The source's glmconv.json as a dict ({} without one): what convert recorded, which anyone may have edited."""
     path = optional_file(src, MANIFEST_NAME)
@@ -153,6 +151,7 @@ def _manifest(src: Path) -> dict[str, Any]:
     out = {k: data[k] for k, kind in types.items() if type(data.get(k)) is kind}
     return {**out, **{k: data[k] for k in (source_dtypes.KEY, sidecars.KEY) if k in data}}
 
+
 def _check_like_config(cfg: GlmConfig, like: HfCheckpoint) -> None:
     """--like must describe the same model: every dimension and the layer schedules."""
     a = audit_mod.Side(Path("mcore"), audit_mod.CONFIG, cfg, None)
@@ -162,6 +161,7 @@ def _check_like_config(cfg: GlmConfig, like: HfCheckpoint) -> None:
         f = findings[0]
         raise ConfigError(f"{like.path / CONFIG_NAME}: --like is another model: {f.tensor} is {f.found}, "
                           f"the torch_dist config says {f.expected}")
+
 
 def _dtypes(plan: Plan, like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) -> tuple[dict[str, str], str]:
     """The dtype to write per HF tensor and where it comes from: --like's header where the plan accepts it, else
@@ -176,6 +176,7 @@ def _dtypes(plan: Plan, like: HfCheckpoint | None, manifest: dict[str, Any], src
            for name, spec in plan.hf_index.items()}
     return out, LIKE if like is not None else CONVERTED if source_dtypes.KEY in manifest else PLAN
 
+
 def _sidecars(like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) -> tuple[dict[str, Path], str | None]:
     """The HF files to copy: --like's when given (it wins), else those convert stored, checked against its sha256."""
     if like is not None:
@@ -183,6 +184,7 @@ def _sidecars(like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) ->
     if sidecars.KEY in manifest:
         return sidecars.stored(src, manifest[sidecars.KEY]), CONVERTED
     return {}, None
+
 
 def _config_json(cfg: GlmConfig, plan: Plan) -> dict[str, Any]:
     """The config to publish: FP8 quantization_config exactly when the tensors are FP8."""
@@ -193,6 +195,7 @@ def _config_json(cfg: GlmConfig, plan: Plan) -> dict[str, Any]:
         fp8_q = isinstance(q, dict) and q.get("quant_method") == "fp8"
         raw["quantization_config"] = q if fp8_q else quantization_config(modules_not_converted(raw))
     return raw
+
 
 def check_source(plan: Plan, ck: DcpCheckpoint, from_like: frozenset[tuple[str, ...]] = frozenset()) -> dict[str, int]:
     """Every planned Megatron tensor present with its shape and dtype (but those of `from_like` mappings, absent),
@@ -219,6 +222,7 @@ def check_source(plan: Plan, ck: DcpCheckpoint, from_like: frozenset[tuple[str, 
             padded[name] = padded_rows(plan, spec, got.shape, where)
     return padded
 
+
 def padded_rows(plan: Plan, spec: TensorSpec, shape: tuple[int, ...], where: str | Path) -> int:
     """Megatron pads the vocabulary to a multiple (of 128 x TP): more rows are stripped, fewer are an error."""
     m = plan.mapping_of_mcore[spec.name]
@@ -229,6 +233,7 @@ def padded_rows(plan: Plan, spec: TensorSpec, shape: tuple[int, ...], where: str
         raise CheckpointError(f"{spec.name}: {shape[0]} vocabulary rows in {where}, fewer than vocab_size "
                               f"{spec.shape[0]}")
     raise CheckpointError(f"{spec.name}: {list(shape)} in {where}, the plan says {list(spec.shape)}")
+
 
 def from_hf(m: Mapping, source: HfTensorSource) -> Read:
     """`m`'s Megatron tensors made from HF tensors (`--like`'s): forward, in F32 (BF16 and F32 widen exactly;
@@ -245,16 +250,17 @@ def from_hf(m: Mapping, source: HfTensorSource) -> Read:
 
     return read
 
+
 def like_tensors(like: Path | None, share: list[Mapping],
                  from_like: frozenset[tuple[str, ...]]) -> AbstractContextManager[HfTensorSource | None]:
     """--like's tensors, open while this share makes the mappings SRC lacks (export, relayout); None when it has
     none of them."""
 
-
     if like is None or not any(m.key in from_like for m in share):
         return nullcontext(None)
     ck = inspect_hf_checkpoint(like)
     return HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
+
 
 def check_loadable(src: Path) -> None:
     """Every stored object of `src` (each `_extra_state`, the common state) loads as a trainer's torch.load would:
@@ -262,6 +268,7 @@ def check_loadable(src: Path) -> None:
 
     ck = inspect_torch_dist(src)
     check_stored_objects(ck.iter_dir, ck.objects)
+
 
 def from_like_summary(plan: Plan, from_like: frozenset[tuple[str, ...]], src: Path,
                       like: Path | None) -> dict[str, Any]:
@@ -273,9 +280,9 @@ def from_like_summary(plan: Plan, from_like: frozenset[tuple[str, ...]], src: Pa
                f"{src}: taken unchanged from --like {like}") if taken else None
     return {"taken_from_like": taken, "taken_from_like_warning": warning}
 
+
 def is_stripped_padding(job: ExportJob, f: audit_mod.Finding) -> bool:
     """The audit sees a padded vocabulary as a shape mismatch on the source; export strips it on purpose."""
     spec, rows = job.plan.mcore_index.get(f.tensor), job.stored_rows.get(f.tensor)
     return spec is not None and rows is not None and f.is_stored_shape([rows, *spec.shape[1:]])
-
 

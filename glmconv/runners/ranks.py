@@ -120,7 +120,6 @@ def run_on_output(out: Path, inputs: dict[str, Path | None], force: bool, fn: Ra
     the job). Any failure or SIGINT/SIGTERM removes the staging directory and releases the lock.
     """
 
-
     real = output.check_overlap(out, inputs)
     output.check_target(out, real, force)
     if space_check is not None:

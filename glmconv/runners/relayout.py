@@ -70,7 +70,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 CARRIED = ("fp8_source", "mtp", "vision", "text_prefix", "hf_tensors", "left_out", "dtype", "narrowed_f32_to_bf16",
            "widened_bf16_to_f32")  # glmconv.json records of the source kept as they are (with the dtype record)
 
@@ -215,7 +214,6 @@ def _extents(src_m: Mapping, reader: DcpReader, pieces: list[Piece]) -> list[Ext
 
 def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]) -> FileTensor:
     import torch
-
 
     where = str(extents[0].path.parent) if extents else spec.name
     finite.require_finite_extents(extents, torch_dtype(spec.dtype), tuple(shape), spec.name, where)  # copied, scanned

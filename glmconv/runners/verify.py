@@ -36,7 +36,6 @@ from glmconv.runners.ranks import Group, gather, progress, run_ranks, try_
 if TYPE_CHECKING:
     import torch
 
-
     # one step's outcome: (pair index, Megatron bytes compared, whether it ends the pair, its mismatches)
     Compared = tuple[int, int, bool, list["Mismatch"]]
 

@@ -73,7 +73,6 @@ class HfTensorSource:
         (`pin`: into pinned memory, for a copy to the GPU that overlaps)."""
         import torch
 
-
         e, extent = self.entry(name)
         shape = list(e.shape)
         if rows is not None and shape:
@@ -93,7 +92,6 @@ class HfTensorSource:
         than the CPU; the product is one fp32 multiply either way, so the bits are the same).
         """
         import torch
-
 
         pin = getattr(self._dequantize, "pinned", False) and device is None and self.stored_dtype(name) == "F8_E4M3"
         t = self.raw(name, pin=pin)

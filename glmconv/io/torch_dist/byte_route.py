@@ -48,12 +48,14 @@ def piece_spans(pieces: list[Piece], sources: Sequence[str]) -> list[Span]:
     """Pieces of the tensors named `sources` as spans (relayout: its layouts are checked where they are composed)."""
     return [(sources[p.source], p.offset, p.offset + p.length) for p in pieces]
 
+
 def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> list[Extent]:
     """`route_extents`, the bytes scanned for NaN/Inf as they are copied (the HF tensor's own index and block)."""
 
     extents = route_extents(reader, spans)
     finite.require_finite_extents(extents, torch_dtype(t.dtype), tuple(t.shape), t.name, str(reader.iter_dir))
     return extents
+
 
 def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:
     """The file extents of one HF tensor's spans, in order (every chunk was located by `byte_route`)."""
@@ -64,5 +66,4 @@ def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:
             raise CheckpointError(f"{name}: bytes {begin}..{end} could not be located after all")
         extents.extend(found)
     return extents
-
 

@@ -206,8 +206,8 @@ class DcpReader:
         path = self._data_file(name, info)
         try:
             with open(path, "rb") as fh:  # torch.load reads the chunk in place: no copy of its bytes
-                tensor = torch.load(_Slice(fh, int(info.offset), int(info.length)),  # type: ignore[arg-type]
-                                    map_location="cpu", weights_only=True)  # (a file-like: torch reads, seeks)
+                window = _Slice(fh, int(info.offset), int(info.length))  # a file-like: torch reads it and seeks
+                tensor = torch.load(window, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # ditto
         except OSError as exc:
             raise CheckpointError(f"{path.name}: cannot read {name} ({exc.strerror or exc})") from None
         except Exception as exc:  # whatever torch.load raises on a damaged archive

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 _SMALL = 1 << 16  # writes below this are gathered and flushed together
 _DESCRIPTOR_HEAD = 8  # the bytes of a written buffer torch inspects for a zip data descriptor
 

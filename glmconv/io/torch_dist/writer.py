@@ -52,7 +52,6 @@ BACKEND_CONFIG = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1}
 _OBJECT_KEY = re.compile(r"^[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*$")
 
 
-
 class Planned(Protocol):
     """What a written tensor is checked against: the plan's shape and dtype code (`glmconv.plan.TensorSpec`)."""
 
@@ -61,6 +60,7 @@ class Planned(Protocol):
 
     @property
     def dtype(self) -> str: ...
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -460,7 +460,6 @@ def _new_files_only() -> type:
     """torch's FileSystem, creating `.metadata.tmp` with O_EXCL|O_NOFOLLOW like every file glmconv writes (a class
     made on first use: torch.distributed is imported only by a run that writes)."""
     from torch.distributed.checkpoint.filesystem import FileSystem
-
 
     class NewFilesOnly(FileSystem):
         @contextlib.contextmanager
