@@ -38,10 +38,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_export import _rewrite as rewrite_torch_dist
 
+from glmconv.errors import GlmconvError
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import COMMON_STATE_KEY, CONFIG_NAME, DCP_METADATA_NAME, INDEX_NAME, RELEASE, TRACKER_NAME
 from glmconv.io.torch_dist.safe_unpickle import safe_load
 from glmconv.runners import convert as convert_mod
+from glmconv.runners import relayout as relayout_mod
 from glmconv_cli.main import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -528,6 +530,19 @@ def test_a_non_finite_megatron_weight_is_refused_by_every_command(command: str, 
     assert_refused(args, [edited], out, rf"^error: {name} \(.*\): 1 non-finite value \(NaN/Inf\), the first "
                                         rf"{value} in block \[0, 1\] at index \[30, 130\]; glmconv refuses")
 
+
+
+def test_relayout_names_a_bad_expert_value_by_its_index_in_the_whole_stacked_tensor(
+        converted_pairs: dict[str, Path], tmp_path: Path) -> None:
+    """Stacked experts copied one expert at a time: the refusal gives the index in the whole tensor, not the step."""
+    edited, out = tmp_path / "edited", tmp_path / "out"
+    rewrite_torch_dist(converted_pairs["BF16"], edited, set_mcore(EXPERTS_FC2, float("nan"), (5, 3, 7)))
+    job = relayout_mod.prepare(edited, out, to="mcore")
+    one_expert = 64 * 32 * 2  # [8, 64, 32] BF16: a step of one row
+    with pytest.raises(GlmconvError, match=r"\): 1 non-finite value \(NaN/Inf\), the first nan in block "
+                                             r"\[5, 0, 0\] at index \[5, 3, 7\]; glmconv refuses"):
+        relayout_mod.relayout(job, relayout_mod.RelayoutOptions(chunk_bytes=one_expert, progress=False))
+    assert not out.exists()
 
 # ---- output locations that refuse writes -------------------------------------------------------------
 

@@ -18,9 +18,10 @@ _SCAN_BYTES = 1 << 24  # scanned a window at a time: memory stays at a few windo
 
 
 def require_finite_extents(extents: Sequence[Extent], dtype: torch.dtype, shape: tuple[int, ...], name: str,
-                           where: str) -> None:
+                           where: str, row0: int = 0) -> None:
     """`require_finite` for a tensor whose bytes are `extents` of files, in C order, never loaded as a tensor:
-    each window viewed as integers, a value non-finite where its exponent bits are all ones (FP8: its NaN codes)."""
+    each window viewed as integers, a value non-finite where its exponent bits are all ones (FP8: its NaN codes).
+    `row0`: the first row of `shape` in its tensor, when the extents hold a run of its rows."""
 
     bits = _exponent_bits(dtype)
     if bits is None:
@@ -34,7 +35,7 @@ def require_finite_extents(extents: Sequence[Extent], dtype: torch.dtype, shape:
         count += n
         done += e.length // dtype.itemsize
     if count:
-        _refuse_at(first, count, extents, dtype, shape, name, where)
+        _refuse_at(first, count, extents, dtype, shape, name, where, row0)
 
 
 def _exponent_bits(dtype: torch.dtype) -> tuple[Any, int] | None:
@@ -71,7 +72,7 @@ def _scan(e: Extent, ints: Any, mask: int) -> tuple[int, int]:
 
 
 def _refuse_at(first: int, count: int, extents: Sequence[Extent], dtype: torch.dtype, shape: tuple[int, ...],
-               name: str, where: str) -> None:
+               name: str, where: str, row0: int) -> None:
     import torch
 
     size = dtype.itemsize
@@ -84,6 +85,8 @@ def _refuse_at(first: int, count: int, extents: Sequence[Extent], dtype: torch.d
             break
         at -= e.length
     index = [int(i) for i in torch.unravel_index(torch.tensor(first), shape)] if shape else []
+    if index:
+        index[0] += row0
     shown = f"FP8 code 0x{int(value.view(torch.uint8)):02X}" if dtype == torch.float8_e4m3fn else str(value.item())
     raise NonFiniteError(f"{name} ({where}): {count:,} non-finite value{'s' * (count != 1)} (NaN/Inf), the first "
                          f"{shown} in block {block_of(index)} at index {index}; glmconv refuses NaN/Inf weights")

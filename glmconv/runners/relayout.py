@@ -212,11 +212,12 @@ def _extents(src_m: Mapping, reader: DcpReader, pieces: list[Piece]) -> list[Ext
     return route_extents(reader, piece_spans(pieces, [t.name for t in src_m.mcore]))
 
 
-def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent]) -> FileTensor:
+def _file_tensor(spec: TensorSpec, shape: tuple[int, ...], extents: list[Extent], row0: int = 0) -> FileTensor:
+    """Rows [row0, row0 + shape[0]) of `spec` as the bytes `extents`, scanned for NaN/Inf as they are copied."""
     import torch
 
     where = str(extents[0].path.parent) if extents else spec.name
-    finite.require_finite_extents(extents, torch_dtype(spec.dtype), tuple(shape), spec.name, where)  # copied, scanned
+    finite.require_finite_extents(extents, torch_dtype(spec.dtype), tuple(shape), spec.name, where, row0)
     return FileTensor(torch.Size(shape), torch_dtype(spec.dtype), tuple(extents))
 
 
@@ -250,8 +251,8 @@ def pair_chunks(src_m: Mapping, tgt_m: Mapping, reader: DcpReader, chunk_bytes: 
             row_bytes = spec.nbytes // spec.shape[0]
             for rows, _ in steps:
                 pieces = take(layout[0], rows.start * row_bytes, rows.stop * row_bytes)
-                yield Chunk(spec.name, _file_tensor(spec, (len(rows), *spec.shape[1:]),
-                                                    _extents(src_m, reader, pieces)), row=rows.start, shape=spec.shape)
+                tensor = _file_tensor(spec, (len(rows), *spec.shape[1:]), _extents(src_m, reader, pieces), rows.start)
+                yield Chunk(spec.name, tensor, row=rows.start, shape=spec.shape)
     else:
         counts.computed_mappings += 1
         try:
