@@ -9,6 +9,7 @@ tensors), run with an unpickler that builds only the globals the undamaged archi
 
 from __future__ import annotations
 
+import fractions
 import io
 import pickle
 import shutil
@@ -21,7 +22,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 import glmconv
 from glmconv.errors import GlmconvError
-from glmconv.io.torch_dist.reader import locate_tensor_data, read_metadata
+from glmconv.io.file_names import COMMON_STATE_KEY, CONFIG_NAME
+from glmconv.io.torch_dist.common_state import read_common_state
+from glmconv.io.torch_dist.reader import DcpReader, locate_tensor_data, read_bytes_entry, read_metadata
+from glmconv.io.torch_dist.stored_objects import check_object
+from glmconv.io.torch_dist.writer import DcpWriter
 from glmconv.rules import names
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -163,3 +168,51 @@ def _flip_bytes(data: bytes, bit: int) -> bytes:
     out = bytearray(data)
     out[bit // 8] ^= 1 << (bit % 8)
     return bytes(out)
+
+
+# ---- what a Megatron trainer saves and loads: accepted as its own load accepts it -------------------------------
+
+def _rng_state() -> list[dict[str, Any]]:
+    """The `rng_state` ShardedObject a trainer saves unless --no-save-rng (megatron's get_rng_state)."""
+    import random
+
+    import numpy as np
+
+    return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {"model-parallel-rng": torch.Generator()
+                                                                             .get_state()}}]
+
+
+def _saved(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("obj", [_rng_state(), torch.Generator(), io.BytesIO(b"te extra state")],
+                         ids=["numpy-and-torch-rng-states", "torch-generator", "bytesio-extra-state"])
+def test_objects_on_megatrons_allow_list_are_loadable(obj: Any) -> None:
+    check_object(_saved(obj), "rng_state/shard_0.0_1.1")  # megatron-core's SAFE_GLOBALS: a trainer loads these
+
+
+def test_an_object_outside_megatrons_allow_list_is_refused() -> None:
+    with pytest.raises(GlmconvError, match=r"^x: stored object is not loadable by torch\.load \(.*fractions"):
+        check_object(_saved(fractions.Fraction(1, 3)), "x")
+
+
+def test_a_trainer_checkpoint_with_its_rng_state_exports_and_verifies(converted: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    hf, mc = converted
+    saved = tmp_path / "saved"
+    reader = DcpReader(mc)
+    writer = DcpWriter(saved)
+    writer.write({n: reader.read(n) for n in reader.names()})
+    objects = {k: torch.load(io.BytesIO(read_bytes_entry(reader.iter_dir, k)), weights_only=True)[0]
+               for k in reader.ckpt.objects if k != COMMON_STATE_KEY}
+    writer.write_objects({**objects, "rng_state/shard_0.0_1.1": _rng_state()})
+    writer.finish(read_common_state(reader.iter_dir))
+    shutil.copyfile(mc / CONFIG_NAME, saved / CONFIG_NAME)
+    assert "rng_state/shard_0.0_1.1" in DcpReader(saved).ckpt.objects
+    assert glmconv.verify(hf, saved)["equal"]
+    glmconv.export(saved, tmp_path / "hf", like=hf)
+    assert glmconv.verify(tmp_path / "hf", mc)["equal"]

@@ -251,8 +251,8 @@ def pair_chunks(src_m: Mapping, tgt_m: Mapping, reader: DcpReader, chunk_bytes: 
             row_bytes = spec.nbytes // spec.shape[0]
             for rows, _ in steps:
                 pieces = take(layout[0], rows.start * row_bytes, rows.stop * row_bytes)
-                tensor = _file_tensor(spec, (len(rows), *spec.shape[1:]), _extents(src_m, reader, pieces), rows.start)
-                yield Chunk(spec.name, tensor, row=rows.start, shape=spec.shape)
+                copied = _file_tensor(spec, (len(rows), *spec.shape[1:]), _extents(src_m, reader, pieces), rows.start)
+                yield Chunk(spec.name, copied, row=rows.start, shape=spec.shape)
     else:
         counts.computed_mappings += 1
         try:

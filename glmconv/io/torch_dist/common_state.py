@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY
-from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES, OpaqueValue
+from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES, OpaqueValue, load_allow_list
 from glmconv.io.torch_dist.reader import read_bytes_entry
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ def _with_torch(data: bytes, source: str) -> Any:
     import torch
 
     try:
-        with torch.serialization.safe_globals([*SAFE_CLASSES, *OPAQUE_CLASSES]):
+        with torch.serialization.safe_globals(load_allow_list()):
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = re.search(r"unsupported global:?\s+(?:GLOBAL\s+)?([\w.]+)", str(exc), re.IGNORECASE)  # torch 2.6 / 2.13

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import copyreg
+import functools
+import io
 import pathlib
 import signal
 import types
@@ -58,3 +60,21 @@ def _opaque_allow_list() -> list[tuple[type, str]]:
 
 
 OPAQUE_CLASSES = _opaque_allow_list()  # (stand-in class, the megatron global it stands for)
+
+
+@functools.cache
+def trainer_globals() -> tuple[Any, ...]:
+    """The rest of megatron-core's weights_only allow-list (megatron/core/safe_globals.py), which a trainer registers
+    before it loads: numpy arrays (the RNG states it saves), torch Generators, and the BytesIO `_extra_state` older
+    Transformer Engine writes. Made on first use: numpy and torch are imported only by a load."""
+    import numpy
+    import torch
+    from numpy._core.multiarray import _reconstruct
+    from numpy.dtypes import UInt32DType
+
+    return (_reconstruct, numpy.ndarray, numpy.dtype, UInt32DType, io.BytesIO, torch._C.Generator)
+
+
+def load_allow_list() -> list[Any]:
+    """Every global a weights-only load of a stored object may build, as a Megatron trainer's load allows them."""
+    return [*SAFE_CLASSES, *OPAQUE_CLASSES, *trainer_globals()]  # a stand-in is given with the name it stands for

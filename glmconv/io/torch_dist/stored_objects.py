@@ -3,7 +3,8 @@
 A Megatron load reads each non-tensor DCP entry (`_extra_state`, the common state, any other ShardedObject)
 with `torch.load(weights_only=False)` (torch 2.13 `DefaultLoadPlanner.load_bytes`) and each tensor archive with
 `torch.load(map_location="cpu", weights_only=True)` (`FileSystemReader.read_data`). glmconv never unpickles
-with `weights_only=False`; instead an object must load through torch's weights-only unpickler (the allow-list),
+with `weights_only=False`; instead an object must load through torch's weights-only unpickler with the
+allow-list a Megatron trainer registers (`pickle_allow.load_allow_list`: its RNG states, BytesIO extra states),
 and its pickles must also pass the real unpickler with every global replaced by an inert stand-in
 (`_InertUnpickler`: nothing is built or called), which refuses what weights-only tolerates but a real load
 does not (an unsupported protocol number). Tensor archives whose bytes are copied without being read
@@ -19,7 +20,7 @@ import zipfile
 from typing import Any
 
 from glmconv.errors import CheckpointError
-from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES
+from glmconv.io.torch_dist.pickle_allow import load_allow_list
 from glmconv.io.torch_dist.zip_records import stored_record
 
 _MAX_PICKLE = 1 << 26  # a stored object's pickle record larger than this is refused unread
@@ -30,7 +31,7 @@ def check_object(data: bytes, where: str) -> None:
     import torch
 
     try:
-        with torch.serialization.safe_globals(_common_classes()):
+        with torch.serialization.safe_globals(load_allow_list()):
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         for pkl in _pickles(data):
             _InertUnpickler(io.BytesIO(pkl)).load()
@@ -106,11 +107,6 @@ class _InertUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return _Inert()
-
-
-def _common_classes() -> list[Any]:
-
-    return [*SAFE_CLASSES, *OPAQUE_CLASSES]
 
 
 def _line(exc: BaseException) -> str:
