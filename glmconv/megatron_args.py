@@ -16,6 +16,7 @@ import types
 from typing import Any
 
 from glmconv.config import MOE, GlmConfig
+from glmconv.defaults import DEFAULT_LAYOUT
 from glmconv.errors import CheckpointError
 from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.rules.layouts import MTP_PART
@@ -130,7 +131,7 @@ _CHECKED = (("num_layers", "decoder layers"), ("hidden_size", "hidden size"), ("
             ("dense_layers", "leading dense layers"), ("vocab_size", "vocabulary"))
 
 
-def model_args(config: GlmConfig, layout: str = "miles") -> dict[str, Any]:
+def model_args(config: GlmConfig, layout: str = DEFAULT_LAYOUT) -> dict[str, Any]:
     """Megatron-LM flag -> value for `config` (True for a bare switch); flags that do not apply are left out.
 
     `layout`: the Megatron layout trained; one whose trainer has no MTP module (mcore) gets no --mtp-num-layers,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from glmconv.defaults import KERNEL_CHOICES
+from glmconv.defaults import AUTO, KERNEL_CHOICES
 from glmconv.errors import GlmconvError
 from glmconv.kernels import dsa, kda
 from glmconv.ops.dsa import sparse_mla
@@ -63,6 +63,6 @@ def op_set(kernels: str, device: torch.device, index_width: int) -> OpSet:
     """The ops for `--kernels kernels` on `device`."""
     if kernels not in KERNEL_CHOICES:
         raise GlmconvError(f"--kernels {kernels!r}: choose from {', '.join(KERNEL_CHOICES)}")
-    if kernels == "auto" and device.type == "cuda":
+    if kernels == AUTO and device.type == "cuda":
         return kernel_ops(index_width)
     return reference_ops()

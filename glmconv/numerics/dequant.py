@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from glmconv.defaults import DEVICE_CHOICES
+from glmconv.defaults import AUTO, DEVICE_CHOICES
 from glmconv.errors import GlmconvError
 from glmconv.numerics.fp8 import FP8_BLOCK, Fp8FormatError, dequantize_fp8_blocks, refuse_nan_codes, scale_shape
 
@@ -48,7 +48,7 @@ def require_device(requested: str) -> None:
 def resolve_device(requested: str, fp8_bytes: int) -> str:
     """`cpu` or `cuda` for one worker: `auto` is cuda when a GPU is visible and there are AUTO_CUDA_BYTES of FP8
     codes to dequantise (less costs less on the CPU than starting CUDA); `require_device` checked the rest."""
-    if requested == "cpu" or (requested == "auto" and fp8_bytes < AUTO_CUDA_BYTES):
+    if requested == "cpu" or (requested == AUTO and fp8_bytes < AUTO_CUDA_BYTES):
         return "cpu"
     return "cuda" if requested == "cuda" or _gpu_visible() else "cpu"
 

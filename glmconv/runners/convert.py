@@ -43,7 +43,7 @@ from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.progress import Progress
 from glmconv.rules import layouts
 from glmconv.rules.pieces import Piece, take
-from glmconv.rules.table import BF16, F32
+from glmconv.rules.table import BF16, F32, FP8
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.flow import PlanRun, check_once, publish_run, shares
 from glmconv.runners.ranks import Group
@@ -134,7 +134,7 @@ def peak_bytes(mappings: list[Mapping], group_bytes: int, chunk_bytes: int, thre
 
 def fp8_bytes(mappings: list[Mapping]) -> int:
     """Bytes of FP8 codes among the HF tensors of `mappings`: what dequantisation has to go through."""
-    return sum(t.nbytes for m in mappings for t, d in zip(m.hf, m.stored) if d == "F8_E4M3")
+    return sum(t.nbytes for m in mappings for t, d in zip(m.hf, m.stored) if d == FP8)
 
 
 def fp8_thread_count(workers: int) -> int:

@@ -13,6 +13,7 @@ from glmconv.io.safetensors.header import HeaderEntry, SafetensorsHeader, read_h
 from glmconv.numerics.finite import require_finite
 from glmconv.numerics.fp8 import check_scales, dequantize_fp8_blocks
 from glmconv.rules import names
+from glmconv.rules.table import FP8
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +94,7 @@ class HfTensorSource:
         """
         import torch
 
-        pin = getattr(self._dequantize, "pinned", False) and device is None and self.stored_dtype(name) == "F8_E4M3"
+        pin = getattr(self._dequantize, "pinned", False) and device is None and self.stored_dtype(name) == FP8
         t = self.raw(name, pin=pin)
         if t.dtype == torch.float8_e4m3fn:
             scale = names.scale_name(name)
