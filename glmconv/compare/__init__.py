@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from glmconv.compare import defects
-from glmconv.compare.capture import Model, Side, StepProgress, capture, steps
+from glmconv.compare.capture import Side, StepProgress, capture, steps
 from glmconv.compare.catalog import select
 from glmconv.compare.fingerprint import check_same_weights
 from glmconv.compare.inputs import Batch, load_prompt_file, random_batch
@@ -72,7 +72,7 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     return report
 
 
-def self_test_sides(config: GlmConfig, train: Model, train_precise: Model | None,
+def self_test_sides(config: GlmConfig, train: GlmModel, train_precise: GlmModel | None,
                     conventions: dict[str, dict[str, str]], opts: ParityOptions) -> list[Side]:
     """One train side per applicable catalog defect, planted in memory over the train side's weights."""
 
@@ -101,7 +101,7 @@ def make_batch(opts: ParityOptions, vocab: int) -> Batch:
     return random_batch(vocab, opts.tokens, opts.sequences, opts.seed)
 
 
-def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[Model, Model, dict[str, dict[str, str]]]:
+def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[GlmModel, GlmModel, dict[str, dict[str, str]]]:
     """(serve model, train model, both sides' conventions as plain dicts); tests replace this with fakes."""
     import torch
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -40,6 +40,7 @@ from glmconv.compare.verdict import SELECTIONS, Judge
 from glmconv.defaults import DEFAULT_MODE, PARITY_MODES
 from glmconv.errors import GlmconvError
 from glmconv.models.conventions import Conventions, acting_at_sub_block
+from glmconv.models.weights import AttentionWeights, MlpWeights, WeightSource
 from glmconv.text import printable
 
 if TYPE_CHECKING:
@@ -52,16 +53,26 @@ ATTENTION, MLP = "attention", "mlp"
 class Model(Protocol):
     """What parity needs of a model (glmconv.models.model.GlmModel, or a test double)."""
 
-    num_layers: int
-    attn_types: tuple[str, ...] | list[str]
-    mlp_types: tuple[str, ...] | list[str]
-
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def attn_types(self) -> tuple[str, ...] | list[str]: ...
+    @property
+    def mlp_types(self) -> tuple[str, ...] | list[str]: ...
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
     # `replay` (the ids to use instead of the own selection) is passed only when replaying
     def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor,
                   replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]: ...
     def mlp(self, layer: int, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]: ...
     def head(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class WeightedModel(Model, Protocol):
+    """A model whose weights parity compares bit for bit (GlmModel; a test double may have none: `_weighted`)."""
+
+    @property
+    def weights(self) -> WeightSource: ...
+    def sub_block_weights(self, layer: int, sub_block: str) -> AttentionWeights | MlpWeights: ...
 
 
 @dataclass
@@ -86,6 +97,12 @@ class Side:
     x: torch.Tensor | None = None  # its own streams (propagated), run dtype and fp32
     x_ref: torch.Tensor | None = None
     apart: bool = False  # propagated: runs on its own streams since its first differing site
+
+    def streams(self) -> torch.Tensor:
+        """Its own streams: set from the embedding on, except in isolated mode before its first sub-block."""
+        if self.x is None:
+            raise AssertionError(f"side {self.name}: no streams of its own yet (isolated mode runs on serve's)")
+        return self.x
 
     def computes(self, layer: int, sub_block: str, isolated: bool) -> bool:
         """Whether this sub-block must be run for this side (else the clean side's record holds for it)."""
@@ -122,6 +139,12 @@ class _Serve:
     conventions: dict[str, str]
     x: torch.Tensor | None = None
     x_ref: torch.Tensor | None = None
+
+    def streams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The streams in the run dtype and the fp32 twin's: set from the embedding on."""
+        if self.x is None or self.x_ref is None:
+            raise AssertionError("the serve side has no streams before its embedding")
+        return self.x, self.x_ref
 
 
 def capture(serve: Model, train: Model, batch: Batch, mode: str = DEFAULT_MODE,
@@ -187,13 +210,14 @@ class _Run:
 
     def sub_block(self, layer: int, sub_block: str) -> None:
         s = self.serve
-        ys, aux_s = _call(s.model, sub_block, layer, s.x, self.batch.cu_seqlens)
-        xr = s.x.float() if self.isolated else s.x_ref
+        x, x_ref = s.streams()
+        ys, aux_s = _call(s.model, sub_block, layer, x, self.batch.cu_seqlens)
+        xr = x.float() if self.isolated else x_ref
         if s.precise is not None:
             ysr, aux_sr = _call(s.precise, sub_block, layer, xr, self.batch.cu_seqlens)
         else:
-            xr, ysr, aux_sr = s.x, ys, aux_s
-        serve_out = _Out(ys, aux_s, ysr, aux_sr, xr, s.x)
+            xr, ysr, aux_sr = x, ys, aux_s
+        serve_out = _Out(ys, aux_s, ysr, aux_sr, xr, x)
         for side in self.out.sides:
             self._measure(side, layer, sub_block, serve_out)
         s.x, s.x_ref = ys, ysr
@@ -207,7 +231,7 @@ class _Run:
             side.records.append(rec)
             return
         before = _selection_state(side.precise if side.precise is not None else side.model)  # for the attribution
-        x_in = so.x if self.isolated else side.x
+        x_in = so.x if self.isolated else side.streams()
         ids = self.replay.ids(sub_block, layer, so.aux)
         yt, aux_t = _call(side.model, sub_block, layer, x_in, self.batch.cu_seqlens, ids)
         rec = _record(self.serve.model, layer, sub_block, yt, so.y)
@@ -231,7 +255,7 @@ class _Run:
     def _weights(self, side: Side, layer: int, sub_block: str, rec: dict[str, Any]) -> None:
         """Compare both sides' weights of the sub-block (the clean side's status holds where a side equals it)."""
         serve, train = self.serve.model, side.model
-        if not _has_weights(serve, train):
+        if not (_weighted(serve) and _weighted(train)):
             return
         diffs = list(weight_diff.structure_diffs(serve.sub_block_weights(layer, sub_block),
                                                  train.sub_block_weights(layer, sub_block)))
@@ -264,11 +288,14 @@ class _Run:
 
     def logits(self) -> dict[str, Any]:
         s, clean = self.serve, self.clean
-        logits_s = s.model.head(s.x)
-        logits_t = clean.model.head(s.x if self.isolated else clean.x)
-        if self.out.weights_checked:  # the embedding's every row, not only the batch's: a defect is a defect
-            for role, d in weight_diff.model_wide_diffs(s.model.weights, clean.model.weights):
-                self.out.weight_diffs.append(d.as_dict(None, role, s.model.weights, clean.model.weights))
+        x, _ = s.streams()
+        logits_s = s.model.head(x)
+        logits_t = clean.model.head(x if self.isolated else clean.streams())
+        serve, train = s.model, clean.model
+        if _weighted(serve) and _weighted(train):  # out.weights_checked
+            # the embedding's every row, not only the batch's: a defect is a defect
+            for role, d in weight_diff.model_wide_diffs(serve.weights, train.weights):
+                self.out.weight_diffs.append(d.as_dict(None, role, serve.weights, train.weights))
         return metrics.logit_stats(logits_t, logits_s, self.batch.ids, self.batch.cu_seqlens).summary()
 
 
@@ -287,8 +314,12 @@ class _Out:
     x: torch.Tensor  # the serve side's input
 
 
+def _weighted(model: Model) -> TypeGuard[WeightedModel]:
+    return hasattr(model, "sub_block_weights") and hasattr(model, "weights")
+
+
 def _has_weights(*models: Model) -> bool:
-    return all(hasattr(m, "sub_block_weights") and hasattr(m, "weights") for m in models)
+    return all(_weighted(m) for m in models)
 
 
 def _selection_state(model: Model | None) -> SelectionState:
@@ -374,7 +405,7 @@ def _kernel_error(twin: Model, layer: int, x_in: torch.Tensor, batch: Batch, yt:
 
 
 def _has(aux_s: dict | None, aux_t: dict | None, key: str) -> bool:
-    return bool(aux_s) and bool(aux_t) and aux_s.get(key) is not None and aux_t.get(key) is not None
+    return bool(aux_s and aux_t and aux_s.get(key) is not None and aux_t.get(key) is not None)
 
 
 class StepProgress:

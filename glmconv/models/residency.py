@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from glmconv.ahead import Step, run_ahead
@@ -64,7 +65,11 @@ class LoadedBank(ExpertBank):
         self.num, self.nbytes = bank.num, bank.nbytes
         self._w: dict[str, torch.Tensor] = {}
         per_expert = bank.nbytes // max(1, bank.num)
-        steps = (Step(len(g) * per_expert, lambda g=g: [(g, bank.read(g))]) for g in bank.groups())
+
+        def read(group: range) -> list[tuple[range, list[Swiglu]]]:
+            return [(group, bank.read(group))]
+
+        steps = (Step(len(g) * per_expert, partial(read, g)) for g in bank.groups())
         for experts, swiglus in run_ahead(steps, LOAD_THREADS, LOAD_AHEAD_BYTES):
             for e, s in zip(experts, swiglus):
                 for name in ("gate", "up", "down"):

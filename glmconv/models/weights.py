@@ -30,6 +30,7 @@ from glmconv.ops.dsa import DsaTensors
 from glmconv.ops.kda import KdaTensors
 from glmconv.ops.kpool import IndexerTensors
 from glmconv.plan import FP8, Mapping, build_plan
+from glmconv.rules import names
 from glmconv.rules import roles as R
 
 if TYPE_CHECKING:
@@ -164,8 +165,9 @@ class WeightSource(ABC):
 
     def __init__(self, config: GlmConfig, text_prefix: str | None = None, layout: str = DEFAULT_LAYOUT) -> None:
         self.config, self.layout = config, layout
-        kw = {} if text_prefix is None else {"text_prefix": text_prefix}
-        self._roles = role_index(build_plan(config, mtp=False, vision=False, layout=layout, **kw).mappings)
+        prefix = names.HF_TEXT_PREFIX if text_prefix is None else text_prefix
+        self._roles = role_index(build_plan(config, mtp=False, vision=False, text_prefix=prefix,
+                                            layout=layout).mappings)
 
     def mapping(self, layer: int | None, role: str) -> Mapping:
         m = self._roles.get((layer, role))
@@ -283,9 +285,12 @@ class WeightSource(ABC):
     def _dsa(self, layer: int, kpool: bool = True) -> DsaTensors:
         indexer = None
         if self.has(layer, R.INDEXER_WQ_B):
-            kpool_roles = (R.INDEXER_COMPRESS_GATE, R.INDEXER_COMPRESS_APE)
-            indexer = IndexerTensors(**{f: self.tensor(layer, role) if kpool or role not in kpool_roles else None
-                                        for f, role in INDEXER_FIELDS.items()})
+            def part(name: str) -> torch.Tensor:
+                return self.tensor(layer, INDEXER_FIELDS[name])
+
+            indexer = IndexerTensors(part("wq_b"), part("wk"), part("k_norm_weight"), part("k_norm_bias"),
+                                     part("weights_proj"), part("compress_gate") if kpool else None,
+                                     part("compress_ape") if kpool else None)
         return DsaTensors(**{f: self.tensor(layer, role) for f, role in DSA_FIELDS.items()}, indexer=indexer)
 
 
@@ -453,6 +458,12 @@ class MegatronWeights(WeightSource):
         return _StackedExperts(self, fc1.name, fc2.name, fc2.shape[0], fc1.nbytes + fc2.nbytes)
 
 
+def _gated(fc1: torch.Tensor, fc2: torch.Tensor) -> Swiglu:
+    """One expert from its Megatron rows: fc1 [2F, H] is gate rows then up rows, fc2 [H, F] is down."""
+    gate, up = fc1.chunk(2, dim=0)
+    return Swiglu(gate, up, fc2)
+
+
 class _StackedExperts(ExpertBank):
     """Experts sliced from [E, 2F, H] / [E, H, F], read in windows of rows (experts come in ascending order)."""
 
@@ -468,8 +479,7 @@ class _StackedExperts(ExpertBank):
             rows = (expert, min(expert + self._step, self.num))
             self._window = (expert, self._src.read(self._fc1, rows), self._src.read(self._fc2, rows))
         start, fc1, fc2 = self._window
-        gate, up = fc1[expert - start].chunk(2, dim=0)
-        return Swiglu(gate, up, fc2[expert - start])
+        return _gated(fc1[expert - start], fc2[expert - start])
 
     def groups(self) -> list[range]:
         """Runs of experts that start and end on a stored chunk boundary of both tensors: each chunk read once."""
@@ -480,4 +490,4 @@ class _StackedExperts(ExpertBank):
     def read(self, experts: range) -> list[Swiglu]:
         rows = (experts.start, experts.stop)
         fc1, fc2 = self._src.read(self._fc1, rows), self._src.read(self._fc2, rows)
-        return [Swiglu(*fc1[i].chunk(2, dim=0), fc2[i]) for i in range(len(experts))]
+        return [_gated(fc1[i], fc2[i]) for i in range(len(experts))]

@@ -80,7 +80,9 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) 
     out = torch.empty_like(x)
     for s, e in segments(cu_seqlens):
         seg = F.pad(x[s:e].to(w.dtype), (0, 0, width - 1, 0))
-        y = sum(seg[j:j + e - s] * w[:, j] for j in range(width))
+        y = torch.zeros_like(seg[:e - s])  # the +0.0 start `sum` had: the same bits, a -0.0 included
+        for j in range(width):
+            y = y + seg[j:j + e - s] * w[:, j]
         out[s:e] = F.silu(y).to(x.dtype)
     return out
 
@@ -129,7 +131,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         state = torch.zeros(v.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
         for c in range(s, e, chunk):
             c_end = min(c + chunk, e)
-            o, state = _chunk_step(*(t[c:c_end].transpose(0, 1) for t in (q, k, v, g, beta)), state)
+            qc, kc, vc, gc, bc = (t[c:c_end].transpose(0, 1) for t in (q, k, v, g, beta))
+            o, state = _chunk_step(qc, kc, vc, gc, bc, state)
             out[c:c_end] = o.transpose(0, 1)
     return out
 
