@@ -298,6 +298,7 @@ def test_a_source_shard_truncated_mid_convert_is_named_not_the_output(fixture: s
     monkeypatch.setattr(FileCopier, "_open", shrinking)
     if not zero_copy:
         monkeypatch.setattr(convert_mod, "byte_layout", lambda m, source: None)
-    with pytest.raises(GlmconvError, match=rf"^{re.escape(str(shard))}: ends before byte \d+"):
+    # the copy or the NaN scan finds the short file, or a reader thread re-reads the header it cut: the input is named
+    with pytest.raises(GlmconvError, match=rf"^(.*/)?{re.escape(shard.name)}: (ends before byte \d+|corrupt header)"):
         convert_mod.convert(job, convert_mod.RunOptions(progress=False))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -4,6 +4,7 @@ block (re-quantising would wipe that block: scale 1.0 or inf, every code 0)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -65,3 +66,15 @@ def test_export_fp8_refuses_a_non_finite_weight_instead_of_wiping_its_block(valu
     assert_refused(["export", str(edited), str(hf), "--fp8"], [edited], hf,
                    r"^error: decoder\.layers\.0\.mlp\.linear_fc2\.weight \(.*/edited/release\): "
                    rf"1 non-finite value \(NaN/Inf\), the first {value} in block \[0, 1\] at index \[30, 130\]")
+
+
+def test_the_scan_of_copied_bytes_names_a_file_that_ends_too_soon(tmp_path: Path) -> None:
+    """A source cut short after it was planned (another process rewrote it): one line naming it, no fault."""
+    from glmconv.errors import CheckpointError
+    from glmconv.io.byte_copy import Extent
+    from glmconv.io.finite import require_finite_extents
+
+    short = tmp_path / "shard.safetensors"
+    short.write_bytes(bytes(1000))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(short))}: ends before byte 2048 \(truncated"):
+        require_finite_extents([Extent(short, 1024, 1024)], torch.bfloat16, (512,), "w", "shard.safetensors")

@@ -3,10 +3,12 @@ the same message as `glmconv.numerics.finite.require_finite` gives a tensor."""
 
 from __future__ import annotations
 
-import mmap
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
 from glmconv.numerics.finite import E4M3_NAN, NonFiniteError, block_of
 
@@ -48,27 +50,33 @@ def _exponent_bits(dtype: torch.dtype) -> tuple[Any, int] | None:
 
 
 def _scan(e: Extent, ints: Any, mask: int) -> tuple[int, int]:
-    """(first non-finite element, count) in one extent, read through a mapping a window at a time."""
-
+    """(first non-finite element, count) in one extent, read a window at a time with pread (a file truncated under
+    the scan is a one-line error, where a memory mapping would fault)."""
     import numpy as np
 
-    if e.length == 0:
-        return -1, 0
     first, count = -1, 0
-    with open(e.path, "rb") as fh:
-        start = e.offset - e.offset % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(fh.fileno(), e.offset + e.length - start, access=mmap.ACCESS_READ, offset=start) as mm:
-            base = e.offset - start
-            for at in range(0, e.length, _SCAN_BYTES):
-                n = min(_SCAN_BYTES, e.length - at)
-                words = np.frombuffer(mm, dtype=np.uint8, count=n, offset=base + at).view(ints)
-                bad = (words & mask) == mask
-                found = int(np.count_nonzero(bad))
-                if found and first < 0:
-                    first = at // words.itemsize + int(np.argmax(bad))
-                count += found
-                del words, bad  # no view of the mapping outlives it
+    window = bytearray(min(_SCAN_BYTES, e.length))
+    with open(e.path, "rb", buffering=0) as fh:
+        for at in range(0, e.length, _SCAN_BYTES):
+            n = min(_SCAN_BYTES, e.length - at)
+            _read_exact(fh.fileno(), memoryview(window)[:n], e.offset + at, e.path)
+            words = np.frombuffer(window, dtype=np.uint8, count=n).view(ints)
+            bad = (words & mask) == mask
+            found = int(np.count_nonzero(bad))
+            if found and first < 0:
+                first = at // words.itemsize + int(np.argmax(bad))
+            count += found
+            del words, bad  # the window is reused: no view of it outlives a step
     return first, count
+
+
+def _read_exact(fd: int, into: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got == 0:
+            raise CheckpointError(f"{path}: ends before byte {offset + len(into)} (truncated while being read?)")
+        done += got
 
 
 def _refuse_at(first: int, count: int, extents: Sequence[Extent], dtype: torch.dtype, shape: tuple[int, ...],

@@ -122,7 +122,7 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
                     chunk_bytes: int, stats: Fp8Stats,
                     like: LikeFp8 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One mapping backward, read from the `.distcp` files (a padded vocabulary: its first rows) through the
-    weight-sync code (`glmconv.weight_sync.mapping_hf`); stacked experts `chunk_bytes` at a time, never whole."""
+    weight-sync code (`mapping_hf`); stacked experts `chunk_bytes` at a time, never whole."""
     try:
         yield from mapping_hf(m, stored_read(m, lambda: reader, stored_rows), dtypes, chunk_bytes, stats, like)
     finally:
