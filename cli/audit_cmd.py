@@ -114,7 +114,6 @@ def _layout_lines(report: AuditReport) -> list[str]:
 
 
 def _table(report: AuditReport) -> object:
-
     sides = report.against is not None
     title = f"audit-names {report.src}" + (f" --against {report.against}" if sides else "")
     table = Table(title=Text(printable(title)))  # a Text, not a str: `[` in a path is not markup

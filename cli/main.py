@@ -108,7 +108,6 @@ def cli() -> None:
 
 
 def _register() -> None:
-
     cli.add_command(audit_names)
     cli.add_command(bench)
     cli.add_command(convert)
@@ -124,7 +123,6 @@ _register()
 
 
 def main() -> None:
-
     ranks.cli_ends_the_process()
     interrupt.cli_process()  # once published, a late SIGINT/SIGTERM is ignored until the process exits
     try:

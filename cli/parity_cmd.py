@@ -155,7 +155,6 @@ def failure(report: dict) -> str:
 
 
 def _print(report: dict, paths: list[Path]) -> None:
-
     console = text_console()
     print_table(report, console)
     for p in paths:

@@ -69,7 +69,6 @@ def _print(s: dict[str, Any]) -> None:
 
 
 def _table(s: dict[str, Any]) -> object:
-
     table = Table(title=Text(printable(f"verify {s['hf']} {s['mcore']}")))
     for col in ("HF tensor", "Megatron tensor", "values differing", "max abs diff"):
         table.add_column(col, overflow="fold")

@@ -327,7 +327,6 @@ def _selection_state(model: Model | None) -> SelectionState:
 
 
 def _switches(serve: _Serve, side: Side, layer: int, sub_block: str) -> list[str]:
-
     return acting_at_sub_block(serve.conventions, side.conventions, sub_block, serve.model.attn_types[layer] == "dsa")
 
 

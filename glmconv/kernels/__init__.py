@@ -38,7 +38,6 @@ class OpSet:
 
 
 def reference_ops() -> OpSet:
-
     return OpSet("reference", kda_layer, kpool_topk, sparse_mla)
 
 

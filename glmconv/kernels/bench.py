@@ -142,7 +142,6 @@ class Row:
 
 
 def bench_kpool(lengths: Sequence[int], device: str = "cuda") -> Row:
-
     from glmconv.kernels.kpool import kpool_topk as kernel  # triton: imported only where it runs
 
     reference = kpool_reference.kpool_topk

@@ -61,7 +61,6 @@ class LoadedBank(ExpertBank):
     on_device = True
 
     def __init__(self, bank: ExpertBank, device: torch.device) -> None:
-
         self.num, self.nbytes = bank.num, bank.nbytes
         self._w: dict[str, torch.Tensor] = {}
         per_expert = bank.nbytes // max(1, bank.num)

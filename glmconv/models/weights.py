@@ -403,7 +403,6 @@ class MegatronWeights(WeightSource):
     """
 
     def __init__(self, mcore_dir: str | Path, config: GlmConfig | None = None, layout: str | None = None) -> None:
-
         root = Path(mcore_dir)
         if config is None:
             config = load_config(config_path(root, resolve_iter_dir(root)[0]))

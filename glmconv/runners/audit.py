@@ -175,7 +175,6 @@ def _apply_layers(s: Side, opts: Options) -> Side:
 
 
 def _load_mcore(p: Path, opts: Options, side: str) -> Side:
-
     ck = inspect_torch_dist(p)
     config = load_config(_mcore_config_path(p, ck.iter_dir, opts))
     tensors = {n: (t.shape, t.dtype, ck.iter_dir.name) for n, t in ck.tensors.items()

@@ -139,14 +139,12 @@ class ThreadReaders:
     """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
 
     def __init__(self, src: Path, check_finite: bool) -> None:
-
         self._src, self._check_finite = src, check_finite
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[DcpReader] = []
 
     def get(self) -> DcpReader:
-
         reader = getattr(self._local, "reader", None)
         if reader is None:
             reader = self._local.reader = DcpReader(self._src, check_finite=self._check_finite)

@@ -179,7 +179,6 @@ def mapping_steps(m: Mapping, source: HfTensorSource, chunk_bytes: int) -> Itera
 
 
 def _moved_chunks(m: Mapping, source: HfTensorSource, dtype: torch.dtype, layout: list[list[Piece]]) -> list[Chunk]:
-
     extents = _scanned(m, source, range(len(m.hf)), dtype)
     return [Chunk(spec.name, _file_tensor(spec.shape, dtype, pieces, extents)) for spec, pieces in zip(m.mcore, layout)]
 
@@ -195,7 +194,6 @@ def _scanned(m: Mapping, source: HfTensorSource, picks: range | list[int], dtype
 
 
 def _computed_chunks(m: Mapping, source: HfTensorSource, dtype: torch.dtype) -> list[Chunk]:
-
     hf = [source.weight(t.name, dtype) for t in m.hf]
     return [Chunk(spec.name, tensor.contiguous())
             for spec, tensor in zip(m.mcore, m.rule.transform.forward(hf, len(m.mcore)))]
@@ -240,7 +238,6 @@ def _moved_rows(m: Mapping, source: HfTensorSource, dtype: torch.dtype, layout: 
 
 
 def _computed_rows(m: Mapping, source: HfTensorSource, dtype: torch.dtype, rows: range, picks: list[int]) -> Chunk:
-
     (chunk,) = m.rule.transform.forward([source.weight(m.hf[i].name, dtype) for i in picks], 1)
     return Chunk(m.mcore[0].name, chunk.contiguous(), row=rows.start, shape=m.mcore[0].shape)
 
@@ -387,7 +384,6 @@ class ConvertRun(PlanRun[ShareResult]):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> ShareResult:
-
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
         o = self.opts
         with share_dequantizer(o.device, fp8_bytes(share), o.fp8_threads or fp8_thread_count(self.world),

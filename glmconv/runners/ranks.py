@@ -95,7 +95,6 @@ def collective_error(group: Group, error: str | None) -> str | None:
 
 
 def progress(label: str, total: int, items: int, enabled: bool, noun: str = "tensors") -> Progress:
-
     return Progress(label, total, items, enabled=enabled, noun=noun)
 
 
@@ -304,7 +303,6 @@ def _kill(procs: list[SpawnProcess]) -> None:
 
 
 def _how(exitcode: int) -> str:
-
     if exitcode < 0:
         try:
             return f"killed by {signal.Signals(-exitcode).name}"

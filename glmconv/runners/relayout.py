@@ -326,7 +326,6 @@ def _is_padding(job: RelayoutJob, f: audit_mod.Finding) -> bool:
 # ---- running -----------------------------------------------------------------------------------------
 
 def space_plan(job: RelayoutJob, check: bool) -> dict[str, Any]:
-
     return space.plan(job.out, job.bytes_in, job.bytes_out, fp8=False, check=check)
 
 
@@ -375,7 +374,6 @@ class RelayoutRun(PlanRun[Counts]):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> Counts:
-
         writer = self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog)
         reader = DcpReader(self.job.src)
         counts = Counts()

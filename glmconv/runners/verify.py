@@ -196,7 +196,6 @@ def compare_rows(hf_m: Mapping, mc_m: Mapping, source: HfTensorSource, reader: D
 
 
 def _dtype(mc_m: Mapping) -> torch.dtype:
-
     return torch_dtype(mc_m.mcore[0].dtype)
 
 

@@ -117,11 +117,7 @@ def empty_extra_state() -> torch.Tensor:
 def _tensor_entry(c: Chunk) -> TensorStorageMetadata:
     """DCP's metadata of one chunk, as `dcp.save` would record it for a contiguous CPU tensor."""
     import torch
-    from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
     return TensorStorageMetadata(
         properties=TensorProperties(dtype=c.tensor.dtype), size=torch.Size(c.global_shape),
@@ -135,10 +131,7 @@ def _write_group_file(path: Path, final: str, chunks: list[Chunk], objects: Mapp
     `progress` (glmconv.progress) counts each chunk's bytes once written, a tensor once its last rows are.
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    MetadataIndex,
-)
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     md: dict[str, _Entry] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -306,9 +299,7 @@ class DcpWriter:
 
     def _publish(self, parts: list[_Part]) -> str | None:
         from torch.distributed.checkpoint import FileSystemWriter, Metadata
-        from torch.distributed.checkpoint.metadata import (
-    MetadataIndex,
-)
+        from torch.distributed.checkpoint.metadata import MetadataIndex
         from torch.distributed.checkpoint.storage import WriteResult
 
         md: dict[str, _Entry] = {}
@@ -380,7 +371,6 @@ def _why(exc: BaseException, where: Path, need: int) -> str:
 
 
 def _serialize(obj: Any) -> io.BytesIO:
-
     import torch
 
     buf = io.BytesIO()
@@ -392,9 +382,7 @@ def _serialize(obj: Any) -> io.BytesIO:
 def _merge(md: dict[str, _Entry], storage: dict[MetadataIndex, _StorageInfo], part_md: Mapping[str, _Entry],
            part_storage: Mapping[MetadataIndex, _StorageInfo]) -> str | None:
     """Fold one group's (or rank's) metadata into `md`: chunks of the same tensor accumulate."""
-    from torch.distributed.checkpoint.metadata import (
-    TensorStorageMetadata,
-)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     for name, entry in part_md.items():
         have = md.get(name)
@@ -416,9 +404,7 @@ def _merge(md: dict[str, _Entry], storage: dict[MetadataIndex, _StorageInfo], pa
 
 def _check_tiling(name: str, entry: _Entry) -> str | None:
     """A tensor's chunks must cover its rows exactly once (chunks only ever split dim 0)."""
-    from torch.distributed.checkpoint.metadata import (
-    TensorStorageMetadata,
-)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not isinstance(entry, TensorStorageMetadata):
         return None
@@ -436,9 +422,7 @@ def _check_tiling(name: str, entry: _Entry) -> str | None:
 
 
 def _check_specs(md: Mapping[str, _Entry], specs: Mapping[str, Planned] | None) -> list[str]:
-    from torch.distributed.checkpoint.metadata import (
-    TensorStorageMetadata,
-)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if specs is None:
         return []
