@@ -11,6 +11,8 @@ import difflib
 import pytest
 from repo_files import GOLDEN
 
+from glmconv.io.output import replace_file
+
 REGENERATE = ".venv/bin/python -m pytest -q tests --write-goldens"
 DIFF_CHARS = 6000  # enough of the diff to see what moved
 
@@ -19,7 +21,7 @@ def check(name: str, text: str, *, write: bool) -> None:
     """Fail with a unified diff when `text` is not fixtures/golden/`name`; with `write`, replace the file instead."""
     path = GOLDEN / name
     if write:
-        path.write_text(text)
+        replace_file(path, text.encode())  # a link at `path` is replaced, never followed
         return
     if not path.exists():
         pytest.fail(f"no golden fixtures/golden/{name}: run {REGENERATE}", pytrace=False)

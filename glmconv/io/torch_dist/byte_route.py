@@ -25,23 +25,18 @@ def locate(layout: list[list[Piece]], sources: Sequence[str], sizes: Sequence[in
     at a time (`route_extents`)."""
     if len(layout) != len(sizes):
         return None
-    out: list[list[Span]] = []
     for size, pieces in zip(sizes, layout):
-        spans = [_span(p, sources, reader) for p in pieces]
-        if None in spans or sum(p.length for p in pieces) != size:
+        if not all(_locatable(p, sources, reader) for p in pieces) or sum(p.length for p in pieces) != size:
             return None
-        out.append([s for s in spans if s is not None])
-    return out
+    return [piece_spans(pieces, sources) for pieces in layout]
 
 
-def _span(p: Piece, sources: Sequence[str], reader: DcpReader) -> Span | None:
+def _locatable(p: Piece, sources: Sequence[str], reader: DcpReader) -> bool:
     if not 0 <= p.source < len(sources):
-        return None
+        return False
     name = sources[p.source]
     g = reader.grid(name) if reader.locatable(name) else None
-    if g is None or p.offset + p.length > g.nbytes:
-        return None
-    return name, p.offset, p.offset + p.length
+    return g is not None and p.offset + p.length <= g.nbytes
 
 
 def piece_spans(pieces: list[Piece], sources: Sequence[str]) -> list[Span]:
@@ -58,7 +53,7 @@ def scanned_extents(reader: DcpReader, spans: list[Span], t: PlannedTensor) -> l
 
 
 def route_extents(reader: DcpReader, spans: list[Span]) -> list[Extent]:
-    """The file extents of one HF tensor's spans, in order (every chunk was located by `byte_route`)."""
+    """The file extents of one HF tensor's spans, in order (every chunk was located by `locate`)."""
     extents: list[Extent] = []
     for name, begin, end in spans:
         found = reader.byte_extents(name, begin, end)
