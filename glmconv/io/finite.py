@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
-from glmconv.numerics.finite import E4M3_NAN, NonFiniteError, block_of
+from glmconv.numerics.finite import NON_FINITE_BITS, NonFiniteError, block_of
 
 if TYPE_CHECKING:
     import torch
@@ -22,16 +22,15 @@ _SCAN_BYTES = 1 << 24  # scanned a window at a time: memory stays at a few windo
 def require_finite_extents(extents: Sequence[Extent], dtype: torch.dtype, shape: tuple[int, ...], name: str,
                            where: str, row0: int = 0) -> None:
     """`require_finite` for a tensor whose bytes are `extents` of files, in C order, never loaded as a tensor:
-    each window viewed as integers, a value non-finite where its exponent bits are all ones (FP8: its NaN codes).
-    `row0`: the first row of `shape` in its tensor, when the extents hold a run of its rows."""
+    each window viewed as integers, a value non-finite where its exponent bits are all ones (`NON_FINITE_BITS`;
+    FP8: its NaN codes). `row0`: the first row of `shape` in its tensor, when the extents hold a run of its rows."""
 
     bits = _exponent_bits(dtype)
     if bits is None:
         return
-    ints, mask = bits
     first, count, done = -1, 0, 0
     for e in extents:
-        local, n = _scan(e, ints, mask)
+        local, n = _scan(e, *bits)
         if n and first < 0:
             first = done + local
         count += n
@@ -40,18 +39,20 @@ def require_finite_extents(extents: Sequence[Extent], dtype: torch.dtype, shape:
         _refuse_at(first, count, extents, dtype, shape, name, where, row0)
 
 
-def _exponent_bits(dtype: torch.dtype) -> tuple[Any, int] | None:
+def _exponent_bits(dtype: torch.dtype) -> tuple[Any, int, int] | None:
+    """(numpy unsigned type of the dtype's width, magnitude bits, smallest non-finite magnitude), or None."""
     import numpy as np
-    import torch
 
-    return {torch.bfloat16: (np.uint16, 0x7F80), torch.float16: (np.uint16, 0x7C00),
-            torch.float32: (np.uint32, 0x7F800000), torch.float64: (np.uint64, 0x7FF0000000000000),
-            torch.float8_e4m3fn: (np.uint8, E4M3_NAN)}.get(dtype)
+    bits = NON_FINITE_BITS.get(str(dtype).removeprefix("torch."))
+    if bits is None:
+        return None
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize], *bits
 
 
-def _scan(e: Extent, ints: Any, mask: int) -> tuple[int, int]:
+def _scan(e: Extent, ints: Any, magnitude: int, least: int) -> tuple[int, int]:
     """(first non-finite element, count) in one extent, read a window at a time with pread (a file truncated under
-    the scan is a one-line error, where a memory mapping would fault)."""
+    the scan is a one-line error, where a memory mapping would fault); a window is counted only when its largest
+    magnitude says it holds a bad value."""
     import numpy as np
 
     first, count = -1, 0
@@ -60,13 +61,13 @@ def _scan(e: Extent, ints: Any, mask: int) -> tuple[int, int]:
         for at in range(0, e.length, _SCAN_BYTES):
             n = min(_SCAN_BYTES, e.length - at)
             _read_exact(fh.fileno(), memoryview(window)[:n], e.offset + at, e.path)
-            words = np.frombuffer(window, dtype=np.uint8, count=n).view(ints)
-            bad = (words & mask) == mask
-            found = int(np.count_nonzero(bad))
-            if found and first < 0:
-                first = at // words.itemsize + int(np.argmax(bad))
-            count += found
-            del words, bad  # the window is reused: no view of it outlives a step
+            words = np.frombuffer(window, dtype=np.uint8, count=n).view(ints) & ints(magnitude)
+            if n and int(words.max()) >= least:
+                bad = words >= ints(least)
+                if first < 0:
+                    first = at // words.itemsize + int(np.argmax(bad))
+                count += int(np.count_nonzero(bad))
+            del words  # the window is reused: no view of it outlives a step
     return first, count
 
 
