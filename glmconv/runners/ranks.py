@@ -232,7 +232,7 @@ def spawn(fn: RankFn[S], args: tuple[object, ...], workers: int, what: str,
     killed and reaped before the caller removes the staging directory they write into.
     """
 
-    import torch.multiprocessing as mp
+    import multiprocessing as mp
 
     hold = (stage.path, stage.run) if stage is not None else None
     with tempfile.TemporaryDirectory(prefix="glmconv-pg-") as tmp:

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# On the lent H200 (device tool): release-scale figures for convert, verify and export on one machine, each
+# ratio taken in one run: verify against convert and `--workers N` against one worker at the margin between a
+# 2 GB and a 6 GB bench (and on real-cut4), `export --fp8 --like` byte for byte against its source, the tiny
+# convert against `import torch`, and tests/gpu.
+# Usage: bash benchmarks/gpu_release.sh STEP...
+#   whl | z3: install the carried .whl / .whl-z3 wheels (two calls: 64 MiB per call; scripts/stage-wheels.sh)
+#   make: the bench sources (FP8 and BF16 at 2 GB and 6 GB, a single-file FP8 source) and real-cut4, in $WORK
+#   tests: every test under tests/gpu (tiny fixtures carried in out/gpu: hf-tiny, hf-tiny-realistic, hf-tiny-fp8
+#          and the conversions, made with the project's own env)
+#   fp8 | bf16: the 2 GB / 6 GB matrix of that source dtype (bf16 also: the single-file source); rc4: real-cut4;
+#   parity: real-cut4's streamed parity (after rc4); tiny: tiny convert vs `import torch`. Each deletes what it made (the disk holds about 60 GB).
+#   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
+#   command's own output). Every call ends with it: only $OUT comes back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
+export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
+export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
+WORK=${WORK:-/tmp/rel}
+RES=${RES:-/tmp/rel-results}
+mkdir -p "$WORK" "$RES"
+G=(python3 -m glmconv)
+
+timed() {  # timed NAME CMD...: wall time and peak RSS into times.txt, the command's output into NAME.txt
+  local name=$1; shift
+  /usr/bin/time -f "$name wall %e s, peak RSS %M KB" -a -o "$RES/times.txt" "$@" > "$RES/$name.txt" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || echo "$name rc=$rc" >> "$RES/times.txt"
+}
+copy_sync() {  # copy_sync NAME FROM: `cp -r FROM && sync` timed, the copy removed after
+  rm -rf "$WORK/cp"; sync; timed "$1" sh -c "cp -r '$2' '$WORK/cp' && sync"; rm -rf "$WORK/cp"
+}
+same_files() {  # same_files NAME SRC OUT: every shard, the index and both configs byte for byte
+  local name=$1 src=$2 out=$3 bad=0 f
+  for f in "$src"/*.safetensors "$src"/*.json; do
+    case $(basename "$f") in glmconv.json) continue ;; esac
+    cmp -s "$f" "$out/$(basename "$f")" || { bad=1; echo "$name differs: $(basename "$f")" >> "$RES/times.txt"; }
+  done
+  [ "$(ls "$out" | grep -c safetensors$)" = "$(ls "$src" | grep -c safetensors$)" ] || bad=1
+  echo "$name byte-identical=$((1 - bad)) ($(ls "$src" | grep -c safetensors$) shards)" >> "$RES/times.txt"
+}
+convert_runs() {  # convert_runs CASE: convert at 1/2/4 workers (last one kept), cp+sync of the output
+  local c=$1 w
+  for w in 1 4 2 1; do rm -rf "$WORK/$c-mc"; sync; timed "$c-convert-w$w" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers "$w" --json; done
+  copy_sync "$c-cp-out" "$WORK/$c-mc"
+  copy_sync "$c-cp-in" "$WORK/$c"
+}
+verify_runs() {  # verify_runs CASE: verify at 2 (default), 4 and 8 read threads, and 2 workers
+  local c=$1 t
+  for t in 2 4 8; do timed "$c-verify-t$t" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --read-threads "$t" --json; done
+  timed "$c-verify-w2" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --workers 2 --json
+}
+export_runs() {  # export_runs CASE [--fp8]: export at 1/2/4 workers (--like the source), each compared to it
+  local c=$1 w; shift
+  for w in 1 4 2 1; do
+    rm -rf "$WORK/$c-ex"; sync
+    timed "$c-export-w$w" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --workers "$w" --json "$@"
+    [ "$*" = "--fp8" ] && same_files "$c-export-w$w" "$WORK/$c" "$WORK/$c-ex"
+  done
+  copy_sync "$c-cp-ex" "$WORK/$c-ex"; rm -rf "$WORK/$c-ex"
+}
+
+for step in "$@"; do
+  case $step in
+    whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
+    z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 \
+          .whl-z3/*.whl ;;
+    make)
+      { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
+        df -h /tmp | tail -1; git log -1 --format=%h 2>/dev/null
+        python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"; } \
+        > "$RES/env.txt" 2>&1
+      for s in 2 6; do
+        timed "make-fp8-$s" "${G[@]}" fixture make "$WORK/fp8-$s" --preset bench --size "${s}GB" --fp8 --force &
+        timed "make-bf16-$s" "${G[@]}" fixture make "$WORK/bf16-$s" --preset bench --size "${s}GB" --force &
+      done
+      timed make-single "${G[@]}" fixture make "$WORK/single" --preset bench --size 1GB --fp8 --shard-size 2GB --force &
+      timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset real-cut4 --fp8 --seed 0 --force --json &
+      wait
+      # one model.safetensors and no index: the single-file layout
+      mv "$WORK/single/model-00001-of-00001.safetensors" "$WORK/single/model.safetensors"
+      rm "$WORK/single/model.safetensors.index.json"
+      du -sb "$WORK"/* >> "$RES/sizes.txt" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/gpu > "$RES/gpu-tests.txt" 2>&1
+           echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 15 "$RES/gpu-tests.txt" ;;
+    fp8)
+      for c in fp8-2 fp8-6; do
+        for w in 1 4; do  # the CPU's slabs, before the GPU runs (one output at a time on the disk)
+          rm -rf "$WORK/$c-mc"; sync
+          timed "$c-convert-cpu-w$w" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --device cpu --workers "$w" --json
+        done
+        convert_runs $c
+        verify_runs $c
+        export_runs $c --fp8
+        rm -rf "$WORK/$c-mc" "$WORK/$c"
+      done ;;
+    bf16)
+      for c in bf16-2 bf16-6; do
+        convert_runs $c
+        verify_runs $c
+        export_runs $c
+        rm -rf "$WORK/$c-mc" "$WORK/$c"
+      done
+      c=single; rm -rf "$WORK/$c-mc"; timed "$c-convert" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --json
+      rm -rf "$WORK/$c-ex"; timed "$c-export" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --json
+      same_files "$c-export" "$WORK/$c" "$WORK/$c-ex"; ls "$WORK/$c-ex" >> "$RES/times.txt"
+      rm -rf "$WORK/$c-mc" "$WORK/$c-ex" ;;
+    rc4)
+      c=rc4
+      convert_runs $c
+      timed "$c-verify-t2" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --json
+      timed "$c-verify-t8" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --read-threads 8 --json
+      export_runs $c --fp8 ;;
+    parity)  # real-cut4's parity at 4,096 tokens (3,072 + 1,024), streamed: the per-layer figures of the estimate
+      python3 -c "
+import json, random
+r = random.Random(0)
+print('\\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (3072, 1024)))" > "$WORK/prompt.jsonl"
+      timed rc4-parity "${G[@]}" parity "$WORK/rc4" "$WORK/rc4-mc" --device cuda --stream-layers \
+        --prompt-file "$WORK/prompt.jsonl" --report-dir "$RES/parity" --json ;;
+    tiny)
+      rm -rf "$WORK/tiny-mc"
+      for i in 1 2 3; do
+        timed "import-torch-$i" python3 -c "import torch"
+        rm -rf "$WORK/tiny-mc"; timed "tiny-convert-$i" "${G[@]}" convert out/gpu/hf-tiny-fp8 "$WORK/tiny-mc" --json
+      done
+      timed tiny-profile python3 -X importtime -m glmconv convert out/gpu/hf-tiny-fp8 "$WORK/tiny-mc2" --json ;;
+    pack) cp "$RES/times.txt" "$OUT"/; tar -czf "$OUT/results.tgz" -C "$RES" . ; cat "$RES/times.txt" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
