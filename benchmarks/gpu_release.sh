@@ -4,7 +4,8 @@
 # 2 GB and a 6 GB bench (and on real-cut4), `export --fp8 --like` byte for byte against its source, the tiny
 # convert against `import torch`, and tests/gpu.
 # Usage: bash benchmarks/gpu_release.sh STEP...
-#   whl | z3: install the carried .whl / .whl-z3 wheels (two calls: 64 MiB per call; scripts/stage-wheels.sh)
+#   whl | z3: install the carried .whl / .whl-z3 wheels (64 MiB per call with the tree: tilelang's wheel in one call,
+#             the other wheels of .whl with .whl-z3 in the next; scripts/stage-wheels.sh)
 #   make: the bench sources (FP8 and BF16 at 2 GB and 6 GB, a single-file FP8 source) and real-cut4, in $WORK
 #   tests: every test under tests/gpu (tiny fixtures carried in out/gpu: hf-tiny, hf-tiny-realistic, hf-tiny-fp8
 #          and the conversions, made with the project's own env)
@@ -63,7 +64,7 @@ export_runs() {  # export_runs CASE [--fp8]: export at 1/2/4 workers (--like the
 
 for step in "$@"; do
   case $step in
-    whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
+    whl) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;  # those carried
     z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 \
           .whl-z3/*.whl ;;
     make)
