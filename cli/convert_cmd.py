@@ -28,7 +28,7 @@ from glmconv_cli.workers import device_option, read_threads_option, workers_opti
 
 
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
-@workers_option("FP8 source")
+@workers_option()
 @device_option("cast to BF16")
 @read_threads_option("reading and dequantising ahead of its writer")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR that glmconv published (only once the new "

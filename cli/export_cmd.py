@@ -34,7 +34,7 @@ from glmconv_cli.workers import read_threads_option, workers_option
 
 
 @click.option("--fp8", is_flag=True, help="Re-quantise the release's FP8 set (e4m3, 128x128 block scales).")
-@workers_option("with --fp8")
+@workers_option()
 @read_threads_option("reading, transforming and FP8-encoding ahead of its writer", "; every choice writes the same "
                      "shards")
 

@@ -24,7 +24,7 @@ ROWS = 20  # mismatches in the table (--json lists up to glmconv.runners.verify.
 @click.argument("hf_dir", type=click.Path(path_type=Path))
 @click.argument("mcore_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
-@workers_option("FP8 source")
+@workers_option()
 @read_threads_option("reading, dequantising and comparing ahead", "; every choice finds the same mismatches")
 @device_option("compared")
 def verify(hf_dir: Path, mcore_dir: Path, as_json: bool, workers: int | str, read_threads: int, device: str) -> None:

@@ -25,11 +25,11 @@ class Workers(click.ParamType):
 WORKERS = Workers()
 
 
-def workers_option(fp8_when: str) -> Callable[[Any], Any]:
-    """`--workers`; `fp8_when`: when the auto rule counts FP8 work (the FP8 source, or --fp8)."""
+def workers_option() -> Callable[[Any], Any]:
+    """`--workers`."""
     return click.option("--workers", type=WORKERS, default=str(defaults.DEFAULT_WORKERS), show_default=True,
-                        help="Worker processes on this machine, or auto: one per 2 GB of input, at most one per 4 "
-                        f"cores ({fp8_when}) or 2 cores, at most 8 (under torchrun, one per rank instead).")
+                        help="Worker processes on this machine, or auto: one (one worker keeps one disk busy; "
+                        "more only add their start). Under torchrun, one per rank instead.")
 
 
 def read_threads_option(work: str, same: str = "") -> Callable[[Any], Any]:

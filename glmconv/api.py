@@ -84,7 +84,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = D.D
     _flags(force=force, mtp=mtp, vision=vision, check_finite=check_finite, dry_run=dry_run, progress=progress,
            space_check=space_check)
     job = convert_runner.prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
-    n = worker_count(workers, job.bytes_in, convert_runner.fp8_bytes(job.plan.mappings))
+    n = worker_count(workers)
     opts = convert_runner.RunOptions(workers=n, group_bytes=group_bytes, progress=progress, check_finite=True,
                                      space_check=space_check, device=device, threads=read_threads)
     return convert_runner.dry_run_summary(job, opts) if dry_run else convert_runner.convert(job, opts, force=force)
@@ -121,7 +121,7 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
            space_check=space_check)
     job = export_runner.prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
                                 layout=layout)
-    n = worker_count(workers, export_runner.bytes_in(job), export_runner.fp8_work_bytes(job))
+    n = worker_count(workers)
     opts = export_runner.ExportOptions(workers=n, progress=progress, check_finite=True, space_check=space_check,
                                        threads=read_threads)
     return export_runner.dry_run_summary(job, opts) if dry_run else export_runner.export(job, opts, force=force)
@@ -169,7 +169,7 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
     A.choice("--device", device, D.DEVICE_CHOICES)
     _flags(progress=progress)
     job = verify_runner.prepare(hf_dir, mcore_dir)
-    n = worker_count(workers, job.hf.bytes_in, convert_runner.fp8_bytes(job.hf.plan.mappings))
+    n = worker_count(workers)
     opts = verify_runner.VerifyOptions(workers=n, threads=read_threads, device=device, progress=progress)
     return verify_runner.verify(job, opts)
 

@@ -343,12 +343,6 @@ def bytes_in(job: ExportJob) -> int:
     return sum(m.mcore_bytes for m in job.plan.mappings)
 
 
-def fp8_work_bytes(job: ExportJob) -> int:
-    """Megatron bytes that FP8 encoding goes through (`--fp8`): what `--workers auto` weighs as convert weighs
-    dequantisation."""
-    return sum(m.mcore_bytes for m in job.plan.mappings if any(job.dtypes.get(t.name) == FP8 for t in m.hf))
-
-
 def bytes_out(job: ExportJob) -> int:
     """Bytes of HF tensor data export writes (each tensor in the dtype it is written as, FP8 scales included)."""
     return sum(t.nbytes for m in job.plan.mappings for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES))

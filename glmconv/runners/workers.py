@@ -1,30 +1,20 @@
-"""`--workers auto`: how many worker processes a conversion gets on this machine.
+"""`--workers auto`: how many worker processes a run gets on this machine: one.
 
-Rule: one worker per 2 GB of input (a worker pays a process start and torch's import, ~1-6 s, that a smaller
-share does not earn back), at most one per 4 cores when FP8 codes are more than half of the input (each worker
-dequantises on its share of the cores: 4 slab threads at least) or one per 2 cores otherwise (a worker is a
-writer thread and two readers), and at most 8 (one disk: more writers than that only queue on it).
+On one machine a single worker already keeps the disk busy in every direction: FP8 is dequantised on the GPU
+(above 8 G values/s) or in slabs on all of the machine's cores, BF16 bytes move by copy_file_range, export encodes
+FP8 on its threads ahead of the writer, verify compares on its threads. Measured on the H200 machine (16 cores,
+one NVMe disk; issue 27, benchmarks/RESULTS.md): 2, 4 and 8 workers had one worker's marginal throughput and
+each run paid the extra processes' start (a Python, torch's import, a CUDA context), 1.6x slower on a 6 GB FP8
+convert. `--workers N` stays for a machine where that does not hold; torchrun ranks replace workers.
 """
 
 from __future__ import annotations
 
 from glmconv.defaults import AUTO
-from glmconv.numerics import dequant
 
-BYTES_PER_WORKER = 2 * 10**9
-MAX_AUTO_WORKERS = 8
+AUTO_WORKERS = 1
 
 
-def auto_workers(bytes_in: int, fp8_bytes: int, cores: int) -> int:
-    """The worker count of `--workers auto` for `bytes_in` bytes of input, `fp8_bytes` of them FP8 codes."""
-    per_core = 4 if 2 * fp8_bytes > bytes_in else 2
-    by_bytes = -(-bytes_in // BYTES_PER_WORKER)
-    return max(1, min(by_bytes, cores // per_core, MAX_AUTO_WORKERS))
-
-
-def worker_count(workers: int | str, bytes_in: int, fp8_bytes: int) -> int:
-    """`workers` itself, or the auto rule's count on this machine's cores."""
-    if workers != AUTO:
-        return int(workers)
-
-    return auto_workers(bytes_in, fp8_bytes, dequant.cpu_count())
+def worker_count(workers: int | str) -> int:
+    """`workers` itself, or the auto rule's count."""
+    return AUTO_WORKERS if workers == AUTO else int(workers)
