@@ -112,7 +112,14 @@ for step in "$@"; do
       convert_runs $c
       timed "$c-verify-t2" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --json
       timed "$c-verify-t8" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --read-threads 8 --json
-      export_runs $c --fp8 ;;
+      export_runs $c --fp8
+      for d in rc4 rc4-mc; do  # the disk's read rate with nothing cached: what the release (950 GB) reads at
+        sync
+        if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
+          timed "$d-cold-read" sh -c "find '$WORK/$d' -type f -exec cat {} + > /dev/null"
+        else echo "$d-cold-read: drop_caches not permitted" >> "$RES/times.txt"; fi
+      done
+      du -sb "$WORK/rc4" "$WORK/rc4-mc" >> "$RES/sizes.txt" ;;
     parity)  # real-cut4's parity at 4,096 tokens (3,072 + 1,024), streamed: the per-layer figures of the estimate
       python3 -c "
 import json, random
