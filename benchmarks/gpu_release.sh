@@ -44,6 +44,7 @@ same_files() {  # same_files NAME SRC OUT: every shard, the index and both confi
 convert_runs() {  # convert_runs CASE: convert at 1/2/4 workers (last one kept), cp+sync of the output
   local c=$1 w
   for w in 1 4 2 1; do rm -rf "$WORK/$c-mc"; sync; timed "$c-convert-w$w" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers "$w" --json; done
+  du -sb "$WORK/$c-mc" >> "$RES/sizes.txt"
   copy_sync "$c-cp-out" "$WORK/$c-mc"
   copy_sync "$c-cp-in" "$WORK/$c"
 }
@@ -134,7 +135,7 @@ print('\\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (3
         rm -rf "$WORK/tiny-mc"; timed "tiny-convert-$i" "${G[@]}" convert out/gpu/hf-tiny-fp8 "$WORK/tiny-mc" --json
       done
       timed tiny-profile python3 -X importtime -m glmconv convert out/gpu/hf-tiny-fp8 "$WORK/tiny-mc2" --json ;;
-    pack) cp "$RES/times.txt" "$OUT"/; tar -czf "$OUT/results.tgz" -C "$RES" . ; cat "$RES/times.txt" ;;
+    pack) python3 benchmarks/release_summary.py "$RES" > "$RES/summary.md" 2>&1; cp "$RES/times.txt" "$RES/summary.md" "$OUT"/; tar -czf "$OUT/results.tgz" -C "$RES" . ; cat "$RES/times.txt" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
