@@ -2,7 +2,7 @@
 without importing DCP's package (it pulls torch.distributed.tensor and sympy: 0.6-0.9 s per run).
 
 Each mirrors its DCP class: the same fields in the same order with the same defaults, the same pickled state
-(`__getstate__`) and the same attribute order, so `dump_metadata` writes the bytes DCP's own `pickle.dump` writes
+(`__getstate__`) and the same attribute order, so `dumps` writes the bytes DCP's own `pickle.dump` writes
 for the real objects, naming DCP's real globals (`ORIGIN`); the allow-listed unpickler (`safe_unpickle`, with
 `stand_ins`) loads a `.metadata` into these same classes. Two differences, both for want of torch here:
 `MetadataIndex` keeps `offset` as given (the writer passes a torch.Size, which DCP's `__init__` would make), and
@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import io
 import pickle
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -40,11 +41,13 @@ class StandIn:
     ORIGIN: tuple[str, str] = ("", "")  # the allow-listed (module, name) this class stands in for
 
     def __setstate__(self, state: Any) -> None:
+        """The state as attributes; names interned as pickle's own BUILD interns them, so that a stand-in passed
+        between ranks (`gather_object`) pickles its names as the real class would: once, then by reference."""
         if self.FIELDS:
             state = dict(zip(self.FIELDS, state, strict=True))
         elif isinstance(state, tuple) and len(state) == 2:  # (dict, slots) of a slotted class
             state = {**(state[0] or {}), **(state[1] or {})}
-        self.__dict__.update(state)
+        self.__dict__.update({sys.intern(k) if type(k) is str else k: v for k, v in state.items()})
 
 
 class MemFormatEncoding(enum.Enum):
@@ -197,8 +200,8 @@ class _DcpPickler(StandInPickler):
         return origin_of(obj)
 
 
-def dump_metadata(md: Metadata) -> bytes:
-    """`md` pickled as DCP's `pickle.dump(metadata, f)` pickles the real classes: the same protocol and bytes."""
+def dumps(obj: Any) -> bytes:
+    """`obj` pickled as DCP's `pickle.dump(metadata, f)` pickles the real classes: the same protocol and bytes."""
     buf = io.BytesIO()
-    _DcpPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(md)
+    _DcpPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
     return buf.getvalue()

@@ -45,7 +45,7 @@ from glmconv.io.torch_dist.dcp_classes import (
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
-    dump_metadata,
+    dumps,
 )
 from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
@@ -441,7 +441,7 @@ def _write_dcp_metadata(ckpt_dir: Path, md: Metadata, storage: Mapping[MetadataI
     md.storage_meta = StorageMeta(checkpoint_id=Path(ckpt_dir), save_id=str(uuid.uuid4()))
     tmp = ckpt_dir / (DCP_METADATA_NAME + ".tmp")
     with new_file(tmp, "wb") as f:
-        f.write(dump_metadata(md))
+        f.write(dumps(md))
         if sync:
             f.flush()
             os.fsync(f.fileno())
