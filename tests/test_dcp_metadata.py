@@ -330,10 +330,10 @@ def test_a_member_pickled_by_name_stands_in_as_the_member_pickled_by_value(tmp_p
 
     def enums(p: Path) -> list[Any]:
         loaded = safe_load(p, stand_ins=True)
-        return [loaded.all_local_plans[0].items[0].type.args,
-                *(e.properties.memory_format.args for e in loaded.state_dict_metadata.values() if hasattr(e, "size"))]
+        return [loaded.all_local_plans[0].items[0].type.args[0],
+                *(e.properties.memory_format.value for e in loaded.state_dict_metadata.values() if hasattr(e, "size"))]
 
-    assert enums(by_name) == enums(by_value) == [(3,), (0,), (0,), (0,)]
+    assert enums(by_name) == enums(by_value) == [3, 0, 0, 0]
 
 
 def test_the_stand_ins_default_what_the_real_classes_default() -> None:

@@ -1,5 +1,6 @@
 """Issues 14 and 27, fixed cost: the commands that need no tensor import no torch (its import alone is 1-6 s):
-every --help, audit-names, and the dry runs of convert, export and relayout."""
+every --help, audit-names, and the dry runs of convert, export and relayout. A convert imports torch but not
+torch.distributed.checkpoint (its package pulls torch.distributed.tensor and sympy: 0.6-0.9 s)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,26 @@ try:
     runpy.run_module("glmconv", run_name="__main__")
 except SystemExit as exc:
     code = exc.code
-print("exit", code, "torch", "torch" in sys.modules, file=sys.stderr)
+print("exit", code, "torch", "torch" in sys.modules, "dcp", "torch.distributed.checkpoint" in sys.modules,
+      file=sys.stderr)
 """
+
+
+def _run(*args: str) -> list[str]:
+    res = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=120)
+    return res.stderr.strip().splitlines()[-1].split()
 
 
 def imports_torch(*args: str) -> tuple[int, bool]:
     """(exit code, whether torch was imported) of `glmconv ARGS` in a fresh interpreter."""
-    res = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=120)
-    last = res.stderr.strip().splitlines()[-1].split()
+    last = _run(*args)
     return int(last[1]), last[3] == "True"
+
+
+def imports_dcp(*args: str) -> tuple[int, bool]:
+    """(exit code, whether torch.distributed.checkpoint was imported) of `glmconv ARGS` in a fresh interpreter."""
+    last = _run(*args)
+    return int(last[1]), last[5] == "True"
 
 
 EVERY_HELP = """
@@ -89,3 +101,10 @@ def test_a_relayout_dry_run_imports_no_torch(tiny_mc: Path, tmp_path: Path) -> N
 
 def test_audit_of_a_torch_dist_checkpoint_imports_no_torch(tiny_mc: Path) -> None:
     assert imports_torch("audit-names", str(tiny_mc)) == (0, False)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_convert_writes_its_metadata_without_importing_dcp(tiny_fp8_ckpt: Path, tmp_path: Path, workers: str) -> None:
+    out = tmp_path / "out"
+    assert imports_dcp("convert", str(tiny_fp8_ckpt), str(out), "--workers", workers) == (0, False)
+    assert (out / "release" / ".metadata").is_file()

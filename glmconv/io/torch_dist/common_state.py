@@ -16,44 +16,23 @@ import types
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY
 from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES, OpaqueValue, load_allow_list
 from glmconv.io.torch_dist.reader import read_bytes_entry
-
-if TYPE_CHECKING:
-    class _PyPickler(pickle._Pickler):
-        """The Python pickler's undocumented internals that `_StandInPickler` uses (typeshed leaves them out)."""
-
-        proto: int
-
-        def save(self, obj: object) -> None: ...
-        def write(self, data: bytes) -> None: ...
-        def memoize(self, obj: object) -> None: ...
-        def save_global(self, obj: object, name: str | None = None) -> None: ...
-else:
-    _PyPickler = pickle._Pickler  # the Python pickler: save_global can be overridden
+from glmconv.io.torch_dist.stand_in_pickler import StandInPickler
 
 
-class _StandInPickler(_PyPickler):
-    """pickle's own (Python) pickler, writing a stand-in class as the megatron global it stands for, by name: a
-    trainer's unpickler finds the real class there; megatron is never imported here."""
+class _StandInPickler(StandInPickler):
+    """Writes an `OpaqueValue` class as the megatron global it stands for: megatron is never imported here."""
 
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if not (isinstance(obj, type) and issubclass(obj, OpaqueValue) and obj is not OpaqueValue):
-            super().save_global(obj, name)
-            return
-        module, _, qualname = obj.qualname.rpartition(".")
-        if self.proto >= 4:
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
-        self.memoize(obj)
+    def stands_for(self, obj: Any) -> tuple[str, str] | None:
+        if isinstance(obj, type) and issubclass(obj, OpaqueValue) and obj is not OpaqueValue:
+            return _module_and_name(obj.qualname)
+        return None
 
 
 STAND_IN_PICKLE = types.ModuleType("glmconv_stand_in_pickle")  # torch.save(..., pickle_module=STAND_IN_PICKLE)

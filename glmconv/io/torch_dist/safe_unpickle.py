@@ -18,6 +18,7 @@ from typing import Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.dtypes import DTYPE_NAMES
+from glmconv.io.torch_dist.dcp_classes import CLASSES, StandIn, origin_of
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"
@@ -42,24 +43,6 @@ ENUMS: frozenset[tuple[str, str]] = frozenset(ENUM_MEMBERS)
 _GETATTR = frozenset({("builtins", "getattr"), ("__builtin__", "getattr")})  # protocol 2 names it __builtin__
 
 
-class StandIn:
-    """An allow-listed object rebuilt as plain attributes (its class is a subclass named as the original); an
-    enum's value is its first argument."""
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-
-    FIELDS: tuple[str, ...] = ()  # the names of a state pickled as a tuple (`TensorProperties.__getstate__`)
-    ORIGIN: tuple[str, str] = ("", "")  # the allow-listed (module, name) this class stands in for
-
-    def __setstate__(self, state: Any) -> None:
-        if self.FIELDS:
-            state = dict(zip(self.FIELDS, state, strict=True))
-        elif isinstance(state, tuple) and len(state) == 2:  # (dict, slots) of a slotted class
-            state = {**(state[0] or {}), **(state[1] or {})}
-        self.__dict__.update(state)
-
-
 _ALLOWED_BY_NAME = {name: (module, name) for module, name in ALLOWED}
 
 
@@ -67,8 +50,9 @@ def is_a(obj: Any, name: str) -> bool:
     """`obj` is an instance of the allow-listed class `name`, loaded as itself or as its `StandIn`: isinstance
     without importing torch."""
     origin = _ALLOWED_BY_NAME[name]
-    if isinstance(obj, StandIn):
-        return type(obj).ORIGIN == origin
+    stand_in = origin_of(type(obj))
+    if stand_in is not None:
+        return stand_in == origin
     return any((c.__module__, c.__qualname__) == origin for c in type(obj).__mro__)
 
 
@@ -83,27 +67,24 @@ def is_dtype(obj: Any) -> bool:
 
 _STAND_IN_CALLS: dict[tuple[str, str], Any] = {("torch", "Size"): tuple, ("torch.serialization", "_get_layout"): str}
 _STAND_INS: dict[tuple[str, str], type] = {}
-_TUPLE_STATES = {"TensorProperties": ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")}
-DEFAULTS: dict[str, dict[str, Any]] = {  # the real classes' own defaults, which a state may leave out (a
-    # MetadataIndex without an offset pickles none; an older torch's Metadata has no storage_meta): the same
-    # answer as the real class (tests/test_dcp_metadata.py checks them against torch's)
-    "Metadata": {"planner_data": None, "storage_data": None, "storage_meta": None, "version": None},
-    "MetadataIndex": {"offset": None, "index": None},
-    "StorageMeta": {"checkpoint_id": None, "save_id": None, "load_id": None},
-    "_StorageInfo": {"transform_descriptors": None},
+DEFAULTS: dict[str, dict[str, Any]] = {  # the real planner classes' own defaults, which a state may leave out:
+    # the same answer as the real class (tests/test_dcp_metadata.py checks them against torch's); the metadata
+    # classes' stand-ins are `dcp_classes`' dataclasses, whose defaults are DCP's
     "SavePlan": {"storage_data": None, "planner_data": None, "usable": True},
     "WriteItem": {"bytes_io_data": None, "tensor_data": None},
 }
 
 
 def _stand_in(module: str, name: str) -> Any:
-    """The stand-in of an allow-listed global (one class per name, made once)."""
+    """The stand-in of an allow-listed global: `dcp_classes`' for DCP's metadata classes, else one class per name,
+    made once."""
     if (module, name) in _STAND_IN_CALLS:
         return _STAND_IN_CALLS[(module, name)]
+    if (module, name) in CLASSES:
+        return CLASSES[(module, name)]
     if (module, name) not in _STAND_INS:
-        fields = _TUPLE_STATES.get(name, ())
         _STAND_INS[(module, name)] = type(name, (StandIn,), {"__module__": f"glmconv.stand_in.{module}",
-                                                             "FIELDS": fields, "ORIGIN": (module, name),
+                                                             "ORIGIN": (module, name),
                                                              **DEFAULTS.get(name, {})})
     return _STAND_INS[(module, name)]
 
@@ -133,11 +114,11 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def _enum_member(self, cls: Any, name: Any) -> Any:
         """`getattr(cls, name)` as 3.11's `pickle_by_enum_name` writes it: an allow-listed enum's member only."""
-        stand_in = isinstance(cls, type) and issubclass(cls, StandIn)
-        where = cls.ORIGIN if stand_in else (cls.__module__, cls.__qualname__) if isinstance(cls, type) else None
+        stand_in = origin_of(cls)
+        where = stand_in or ((cls.__module__, cls.__qualname__) if isinstance(cls, type) else None)
         if where not in ENUMS:
             members: dict[str, Any] = {}
-        elif stand_in:  # the stand-in of the member's value, as a member pickled by value loads
+        elif issubclass(cls, StandIn):  # the stand-in of the member's value, as a member pickled by value loads
             members = {n: cls(value) for n, value in ENUM_MEMBERS[where].items()}
         else:
             members = dict(cls.__members__)
