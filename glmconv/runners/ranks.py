@@ -8,6 +8,7 @@ OUT (glmconv/io/output.py), makes the staging directory, calls it through `run_r
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -231,8 +232,6 @@ def spawn(fn: RankFn[S], args: tuple[object, ...], workers: int, what: str,
     The workers die with this process (`_bind_to_parent`) and, on any failure or interruption here, are
     killed and reaped before the caller removes the staging directory they write into.
     """
-
-    import multiprocessing as mp
 
     hold = (stage.path, stage.run) if stage is not None else None
     with tempfile.TemporaryDirectory(prefix="glmconv-pg-") as tmp:
