@@ -57,13 +57,15 @@ def _scan(e: Extent, ints: Any, magnitude: int, least: int) -> tuple[int, int]:
 
     first, count = -1, 0
     window = bytearray(min(_SCAN_BYTES, e.length))
+    scratch = np.empty(len(window) // np.dtype(ints).itemsize, dtype=ints)
     with open(e.path, "rb", buffering=0) as fh:
         for at in range(0, e.length, _SCAN_BYTES):
             n = min(_SCAN_BYTES, e.length - at)
             _read_exact(fh.fileno(), memoryview(window)[:n], e.offset + at, e.path)
-            words = np.frombuffer(window, dtype=np.uint8, count=n).view(ints) & ints(magnitude)
-            if n and int(words.max()) >= least:
-                bad = words >= ints(least)
+            words = np.frombuffer(window, dtype=np.uint8, count=n).view(ints)
+            sign_cleared = np.bitwise_and(words, ints(magnitude), out=scratch[:len(words)])
+            if n and int(sign_cleared.max()) >= least:
+                bad = sign_cleared >= ints(least)
                 if first < 0:
                     first = at // words.itemsize + int(np.argmax(bad))
                 count += int(np.count_nonzero(bad))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from glmconv.rules.pieces import Piece
 
@@ -26,6 +26,10 @@ def _nbytes(shape: Shape, itemsize: int) -> int:
 
 class Transform(ABC):
     """One reversible HF <-> Megatron operation."""
+
+    # `backward` undoes `forward` exactly and the reverse (bytes only move): checking one direction proves the
+    # other (verify). A transform that pads, drops or duplicates values must leave it False.
+    exact_inverse: ClassVar[bool] = False
 
     @abstractmethod
     def mcore_shapes(self, hf_shapes: list[Shape], n_mcore: int) -> list[Shape]:
@@ -57,6 +61,8 @@ class Transform(ABC):
 class Rename(Transform):
     """1:1, same bytes under another name."""
 
+    exact_inverse: ClassVar[bool] = True
+
     def mcore_shapes(self, hf_shapes: list[Shape], n_mcore: int) -> list[Shape]:
         return list(hf_shapes)
 
@@ -76,6 +82,8 @@ class Rename(Transform):
 @dataclass(frozen=True)
 class Concat(Transform):
     """n HF tensors concatenated along `dim` into one (gate ++ up, q ++ k ++ v conv)."""
+
+    exact_inverse: ClassVar[bool] = True
 
     dim: int = 0
 
@@ -110,6 +118,8 @@ class Concat(Transform):
 class SplitVector(Transform):
     """One HF vector [n] split into n Megatron tensors [1] (hc scale -> alpha_pre/post/res)."""
 
+    exact_inverse: ClassVar[bool] = True
+
     def mcore_shapes(self, hf_shapes: list[Shape], n_mcore: int) -> list[Shape]:
         (shape,) = hf_shapes
         if shape != (n_mcore,):
@@ -137,6 +147,8 @@ class StackExperts(Transform):
 
     HF order is template-major: `[gate_0 .. gate_{E-1}, up_0 .. up_{E-1}]` (or `[down_0 ..]`).
     """
+
+    exact_inverse: ClassVar[bool] = True
 
     parts: int = 1
 

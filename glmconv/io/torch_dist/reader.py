@@ -85,6 +85,9 @@ class DcpReader:
         entry = self._entry(name)
         size = self.shape(name)
         start, stop = self._rows(name, size, rows)
+        whole = self._whole_chunk(name, size, start, stop)
+        if whole is not None:
+            return whole
         out = torch.empty((stop - start, *size[1:]) if size else (), dtype=entry.properties.dtype)
         boxes: list[Box] = []
         for chunk in entry.chunks:
@@ -99,6 +102,23 @@ class DcpReader:
         if self._check_finite:
             require_finite(out, name, str(self.iter_dir), start)
         return out
+
+    def _whole_chunk(self, name: str, size: tuple[int, ...], start: int, stop: int) -> torch.Tensor | None:
+        """Rows [start, stop) when they are exactly one stored chunk not already cached: that chunk as loaded,
+        the caller's own (no copy into a new tensor, nothing kept that the caller might change)."""
+        met = [c for c in self._entry(name).chunks if _intersect(name, size, c, start, stop) is not None]
+        if len(met) != 1:
+            return None
+        (chunk,) = met
+        offsets, sizes = tuple(int(o) for o in chunk.offsets), tuple(int(z) for z in chunk.sizes)
+        want = ((start,) + (0,) * (len(size) - 1), (stop - start, *size[1:])) if size else ((), ())
+        cached = self._cache
+        if (offsets, sizes) != want or (cached is not None and cached[0] == (name, offsets)):
+            return None
+        tensor = self._load(name, chunk)
+        if self._check_finite:
+            require_finite(tensor, name, str(self.iter_dir), start)
+        return tensor
 
     def byte_extents(self, name: str, begin: int, end: int) -> list[Extent] | None:
         """Where bytes [begin, end) of the global tensor `name` (C order) lie in the data files, in order.
