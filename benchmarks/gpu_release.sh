@@ -100,7 +100,6 @@ for step in "$@"; do
       for c in bf16-2 bf16-6; do
         convert_runs $c
         verify_runs $c
-        export_runs $c
         rm -rf "$WORK/$c-mc" "$WORK/$c"
       done
       c=single; rm -rf "$WORK/$c-mc"; timed "$c-convert" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --json
