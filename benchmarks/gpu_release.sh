@@ -19,6 +19,7 @@ mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
 export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 WORK=${WORK:-/tmp/rel}
+SIZES=${SIZES:-2 6}  # GB of the two bench sizes the marginal figures are taken between
 RES=${RES:-/tmp/rel-results}
 mkdir -p "$WORK" "$RES"
 G=(python3 -m glmconv)
@@ -72,7 +73,7 @@ for step in "$@"; do
         df -h /tmp | tail -1; git log -1 --format=%h 2>/dev/null
         python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"; } \
         > "$RES/env.txt" 2>&1
-      for s in 2 6; do
+      for s in $SIZES; do
         timed "make-fp8-$s" "${G[@]}" fixture make "$WORK/fp8-$s" --preset bench --size "${s}GB" --fp8 --force &
         timed "make-bf16-$s" "${G[@]}" fixture make "$WORK/bf16-$s" --preset bench --size "${s}GB" --force &
       done
@@ -86,7 +87,7 @@ for step in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider tests/gpu > "$RES/gpu-tests.txt" 2>&1
            echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 15 "$RES/gpu-tests.txt" ;;
     fp8)
-      for c in fp8-2 fp8-6; do
+      for c in $(printf 'fp8-%s ' $SIZES); do
         for w in 1; do  # the CPU's slabs, before the GPU runs (one output at a time on the disk)
           rm -rf "$WORK/$c-mc"; sync
           timed "$c-convert-cpu-w$w" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --device cpu --workers "$w" --json
@@ -97,7 +98,7 @@ for step in "$@"; do
         rm -rf "$WORK/$c-mc" "$WORK/$c"
       done ;;
     bf16)
-      for c in bf16-2 bf16-6; do
+      for c in $(printf 'bf16-%s ' $SIZES); do
         convert_runs $c
         verify_runs $c
         rm -rf "$WORK/$c-mc" "$WORK/$c"

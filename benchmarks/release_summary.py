@@ -37,12 +37,19 @@ def best(times: dict[str, list[float]], name: str) -> float | None:
     return min(times[name]) if name in times else None
 
 
+def bench_sizes(sizes: dict[str, int], kind: str) -> tuple[str, str]:
+    """The smaller and the larger bench of `kind` (fp8 or bf16), as named: `fp8-2`, `fp8-6`."""
+    made = sorted((n for n in sizes if n.startswith(f"{kind}-") and n.count("-") == 1), key=lambda n: sizes[n])
+    return (made[0], made[-1]) if len(made) >= 2 else (f"{kind}-2", f"{kind}-6")
+
+
 def marginal(times: dict[str, list[float]], sizes: dict[str, int], kind: str, step: str) -> float | None:
-    """Seconds per GB of source between the 2 GB and the 6 GB bench of `kind` (fp8 or bf16)."""
-    small, large = best(times, f"{kind}-2-{step}"), best(times, f"{kind}-6-{step}")
-    if small is None or large is None or f"{kind}-2" not in sizes or f"{kind}-6" not in sizes:
+    """Seconds per GB of source between the smaller and the larger bench of `kind`."""
+    lo, hi = bench_sizes(sizes, kind)
+    small, large = best(times, f"{lo}-{step}"), best(times, f"{hi}-{step}")
+    if small is None or large is None or lo not in sizes or hi not in sizes:
         return None
-    return (large - small) / ((sizes[f"{kind}-6"] - sizes[f"{kind}-2"]) / 1e9)
+    return (large - small) / ((sizes[hi] - sizes[lo]) / 1e9)
 
 
 def fmt(x: float | None, unit: str = "") -> str:
@@ -52,17 +59,18 @@ def fmt(x: float | None, unit: str = "") -> str:
 def bench_table(times: dict[str, list[float]], sizes: dict[str, int]) -> list[str]:
     steps = ["convert-w1", "convert-w2", "convert-w4", "convert-cpu-w1", "convert-cpu-w4", "verify-t2", "verify-t4",
              "verify-t8", "verify-w2", "export-w1", "export-w2", "export-w4", "cp-in", "cp-out", "cp-ex"]
-    rows = ["| step | source | 2 GB s | 6 GB s | marginal s/GB of source | vs convert-w1 (throughput) |",
+    rows = ["| step | source | smaller s | larger s | marginal s/GB of source | vs convert-w1 (throughput) |",
             "|---|---|---|---|---|---|"]
     for kind in ("fp8", "bf16"):
+        lo, hi = bench_sizes(sizes, kind)
         ref = marginal(times, sizes, kind, "convert-w1")
         for step in steps:
             m = marginal(times, sizes, kind, step)
             if m is None:
                 continue
             ratio = None if ref is None or m <= 0 else ref / m
-            rows.append(f"| {step} | {kind} | {fmt(best(times, f'{kind}-2-{step}'))} | "
-                        f"{fmt(best(times, f'{kind}-6-{step}'))} | {fmt(m)} | {fmt(ratio, 'x')} |")
+            rows.append(f"| {step} | {lo} / {hi} | {fmt(best(times, f'{lo}-{step}'))} | "
+                        f"{fmt(best(times, f'{hi}-{step}'))} | {fmt(m)} | {fmt(ratio, 'x')} |")
     return rows
 
 
