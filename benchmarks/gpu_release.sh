@@ -107,11 +107,18 @@ for step in "$@"; do
       rm -rf "$WORK/$c-ex"; timed "$c-export" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --json
       same_files "$c-export" "$WORK/$c" "$WORK/$c-ex"; ls "$WORK/$c-ex" >> "$RES/times.txt"
       rm -rf "$WORK/$c-mc" "$WORK/$c-ex" ;;
-    rc4)
+    rc4)  # one run each (device time): convert and export at 1 and 4 workers, verify, the copies
       c=rc4
-      convert_runs $c
-      verify_runs $c
-      export_runs $c --fp8
+      for w in 1 4; do rm -rf "$WORK/$c-mc"; sync; timed "$c-convert-w$w" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers "$w" --json; done
+      du -sb "$WORK/$c-mc" >> "$RES/sizes.txt"
+      copy_sync "$c-cp-out" "$WORK/$c-mc"
+      timed "$c-verify-t2" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --json
+      for w in 1 4; do
+        rm -rf "$WORK/$c-ex"; sync
+        timed "$c-export-w$w" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --workers "$w" --fp8 --json
+        same_files "$c-export-w$w" "$WORK/$c" "$WORK/$c-ex"
+      done
+      copy_sync "$c-cp-ex" "$WORK/$c-ex"; rm -rf "$WORK/$c-ex"
       for d in rc4 rc4-mc; do  # the disk's read rate with nothing cached: what the release (950 GB) reads at
         sync
         if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
