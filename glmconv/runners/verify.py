@@ -5,7 +5,8 @@ experts): the HF tensors, read in the Megatron dtype (FP8 dequantised by the ref
 run forward through the rule must give the stored Megatron tensors bit for bit, and the stored ones run backward
 must give the HF tensors; so a mismatch names the tensor on both sides. A rule that is an exact inverse (bytes only
 move) is checked backward alone, on views: equal there proves the forward direction too. A trainer's weight-update
-check without the trainer. Both checkpoints are first checked as convert and export check them (plan, shapes, stored args).
+check without the trainer. Both checkpoints are first checked as convert and export check them (plan, shapes,
+stored args).
 """
 
 from __future__ import annotations
