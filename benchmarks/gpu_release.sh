@@ -125,6 +125,8 @@ for step in "$@"; do
           timed "$d-cold-read" sh -c "find '$WORK/$d' -type f -exec cat {} + > /dev/null"
         else echo "$d-cold-read: drop_caches not permitted" >> "$RES/times.txt"; fi
       done
+      # the disk's sustained write rate past the page cache (the release writes 643 GB, more than RAM holds)
+      timed disk-write-16g dd if=/dev/zero of="$WORK/ddfile" bs=64M count=256 conv=fsync; rm -f "$WORK/ddfile"
       du -sb "$WORK/rc4" "$WORK/rc4-mc" >> "$RES/sizes.txt" ;;
     parity)  # real-cut4's parity at 4,096 tokens (3,072 + 1,024), streamed: the per-layer figures of the estimate
       python3 -c "
