@@ -1,5 +1,5 @@
 """The figures of `benchmarks/gpu_release.sh` as tables: marginal seconds per GB between the 2 GB and 6 GB benches,
-verify against convert, N workers against one, and the real-cut4 runs.
+verify against convert, N workers against one, the real-cut4 runs, and the full release's estimate from them.
 
 Usage: python benchmarks/release_summary.py RESULTS_DIR (holding times.txt and sizes.txt)
 """
@@ -9,6 +9,10 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+
+from glmconv.config import parse_config
+from glmconv.fixtures.real import release_config
+from glmconv.plan import build_plan
 
 LINE = re.compile(r"^(\S+) wall ([\d.]+) s, peak RSS (\d+) KB$")
 
@@ -83,10 +87,43 @@ def rc4_table(times: dict[str, list[float]]) -> list[str]:
     return rows
 
 
+def release_bytes() -> tuple[int, int]:
+    """The release's FP8 safetensors bytes and its BF16 torch_dist bytes (MTP and vision included), from the plan."""
+    plan = build_plan(parse_config(release_config()), fp8=True)
+    return sum(t.nbytes for t in plan.hf_index.values()), sum(t.nbytes for t in plan.mcore_index.values())
+
+
+def estimate_table(times: dict[str, list[float]], sizes: dict[str, int]) -> list[str]:
+    """Each command on the full release: its disk part (cold reads, writes past the page cache) against real-cut4's
+    warm run scaled by bytes; the larger of the two is the estimate (reads and writes share one disk: no overlap)."""
+    need = ["rc4-cold-read", "rc4-mc-cold-read", "disk-write-16g"]
+    if any(n not in times for n in need) or "rc4" not in sizes or "rc4-mc" not in sizes:
+        return ["(no release estimate: the rc4 step's cold reads and disk write are missing)"]
+    hf, mc = release_bytes()
+    cut_hf, cut_mc = sizes["rc4"], sizes["rc4-mc"]
+    read_hf, read_mc = cut_hf / min(times["rc4-cold-read"]), cut_mc / min(times["rc4-mc-cold-read"])
+    write = 16 * 2**30 / min(times["disk-write-16g"])
+    rows = [f"Disk: cold read {read_hf / 1e9:.2f} GB/s (FP8 safetensors), {read_mc / 1e9:.2f} GB/s (`.distcp`); "
+            f"write {write / 1e9:.2f} GB/s (`dd conv=fsync`, 16 GiB). Release: {hf:,} bytes FP8, {mc:,} bytes BF16.",
+            "", "| command | reads | writes | disk part (s) | real-cut4 run scaled (s) | estimate (min) |",
+            "|---|---|---|---|---|---|"]
+    cases = [("convert", "rc4-convert-w1", hf / read_hf + mc / write, mc / cut_mc, "FP8", "BF16"),
+             ("export --fp8", "rc4-export-w1", mc / read_mc + hf / write, hf / cut_hf, "BF16", "FP8"),
+             ("verify", "rc4-verify-t2", hf / read_hf + mc / read_mc, (hf + mc) / (cut_hf + cut_mc), "both", "-")]
+    for name, run, disk, scale, reads, writes in cases:
+        warm = best(times, run)
+        scaled = None if warm is None else warm * scale
+        rows.append(f"| {name} | {reads} | {writes} | {disk:.0f} | {fmt(scaled)} | "
+                    f"{max(disk, scaled or 0) / 60:.1f} |")
+    rows.append(f"| parity (reading only) | both | - | {hf / read_hf + mc / read_mc:.0f} | see the parity report | "
+                f"{(hf / read_hf + mc / read_mc) / 60:.1f} + compute |")
+    return rows
+
+
 def main() -> None:
     res = Path(sys.argv[1])
     times, sizes = read_times(res), read_sizes(res)
-    print("\n".join(bench_table(times, sizes) + [""] + rc4_table(times)))
+    print("\n".join(bench_table(times, sizes) + [""] + rc4_table(times) + [""] + estimate_table(times, sizes)))
     others = sorted(n for n in times if not n.startswith(("fp8-", "bf16-", "rc4-")))
     print("\n".join(["", "| other | wall s |", "|---|---|"] + [f"| {n} | {', '.join(map(str, times[n]))} |"
                                                             for n in others]))
