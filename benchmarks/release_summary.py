@@ -82,7 +82,7 @@ def rc4_table(times: dict[str, list[float]]) -> list[str]:
     rows = ["| real-cut4 step | wall s (each run) | vs the one-worker run |", "|---|---|---|"]
     for name in sorted(n for n in times if n.startswith("rc4-")):
         base = {"convert": "rc4-convert-w1", "export": "rc4-export-w1"}.get(name.split("-")[1])
-        ratio = times[name][0] / best(times, base) if base in times and base != name else None
+        ratio = times[name][0] / min(times[base]) if base in times and base != name else None
         rows.append(f"| {name} | {', '.join(f'{t:.2f}' for t in times[name])} | {fmt(ratio, 'x')} |")
     return rows
 
