@@ -1,6 +1,7 @@
 """Issues 14 and 27, fixed cost: the commands that need no tensor import no torch (its import alone is 1-6 s):
 every --help, audit-names, and the dry runs of convert, export and relayout. A convert imports torch but not
-torch.distributed.checkpoint (its package pulls torch.distributed.tensor and sympy: 0.6-0.9 s)."""
+torch.distributed.checkpoint (its package pulls torch.distributed.tensor and sympy: 0.6-0.9 s), and neither do the
+commands that read a torch_dist checkpoint's tensors (export, verify)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,13 @@ def test_a_convert_writes_its_metadata_without_importing_dcp(tiny_fp8_ckpt: Path
     out = tmp_path / "out"
     assert imports_dcp("convert", str(tiny_fp8_ckpt), str(out), "--workers", workers) == (0, False)
     assert (out / "release" / ".metadata").is_file()
+
+
+def test_an_export_reads_its_checkpoint_without_importing_dcp(tiny_mc: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    assert imports_dcp("export", str(tiny_mc), str(out), "--fp8") == (0, False)
+    assert (out / "model.safetensors.index.json").is_file()
+
+
+def test_a_verify_reads_both_checkpoints_without_importing_dcp(tiny_fp8_ckpt: Path, tiny_mc: Path) -> None:
+    assert imports_dcp("verify", str(tiny_fp8_ckpt), str(tiny_mc)) == (0, False)
