@@ -6,7 +6,8 @@
 # Usage: bash benchmarks/gpu_release.sh STEP...
 #   whl | z3: install the carried .whl / .whl-z3 wheels (64 MiB per call with the tree: tilelang's wheel in one call,
 #             the other wheels of .whl with .whl-z3 in the next; scripts/stage-wheels.sh)
-#   make: the bench sources (FP8 and BF16 at 2 GB and 6 GB, a single-file FP8 source) and real-cut4, in $WORK
+#   make: the bench sources (FP8 and BF16 at 2 GB and 6 GB, a single-file FP8 source) and real-cut4 (not with NO_RC4=1),
+#         in $WORK
 #   tests: every test under tests/gpu (tiny fixtures carried in out/gpu: hf-tiny, hf-tiny-realistic, hf-tiny-fp8
 #          and the conversions, made with the project's own env)
 #   fp8 | bf16: the 2 GB / 6 GB matrix of that source dtype (bf16 also: the single-file source); rc4: real-cut4;
@@ -78,7 +79,7 @@ for step in "$@"; do
         timed "make-bf16-$s" "${G[@]}" fixture make "$WORK/bf16-$s" --preset bench --size "${s}GB" --force &
       done
       timed make-single "${G[@]}" fixture make "$WORK/single" --preset bench --size 1GB --fp8 --shard-size 2GB --force &
-      timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset real-cut4 --fp8 --seed 0 --force --json &
+      [ -n "${NO_RC4:-}" ] || timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset real-cut4 --fp8 --seed 0 --force --json &
       wait
       # one model.safetensors and no index: the single-file layout
       mv "$WORK/single/model-00001-of-00001.safetensors" "$WORK/single/model.safetensors"
