@@ -9,8 +9,7 @@
 #   dsa: the SparseMLA tests only. Results go to $OUT (default out/gpu-kernels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# the CLI package installs as glmconv_cli from cli/ (setup.py package_dir): a link makes it importable in place
-mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
+. benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD"
 export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 OUT=${OUT:-out/gpu-kernels}

@@ -5,8 +5,7 @@
 # Results go to $OUT (gpu-tests.txt, parity-*.json, timings.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# the CLI package installs as glmconv_cli from cli/ (setup.py package_dir): a link makes it importable in place
-mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
+. benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD"
 export PYTHONPATH=$PWD:/tmp/glmconv-cli${PYTHONPATH:+:$PYTHONPATH}
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 OUT=${OUT:-out/gpu-results}

@@ -10,8 +10,7 @@
 # Results go to $OUT (default out/gpu-real-cut4); checkpoints to $WORK (default /tmp/rc4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# the CLI package installs as glmconv_cli from cli/ (setup.py package_dir): a link makes it importable in place
-mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
+. benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD"
 export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 OUT=${OUT:-out/gpu-real-cut4}

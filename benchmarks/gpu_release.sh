@@ -16,7 +16,7 @@
 #   command's own output). Every call ends with it: only $OUT comes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p /tmp/glmconv-cli && ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli && ln -sfn "$PWD/fixtures" /tmp/glmconv-cli/glmconv_fixtures
+. benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD"
 export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 WORK=${WORK:-/tmp/rel}

@@ -12,9 +12,7 @@
 #   pack: $RES into $OUT/verdict.tgz (the device returns at most 8 files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p /tmp/glmconv-cli /tmp/glmconv-cli-old
-ln -sfn "$PWD/cli" /tmp/glmconv-cli/glmconv_cli
-ln -sfn "$PWD/bench-data/old/cli" /tmp/glmconv-cli-old/glmconv_cli
+. benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD" && link_packages /tmp/glmconv-cli-old "$PWD/bench-data/old"
 SITE=/tmp/site:/tmp/site-z3
 export PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 WORK=${WORK:-/tmp/rc4}
