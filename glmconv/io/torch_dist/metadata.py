@@ -46,6 +46,7 @@ class DcpCheckpoint:
     tensors: dict[str, DcpTensor]
     objects: list[str] = field(default_factory=list)
     common_state: str | None = None  # "common.pt" (older layout), the DCP key (0.19), or None
+    metadata: Any = field(default=None, repr=False, compare=False)  # `.metadata` as loaded (stand-ins): for readers
 
 
 def is_torch_dist(path: Path) -> bool:
@@ -86,7 +87,7 @@ def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
     common = COMMON_PT_NAME if optional_file(iter_dir, COMMON_PT_NAME) is not None else next(
         (o for o in objects if o.split("/", 1)[0] == COMMON_STATE), None)
     return DcpCheckpoint(root=Path(path), iter_dir=iter_dir, iteration=iteration, tensors=tensors,
-                         objects=objects, common_state=common)
+                         objects=objects, common_state=common, metadata=metadata)
 
 
 def _check_backend(iter_dir: Path) -> None:

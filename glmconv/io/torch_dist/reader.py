@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import require_file
-from glmconv.io.dtypes import torch_dtype, torch_dtype_code
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import DCP_METADATA_NAME
 from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.dcp_classes import StorageInfo, TensorStorageMetadata
@@ -52,14 +52,12 @@ class DcpReader:
     def __init__(self, path: str | Path, *, check_finite: bool = True) -> None:
         self.ckpt: DcpCheckpoint = inspect_torch_dist(path)  # tracker, metadata.json, data files present
         self._check_finite = check_finite
-        # stand-ins of DCP's classes: importing DCP's package costs 0.6 s (DTensor's op tables, sympy)
-        metadata = load_metadata(self.ckpt.iter_dir / DCP_METADATA_NAME, stand_ins=True)
+        metadata = self.ckpt.metadata  # stand-ins of DCP's classes: DCP's package costs 0.6 s to import
         self._entries: dict[str, TensorStorageMetadata] = {  # `inspect_torch_dist` checked these are tensors'
             k: v for k, v in metadata.state_dict_metadata.items() if k in self.ckpt.tensors}
         self._storage: dict[tuple[str, tuple[int, ...]], StorageInfo] = {  # by (fqn, chunk offsets)
-            (k.fqn, tuple(int(o) for o in k.offset)): v for k, v in (metadata.storage_data or {}).items()
+            _chunk_key(k.fqn, k.offset): v for k, v in (metadata.storage_data or {}).items()
             if k.offset is not None}
-        self._dtypes: dict[str, torch.dtype] = {}
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
         self._raw: dict[tuple[str, tuple[int, ...]], Extent | None] = {}
         self._grids: dict[str, Grid | None] = {}
@@ -76,10 +74,9 @@ class DcpReader:
         return tuple(int(d) for d in self._entry(name).size)
 
     def dtype(self, name: str) -> torch.dtype:
-        """The torch dtype `name` is stored in."""
-        if name not in self._dtypes:
-            self._dtypes[name] = torch_dtype(torch_dtype_code(self._entry(name).properties.dtype))
-        return self._dtypes[name]
+        """The torch dtype `name` is stored in (its code as inspecting the checkpoint read it)."""
+        self._entry(name)  # a CheckpointError naming a tensor the checkpoint lacks
+        return torch_dtype(self.ckpt.tensors[name].dtype)
 
     def chunks(self, name: str) -> list[Box]:
         """(offsets, sizes) of every stored chunk of `name`, as the metadata lists them."""
@@ -166,13 +163,13 @@ class DcpReader:
 
     def raw_extent(self, name: str, chunk: Any) -> Extent | None:
         """The file bytes holding exactly `chunk`'s data (C order), or None when the item is not as expected."""
-        key = (name, tuple(int(o) for o in chunk.offsets))
+        key = _chunk_key(name, chunk.offsets)
         if key not in self._raw:
             self._raw[key] = self._locate(name, chunk)
         return self._raw[key]
 
     def _locate(self, name: str, chunk: Any) -> Extent | None:
-        info = self._storage.get((name, tuple(int(o) for o in chunk.offsets)))
+        info = self._storage.get(_chunk_key(name, chunk.offsets))
         if info is None or getattr(info, "transform_descriptors", None):
             return None
         path = self._data_file(name, info)
@@ -212,7 +209,7 @@ class DcpReader:
 
     def _chunk(self, name: str, chunk: Any) -> torch.Tensor:
         """One chunk, the last one kept (a snapshot of it: threads may read through one reader at once)."""
-        key = (name, tuple(int(o) for o in chunk.offsets))
+        key = _chunk_key(name, chunk.offsets)
         cached = self._cache
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -224,7 +221,7 @@ class DcpReader:
     def _load(self, name: str, chunk: Any) -> torch.Tensor:
         import torch
 
-        info = self._storage.get((name, tuple(int(o) for o in chunk.offsets)))
+        info = self._storage.get(_chunk_key(name, chunk.offsets))
         if info is None:
             raise CheckpointError(f"{name}: chunk at {list(chunk.offsets)} has no storage entry in {DCP_METADATA_NAME}")
         path = self._data_file(name, info)
@@ -252,6 +249,11 @@ class DcpReader:
                                   "(compressed checkpoints are not supported)")
         return require_file(self.iter_dir, rel, f"{rel}: data file of {name} is missing from {self.iter_dir}",
                             f"{name}: data file")
+
+
+def _chunk_key(name: str, offsets: Any) -> tuple[str, tuple[int, ...]]:
+    """A stored chunk's key: its tensor and offsets (DCP's `MetadataIndex` without its lookup hint)."""
+    return name, tuple(int(o) for o in offsets)
 
 
 class _Slice(io.RawIOBase):
