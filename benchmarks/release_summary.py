@@ -103,20 +103,21 @@ def estimate_table(times: dict[str, list[float]], sizes: dict[str, int]) -> list
     cut_hf, cut_mc = sizes["rc4"], sizes["rc4-mc"]
     read_hf, read_mc = cut_hf / min(times["rc4-cold-read"]), cut_mc / min(times["rc4-mc-cold-read"])
     write = 16 * 2**30 / min(times["disk-write-16g"])
+    read_both = hf / read_hf + mc / read_mc  # verify and parity read each checkpoint once
     rows = [f"Disk: cold read {read_hf / 1e9:.2f} GB/s (FP8 safetensors), {read_mc / 1e9:.2f} GB/s (`.distcp`); "
             f"write {write / 1e9:.2f} GB/s (`dd conv=fsync`, 16 GiB). Release: {hf:,} bytes FP8, {mc:,} bytes BF16.",
             "", "| command | reads | writes | disk part (s) | real-cut4 run scaled (s) | estimate (min) |",
             "|---|---|---|---|---|---|"]
     cases = [("convert", "rc4-convert-w1", hf / read_hf + mc / write, mc / cut_mc, "FP8", "BF16"),
              ("export --fp8", "rc4-export-w1", mc / read_mc + hf / write, hf / cut_hf, "BF16", "FP8"),
-             ("verify", "rc4-verify-t2", hf / read_hf + mc / read_mc, (hf + mc) / (cut_hf + cut_mc), "both", "-")]
+             ("verify", "rc4-verify-t2", read_both, (hf + mc) / (cut_hf + cut_mc), "both", "-")]
     for name, run, disk, scale, reads, writes in cases:
         warm = best(times, run)
         scaled = None if warm is None else warm * scale
         rows.append(f"| {name} | {reads} | {writes} | {disk:.0f} | {fmt(scaled)} | "
                     f"{max(disk, scaled or 0) / 60:.1f} |")
-    rows.append(f"| parity (reading only) | both | - | {hf / read_hf + mc / read_mc:.0f} | see the parity report | "
-                f"{(hf / read_hf + mc / read_mc) / 60:.1f} + compute |")
+    rows.append(f"| parity (reading only) | both | - | {read_both:.0f} | see the parity report | "
+                f"{read_both / 60:.1f} + compute |")
     return rows
 
 
