@@ -37,8 +37,11 @@ PARITY_DTYPES = (DEFAULT_PARITY_DTYPE, "bf16")
 DEFAULT_PARITY_DEVICE = "cpu"
 DEFAULT_TRAIN_CONVENTIONS = "default"  # Megatron's own for the checkpoint's layout
 TRAIN_CONVENTIONS = (DEFAULT_TRAIN_CONVENTIONS, "serve")
+REFERENCE, EMULATED = "reference", "emulated"
 DEFAULT_KERNELS = AUTO
-KERNEL_CHOICES = (AUTO, "reference")  # auto: the GPU kernels on CUDA, the torch references elsewhere
+# auto: the GPU kernels on CUDA, the torch references elsewhere; emulated: the kernel path (checks included) with
+# the references standing in for the kernels
+KERNEL_CHOICES = (AUTO, REFERENCE, EMULATED)
 DEFAULT_REPLAY = "none"
 REPLAY_CHOICES = (DEFAULT_REPLAY, "routing", "indexer", "both")
 

@@ -59,38 +59,57 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
     serve, train, conventions = build_models(config, opts)
     judge = judge_of(opts)
     serve_precise, train_precise = (getattr(m, "precise_twin", lambda: None)() for m in (serve, train))
-    variants = self_test_sides(config, train, train_precise, conventions, opts) if opts.self_test else []
+    variants, skipped = self_test_sides(config, train, train_precise, conventions, opts) if opts.self_test else ([], [])
     with StepProgress("parity", steps(serve), enabled=opts.progress) as progress:
-        twin = getattr(train, "kernel_twin", lambda: None)()  # the train side on the references, if it runs kernels
+        twin = kernel_path(train)
         cap = capture(serve, train, batch.to(opts.device), opts.mode, progress, twin=twin, replay=replay,
                       serve_precise=serve_precise, train_precise=train_precise, conventions=conventions,
                       judge=judge, variants=variants)
     layout = getattr(getattr(train, "weights", None), "layout", None)  # the train side's Megatron layout
-    report = build_report(cap, opts, batch, conventions, train_layout=layout)
+    report = build_report(cap, opts, batch, conventions, train_layout=layout, skipped=skipped)
     report["serve_rounded_to_bf16"] = len(getattr(getattr(serve, "weights", None), "rounded", ()))
     report["peak_memory"] = peak_memory(device)
     return report
 
 
+def kernel_path(model: GlmModel) -> GlmModel | None:
+    """The twin of a model that runs kernels (the same model on the references), its kernels checked from now
+    on against those references (glmconv.kernels.check); None for a model on the references."""
+    twin = getattr(model, "kernel_twin", lambda: None)()
+    if twin is not None:
+        model.check_kernels()
+    return twin
+
+
+NO_KERNEL_PATH = ("the train side runs the torch references (--kernels reference, or auto off CUDA): there is no "
+                  "kernel path to plant it in (--kernels emulated runs the kernel path on the references)")
+
+
 def self_test_sides(config: GlmConfig, train: GlmModel, train_precise: GlmModel | None,
-                    conventions: dict[str, dict[str, str]], opts: ParityOptions) -> list[Side]:
-    """One train side per applicable catalog defect, planted in memory over the train side's weights."""
+                    conventions: dict[str, dict[str, str]],
+                    opts: ParityOptions) -> tuple[list[Side], list[dict[str, str]]]:
+    """One train side per applicable catalog defect, planted in memory over the train side's weights, conventions
+    or kernel path; and the defects that cannot be planted here, each with the reason."""
 
     train_conv = Conventions(**conventions["train"])
-    sides = []
+    sides, skipped = [], []
     for defect in select(opts.defects):
         planted = defects.plant(defect, config, train_conv)
         if planted is None:
             continue
+        if defect.kind == "kernel" and train.ops.is_reference:
+            skipped.append({"defect": defect.name, "kind": defect.kind, "why": NO_KERNEL_PATH})
+            continue
         conv = planted.conventions or train_conv
-        model = train.variant(conv, patch=planted.patch if planted.conventions is None else None,
-                              kernels=getattr(train, "kernels", "reference"))
+        model = train.variant(conv, patch=planted.patch if defect.kind == "weights" else None,
+                              kernels=train.kernels, ops=planted.ops(train.ops) if defect.kind == "kernel" else
+                              train.ops)
         precise = model.precise_twin()
         if precise is not None and train_precise is not None:
             precise.cache = train_precise.cache  # fp32 casts of the clean weights, shared (patches apply after)
-        sides.append(Side(defect.name, model, conv.as_dict(), precise, sites=frozenset(planted.sites),
-                          judge=judge_of(opts)))
-    return sides
+        sides.append(Side(defect.name, model, conv.as_dict(), precise, twin=kernel_path(model),
+                          sites=frozenset(planted.sites), judge=judge_of(opts)))
+    return sides, skipped
 
 
 def make_batch(opts: ParityOptions, vocab: int) -> Batch:

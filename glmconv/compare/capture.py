@@ -10,9 +10,11 @@ error against, the twins' distance from each other the difference of weights and
 weights of every sub-block are compared bit for bit as they are held (glmconv.compare.weight_diff), and at the
 first divergence the differing switches' shares are measured (glmconv.compare.attribution).
 When the train side runs GPU kernels, `twin` is the same train model on the torch references in the run dtype:
-each attention sub-block also runs there on the train side's own input, and its record gains the kernels' own
-error (`kernel_rel_err` on the streams, `kernel_out_rel_err` on the sub-block's output, `kernel_topk_overlap` of
-the kpool selections).
+each attention sub-block also runs there on the train side's own input. The twin is correct code, so its distance
+from the fp32 twin is the train side's rounding noise (`noise_train`), apart from the kernels; every kernel call is
+judged on its own against its reference on the same input (`kernels`: glmconv.kernels.check), and the kernels'
+effect on the streams (`kernel_rel_err`, the twin against the kernel path) counts as noise only while every
+kernel of the sub-block is within its bound (`noise_kernel`).
 With `replay` (glmconv.compare.replay) the train side's MoE layers run the serve side's expert ids and its DSA
 layers attend over the serve side's token ids (each twin the ids of its own serve twin); the records' overlaps
 stay the train side's OWN selections against the serve side's (the selection disagreement).
@@ -39,6 +41,7 @@ from glmconv.compare.replay import Replay
 from glmconv.compare.verdict import SELECTIONS, Judge
 from glmconv.defaults import DEFAULT_MODE, PARITY_MODES
 from glmconv.errors import GlmconvError
+from glmconv.kernels.check import KernelCheck
 from glmconv.models.conventions import Conventions, acting_at_sub_block
 from glmconv.models.weights import AttentionWeights, MlpWeights, WeightSource
 from glmconv.text import printable
@@ -237,14 +240,17 @@ class _Run:
         rec = _record(self.serve.model, layer, sub_block, yt, so.y)
         if ids is not None:
             rec["replayed"] = "topk" if sub_block == ATTENTION else "experts"
+        yk, aux_k = yt, aux_t  # the train side's code on the references: itself, unless it runs kernels
         if side.twin is not None and sub_block == ATTENTION:
-            rec.update(_kernel_error(side.twin, layer, x_in, self.batch, yt, aux_t, ids))
+            checks = _take_checks(side.model)
+            yk, aux_k = _call(side.twin, ATTENTION, layer, x_in, self.batch.cu_seqlens, ids)
+            rec.update(_kernel_fields(checks, (yt, aux_t), (yk, aux_k)))
         xr_in = so.x_ref if self.isolated else side.x_ref
-        ytr, aux_tr = yt, aux_t
+        ytr, aux_tr = yk, aux_k
         if side.precise is not None:
             ytr, aux_tr = _call(side.precise, sub_block, layer, xr_in if xr_in is not None else x_in.float(),
                                 self.batch.cu_seqlens, self.replay.ids(sub_block, layer, so.aux_ref))
-        _noise(rec, (yt, aux_t), (so.y, so.aux), (ytr, aux_tr), (so.y_ref, so.aux_ref),
+        _noise(rec, (yt, aux_t), (yk, aux_k), (so.y, so.aux), (ytr, aux_tr), (so.y_ref, so.aux_ref),
                self.serve.precise is not None, side.precise is not None)
         self._weights(side, layer, sub_block, rec)
         if side.judge(rec, switches) and switches:
@@ -330,19 +336,23 @@ def _switches(serve: _Serve, side: Side, layer: int, sub_block: str) -> list[str
     return acting_at_sub_block(serve.conventions, side.conventions, sub_block, serve.model.attn_types[layer] == "dsa")
 
 
-def _noise(rec: dict[str, Any], t: Result, s: Result, tr: Result, sr: Result, serve_ref: bool,
+def _noise(rec: dict[str, Any], t: Result, k: Result, s: Result, tr: Result, sr: Result, serve_ref: bool,
            train_ref: bool) -> None:
-    """Each side's distance from its fp32 reference twin (t: train, s: serve, tr / sr: their twins' results), and
-    the twins' distance from each other."""
+    """Each side's distance from its fp32 reference twin, measured on correct code (t: train, k: the train side's
+    code on the references, s: serve, tr / sr: the fp32 twins' results), the kernels' share where they are within
+    bounds, and the twins' distance from each other."""
     rec["noise_serve"] = metrics.rel_err(s[0], sr[0]) if serve_ref else 0.0
-    rec["noise_train"] = metrics.rel_err(t[0], tr[0]) if train_ref else 0.0
+    rec["noise_train"] = metrics.rel_err(k[0], tr[0]) if train_ref else 0.0
     rec["ref_rel_err"] = metrics.rel_err(tr[0], sr[0])
+    allow = rec.get("kernels_within", True)
+    rec["noise_kernel"] = rec.get("kernel_rel_err", 0.0) if allow else 0.0
     for name, key in SELECTIONS:
         if not _has(s[1], t[1], name):
             continue
         rec[key] = metrics.selection_overlap(t[1][name], s[1][name])
         noise = (1.0 - metrics.selection_overlap(s[1][name], sr[1][name])) if serve_ref else 0.0
-        noise += (1.0 - metrics.selection_overlap(t[1][name], tr[1][name])) if train_ref else 0.0
+        noise += (1.0 - metrics.selection_overlap(k[1][name], tr[1][name])) if train_ref else 0.0
+        noise += (1.0 - metrics.selection_overlap(t[1][name], k[1][name])) if allow else 0.0
         rec[f"{name}_noise"] = noise
         rec[f"{name}_ref_overlap"] = metrics.selection_overlap(tr[1][name], sr[1][name])
 
@@ -391,15 +401,17 @@ def _record(model: Model, layer: int, sub_block: str, train: torch.Tensor, serve
             "max_abs": metrics.max_abs(train, serve)}
 
 
-def _kernel_error(twin: Model, layer: int, x_in: torch.Tensor, batch: Batch, yt: torch.Tensor,
-                  aux_t: dict, replay: torch.Tensor | None = None) -> dict[str, Any]:
-    """The train side with kernels against itself on the references, on the same input streams (and replay)."""
-    yr, aux_r = _call(twin, ATTENTION, layer, x_in, batch.cu_seqlens, replay)
-    rec: dict[str, Any] = {"kernel_rel_err": metrics.rel_err(yt, yr)}
-    if _has(aux_r, aux_t, "out"):
-        rec["kernel_out_rel_err"] = metrics.rel_err(aux_t["out"], aux_r["out"])
-    if _has(aux_r, aux_t, "topk"):
-        rec["kernel_topk_overlap"] = metrics.selection_overlap(aux_t["topk"], aux_r["topk"])
+def _take_checks(model: Model) -> list[KernelCheck]:
+    take = getattr(model, "take_kernel_checks", None)
+    return take() if take is not None else []
+
+
+def _kernel_fields(checks: list[KernelCheck], t: Result, k: Result) -> dict[str, Any]:
+    """The kernels' part of a record: each check, whether all are within bounds, their effect on the streams."""
+    rec: dict[str, Any] = {"kernels": [c.as_dict() for c in checks], "kernels_within": all(c.within for c in checks),
+                           "kernel_rel_err": metrics.rel_err(t[0], k[0])}
+    if _has(t[1], k[1], "topk"):
+        rec["kernel_topk_overlap"] = metrics.selection_overlap(t[1]["topk"], k[1]["topk"])
     return rec
 
 

@@ -14,20 +14,23 @@ from typing import Any
 
 from glmconv.data_files import DEFECTS_FILE, read_text
 from glmconv.errors import GlmconvError
+from glmconv.kernels import OpSet
 
 
 @dataclass(frozen=True)
 class Defect:
-    """One planted defect: a damaged field of one sub-block's weights, or one train switch set to its other value."""
+    """One planted defect: a damaged field of one sub-block's weights, one train switch set to its other value, or
+    one kernel call of the train side's kernel path given a wrong argument or handing back a wrong result."""
 
     name: str
     summary: str
-    kind: str = "weights"  # "weights" or "convention"
+    kind: str = "weights"  # "weights", "convention" or "kernel"
     site: str = ""  # where: "kda", "kda:1" (the second KDA layer), "dsa", "dense", "moe"
     sub_block: str = "attention"
     path: tuple[str, ...] = ()  # the damaged field of the sub-block's weights
-    damage: str = ""  # the name of its damage in glmconv.compare.defects.DAMAGES
+    damage: str = ""  # its damage: glmconv.compare.defects.DAMAGES, or KERNEL_DAMAGES for a kernel defect
     convention: str = ""  # KEY=VALUE for a convention defect
+    op: str = ""  # the kernel op a kernel defect damages (glmconv.kernels.OpSet.OPS)
 
 
 class CatalogError(GlmconvError):
@@ -39,7 +42,9 @@ FIELDS: dict[str, dict[str, type]] = {
     "weights": {"name": str, "kind": str, "site": str, "sub_block": str, "path": list, "damage": str,
                 "summary": str},
     "convention": {"name": str, "kind": str, "convention": str, "summary": str},
+    "kernel": {"name": str, "kind": str, "site": str, "op": str, "damage": str, "summary": str},
 }
+_KERNEL_SITES = ("kda", "dsa")  # the layer kinds whose attention runs kernels
 _SITE = re.compile(r"(kda|dsa|dense|moe)(:\d+)?")
 _SUB_BLOCKS = ("attention", "mlp")
 
@@ -73,12 +78,24 @@ def _defect(entry: Any, where: str) -> Defect:
         if not re.fullmatch(r"\w+=\w+", entry["convention"]):
             raise CatalogError(f"{where}: convention must be KEY=VALUE, not {entry['convention']!r}")
         return Defect(**entry)
+    if kind == "kernel":
+        return _kernel_defect(entry, where)
     if not _SITE.fullmatch(entry["site"]) or entry["sub_block"] not in _SUB_BLOCKS:
         raise CatalogError(f"{where}: site must be kda, dsa, dense or moe (optionally :N) and sub_block "
                            f"{' or '.join(_SUB_BLOCKS)}, not {entry['site']!r} / {entry['sub_block']!r}")
     if not all(isinstance(p, str) for p in entry["path"]):
         raise CatalogError(f"{where}: path must be a list of strings")
     return Defect(**{**entry, "path": tuple(entry["path"])})
+
+
+def _kernel_defect(entry: dict[str, Any], where: str) -> Defect:
+    """A kernel defect: an op of the kernel path, at a KDA or DSA attention sub-block."""
+    if entry["op"] not in OpSet.OPS:
+        raise CatalogError(f"{where}: op must be one of {', '.join(OpSet.OPS)}, not {entry['op']!r}")
+    if entry["site"].partition(":")[0] not in _KERNEL_SITES or not _SITE.fullmatch(entry["site"]):
+        raise CatalogError(f"{where}: a kernel defect's site must be kda or dsa (optionally :N), not "
+                           f"{entry['site']!r}")
+    return Defect(**entry)
 
 
 def _check_keys(entry: dict[str, Any], fields: dict[str, type], where: str) -> None:

@@ -1,4 +1,5 @@
-"""Planting the catalog's defects (glmconv.compare.catalog) over the train side's prepared weights or conventions.
+"""Planting the catalog's defects (glmconv.compare.catalog) over the train side's prepared weights, conventions
+or kernel path (glmconv.compare.kernel_defects).
 
 `parity --self-test` runs the clean pair and every defect in one pass over the layers (each layer's weights read
 once) and says, per defect, whether the verdict names it at the layer and sub-block it was planted in. Where a
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from glmconv.compare.catalog import Defect
+from glmconv.compare.kernel_defects import damaged
 from glmconv.config import DSA, KDA, MOE, GlmConfig
+from glmconv.kernels import OpSet
 from glmconv.models.conventions import ACTS_AT, SELECTION, Conventions
 from glmconv.models.weights import ExpertBank, Swiglu
 
@@ -75,6 +78,10 @@ class Planted:
     def name(self) -> str:
         return self.defect.name
 
+    def ops(self, base: OpSet) -> OpSet:
+        """The kernel path `base` with this kernel defect's op damaged (its reference untouched)."""
+        return base.with_op(self.defect.op, damaged(self.defect.op, self.defect.damage, getattr(base, self.defect.op)))
+
     def patch(self, sub_block: str, layer: int, w: Any, read: Callable[[int], Any]) -> Any:
         """The model's weight patch (glmconv.models.model.WeightPatch)."""
         if self.defect.kind != "weights" or (layer, sub_block) not in self.sites:
@@ -94,6 +101,8 @@ def plant(defect: Defect, config: GlmConfig, train: Conventions) -> Planted | No
         conv = train.with_overrides([defect.convention])
         return Planted(defect, _acting_sites(key, config), conv)
     layers = _layers(defect.site, config)
+    if defect.kind == "kernel":
+        return Planted(defect, ((layers[0], "attention"),)) if layers else None
     if defect.damage == "swap-layers":
         kda = _layers("kda", config, every=True)
         return Planted(defect, ((kda[0], "attention"), (kda[1], "attention"))) if len(kda) > 1 else None

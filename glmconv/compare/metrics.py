@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import GlmconvError
+from glmconv.kernels.check import selection_overlap as selection_overlap  # re-exported: one definition
 
 if TYPE_CHECKING:
     import torch
@@ -37,28 +38,6 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
     return float((a.detach().double() - b.detach().double()).abs().max())
-
-
-def selection_overlap(train: torch.Tensor, serve: torch.Tensor) -> float:
-    """Mean over tokens of |T_train & T_serve| / |T_serve|, ignoring -1 sentinels on both sides.
-
-    Rows [T, W] of distinct ids (expert ids or indexer top-k token ids); tokens whose serve row is all -1
-    are left out, and a batch with nothing selected counts as full agreement. Sort + searchsorted keeps it
-    O(T W log W), not O(T W^2), at the real width (2051).
-    """
-    import torch
-
-    if train.shape[0] != serve.shape[0]:
-        raise ValueError(f"selection rows differ: {tuple(train.shape)} vs {tuple(serve.shape)}")
-    s = serve.detach().long().sort(dim=-1).values
-    t = train.detach().long()
-    pos = torch.searchsorted(s, t).clamp(max=max(s.shape[-1] - 1, 0))
-    hit = (s.gather(-1, pos) == t) & (t >= 0) if s.shape[-1] else torch.zeros_like(t, dtype=torch.bool)
-    size = (s >= 0).sum(-1)
-    keep = size > 0
-    if not bool(keep.any()):
-        return 1.0
-    return float((hit.sum(-1)[keep].double() / size[keep].double()).mean())
 
 
 def next_token_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:

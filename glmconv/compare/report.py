@@ -31,14 +31,15 @@ _PLOT_FLOOR = 1e-12  # log-scale floor for exact zeros
 
 
 def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: dict[str, Any],
-                 train_layout: str | None = None) -> dict[str, Any]:
+                 train_layout: str | None = None, skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """Everything a run measured plus what it was asked: the one structure all renderings read.
 
     `train_layout`: the Megatron layout the train side was read in (None: not known, e.g. a test double).
     `first_divergence`: the verdict's first divergent sub-block (glmconv.compare.verdict) with its cause;
     `attribution`: the differing switches' measured shares there; `indexer_divergence`: the first DSA layer whose
     top-k differs from serve's (overlap < 1), with what explains it; `passed`: the gate (the verdict, or the
-    `--fail-on` bounds when any are given; with `--self-test` every planted defect must be named too).
+    `--fail-on` bounds when any are given; with `--self-test` every planted defect must be named too);
+    `self_test_skipped`: the catalog defects that could not be planted in this run, each with the reason.
     """
     clean = cap.sides[0] if cap.sides else _judged(cap, opts, conventions)
     values = metrics.scalars(cap.layers, cap.logits)
@@ -63,7 +64,7 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
         "first_divergence_switches": first.get("switches", []) if first else [],
         "attribution": clean.attribution, "indexer_divergence": _indexer_divergence(cap.layers, conventions, opts),
         "gate": "bounds" if opts.bounds else "verdict", "bounds": bounds,
-        **({"self_test": self_test} if opts.self_test else {}),
+        **({"self_test": self_test, "self_test_skipped": skipped or []} if opts.self_test else {}),
         "passed": passed and all(r["named"] for r in self_test), "elapsed_s": round(cap.elapsed_s, 3),
     }
 
@@ -103,7 +104,9 @@ def _self_test_row(side: Side) -> dict[str, Any]:
     sites = sorted(side.sites or ())
     first = side.judge.first
     at = (first["layer"], first["sub_block"]) if first else None
-    named = at is not None and (at == sites[0] if defect.kind == "weights" else at in sites)
+    named = at is not None and (at == sites[0] if defect.kind != "convention" else at in sites)
+    if defect.kind == "kernel":  # named as a kernel, and as this kernel
+        named = named and first is not None and first.get("kernel", {}).get("op") == defect.op
     tensors = [d for d in side.weight_diffs if d["kind"] == DIFFER]
     return {"defect": defect.name, "kind": defect.kind, "summary": defect.summary,
             "planted_at": [{"layer": layer, "sub_block": sub} for layer, sub in sites[:1 if defect.kind == "weights"
@@ -162,28 +165,41 @@ def replay_line(report: dict[str, Any]) -> list[str]:
 
 
 def _kernels_used(cap: Capture, opts: ParityOptions) -> str:
-    """What the train side ran: `kernels` (with kernel error rows) or `reference`."""
-    return "kernels" if any("kernel_rel_err" in r for r in cap.layers) else "reference"
+    """What the train side ran: `kernels` (each kernel checked against its reference) or `reference`."""
+    return "kernels" if any("kernels" in r for r in cap.layers) else "reference"
 
 
 def _kernel(rec: dict[str, Any]) -> str:
-    """The kernel-error cell: the sub-block output's rel err (kernels vs references), kpool top-k overlap."""
-    if "kernel_rel_err" not in rec:
+    """The kernel cell: the check nearest its bound (`chunk_kda 4.6e-03 0.18x`), or `-` for no kernel there."""
+    checks = rec.get("kernels")
+    if not checks:
         return "-"
-    err = rec.get("kernel_out_rel_err", rec["kernel_rel_err"])
-    top = f" top-k {rec['kernel_topk_overlap']:.3f}" if "kernel_topk_overlap" in rec else ""
-    return f"{_fmt(err)}{top}"
+    worst = max(checks, key=lambda c: c["ratio"])
+    return f"{worst['op']} {_fmt(worst[worst['metric']])} {_fmt(worst['ratio'], '.2g')}x"
+
+
+def kernel_text(check: dict[str, Any]) -> str:
+    """`fla chunk_kda: rel err 7.0e-01 against its reference on the same input, bound 2.5e-02 (28x)`."""
+    metric = check["metric"]
+    value = check[metric]
+    return (f"{check['kernel']}: {metric.replace('_', ' ')} {_fmt(value)} against its reference on the same input, "
+            f"bound {_fmt(check['bound'][metric])} ({_fmt(check['ratio'], '.3g')}x)")
 
 
 def kernel_line(report: dict[str, Any]) -> list[str]:
-    """One line on the kernels' own error, when the train side ran them."""
-    recs = [r for r in report["layers"] if "kernel_rel_err" in r]
-    if not recs:
-        return []
-    worst = max(recs, key=lambda r: r.get("kernel_out_rel_err", r["kernel_rel_err"]))
-    return [f"train side ran GPU kernels: the largest kernel error (kernels vs torch references, same input) is "
-            f"{_fmt(worst.get('kernel_out_rel_err', worst['kernel_rel_err']))} at layer {worst['layer']} "
-            f"{worst['attn_type']} (streams {_fmt(worst['kernel_rel_err'])})"]
+    """What the gate checked of the kernels: each kernel's worst call against its bound, or that none ran."""
+    if report.get("kernels") != "kernels":
+        return ["kernels: none checked (the train side ran the torch references: --kernels reference, or no GPU)"]
+    worst: dict[str, dict[str, Any]] = {}
+    for rec in report["layers"]:
+        for c in rec.get("kernels", ()):
+            if c["op"] not in worst or c["ratio"] > worst[c["op"]]["ratio"]:
+                worst[c["op"]] = {**c, "layer": rec["layer"]}
+    parts = [f"{c['kernel']} {_fmt(c[c['metric']])} ({_fmt(c['ratio'], '.2g')}x its bound, layer {c['layer']})"
+             for c in worst.values()]
+    beyond = sum(not c["within"] for rec in report["layers"] for c in rec.get("kernels", ()))
+    state = f"{count(beyond, 'call')} beyond its bound" if beyond else "every call within its bound"
+    return [f"kernels checked against their references on the same input ({state}); worst: " + "; ".join(parts)]
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path,
@@ -264,8 +280,9 @@ def divergence_line(report: dict[str, Any]) -> str:
             f"{_fmt(fd.get('ref_rel_err'))}): {_cause_text(fd)}")
 
 
-_CAUSES = {"upstream": "carried from an earlier divergence", "numerics": "beyond noise with equal weights and "
-           "switches: the numerics (a kernel?) differ"}
+_CAUSES = {"upstream": "carried from an earlier divergence",
+           "numerics": "beyond noise with equal weights and switches and every checked kernel within its bound: the "
+                       "train code's own numerics outside the kernels differ"}
 
 
 def _cause_text(fd: dict[str, Any]) -> str:
@@ -274,6 +291,8 @@ def _cause_text(fd: dict[str, Any]) -> str:
         return "weights differ (a conversion defect): " + "; ".join(weight_text(d) for d in diffs)
     if fd.get("cause") == "conventions":
         return "train switches acting there: " + ", ".join(fd.get("switches", []))
+    if fd.get("cause") == "kernel" and fd.get("kernel"):
+        return "kernel " + kernel_text(fd["kernel"])
     return _CAUSES.get(fd.get("cause", ""), fd.get("cause", ""))
 
 
@@ -364,7 +383,7 @@ def _columns(report: dict[str, Any]) -> list[str]:
     cols = ["layer", "sub-block", "type", "rel err"]
     cols += ["noise", "x noise"] if report.get("noise_measured") else []
     cols += ["ref err", "weights", "overlap"]
-    return cols + (["kernel err"] if report.get("kernels") == "kernels" else [])
+    return cols + (["kernel"] if report.get("kernels") == "kernels" else [])
 
 
 def verdict_lines(report: dict[str, Any]) -> list[str]:
@@ -392,6 +411,10 @@ def self_test_lines(report: dict[str, Any]) -> list[str]:
     for r in rows:
         out.append(f"  {'named ' if r['named'] else 'MISSED'} {r['defect']}: planted at {_planted(r)}; "
                    f"{_found(r['first_divergence'])}")
+    skipped = report.get("self_test_skipped") or []
+    for why in sorted({r["why"] for r in skipped}):
+        names = [r["defect"] for r in skipped if r["why"] == why]
+        out.append(f"  not planted: {count(len(names), 'defect')} ({', '.join(names)}): {why}")
     return out
 
 
@@ -404,8 +427,9 @@ def _found(fd: dict[str, Any] | None) -> str:
     if fd is None:
         return "no divergence named"
     excess = f", {_fmt(fd['excess'], '.3g')}x noise" if fd.get("noise") else ""
+    kernel = f": {kernel_text(fd['kernel'])}" if fd.get("kernel") else ""
     return (f"first divergence layer {fd['layer']} {fd['sub_block']} (rel err {_fmt(fd['value'])}{excess}, "
-            f"reference {_fmt(fd.get('ref_rel_err'))}, {fd.get('cause')})")
+            f"reference {_fmt(fd.get('ref_rel_err'))}, {fd.get('cause')}{kernel})")
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
@@ -416,7 +440,7 @@ def print_table(report: dict[str, Any], console: Console) -> None:
                                    f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}"
                                    + ("" if replay == "none" else f", replay {replay}"))))
     for col in _columns(report):
-        t.add_column(col, justify="left" if col in ("sub-block", "type", "weights", "overlap", "kernel err")
+        t.add_column(col, justify="left" if col in ("sub-block", "type", "weights", "overlap", "kernel")
                      else "right")
     fd = report["first_divergence"]
     for rec in report["layers"]:
@@ -449,7 +473,7 @@ def to_markdown(report: dict[str, Any]) -> str:
               f"{' (differs)' if conv.get('serve', {}).get(k) != conv.get('train', {}).get(k) else ''} |" for k in keys]
     cols = _columns(report)
     lines += ["", "## Per layer", "", "| " + " | ".join(cols) + " |",
-              "|" + "|".join("---" if c in ("sub-block", "type", "weights", "overlap", "kernel err") else "---:"
+              "|" + "|".join("---" if c in ("sub-block", "type", "weights", "overlap", "kernel") else "---:"
                              for c in cols) + "|"]
     lines += ["| " + " | ".join(_cells(rec, report)) + " |" for rec in report["layers"]]
     lines += ["", "## Verdict", ""] + [f"- {s}" for s in verdict_lines(report)]

@@ -1,15 +1,21 @@
 """The parity verdict: which sub-blocks diverge beyond the noise the run itself measured, and why.
 
 Every record carries, beside the train-vs-serve stream error `rel_err`:
-  noise        = noise_serve + noise_train: each side's own error against its fp32 torch-reference twin on the
-                 same path (rounding of the run's dtype, and on the train side its kernels' error too). With the
-                 same weights and conventions both twins compute the same thing, so by the triangle inequality
-                 rel_err <= noise: the error an aligned pair can show.
+  noise        = noise_serve + noise_train + noise_kernel: each side's rounding error against its fp32
+                 torch-reference twin, measured on correct code (the serve side; the train side's code on the
+                 references in the run dtype), plus the kernels' effect on the streams while every kernel is
+                 within its bound. With the same weights and conventions both twins compute the same thing, so by
+                 the triangle inequality rel_err <= noise: the error an aligned pair can show.
+  kernels      = each kernel call of the sub-block against its reference on the same input, with the bound a
+                 correct kernel meets (glmconv.kernels.check, glmconv.kernels.bounds): a kernel beyond its bound
+                 is a divergence of cause `kernel`, whatever the streams show.
   ref_rel_err  = the fp32 twins against each other: the train-vs-serve difference of weights and conventions
                  alone, with (on CPU exactly, on a GPU to fp32 order) no numerics in it.
   weights      = whether both sides hold the same weights for the sub-block (glmconv.compare.weight_diff).
-A sub-block diverges when its weights differ, when ref_rel_err exceeds the floor, or when rel_err exceeds both
-the floor and MARGIN x noise; selections (DSA top-k, MoE experts) likewise on the disagreement 1 - overlap.
+A sub-block diverges when its weights differ, when a kernel is beyond its bound, when ref_rel_err exceeds the
+floor, or when rel_err exceeds both the floor and MARGIN x noise; selections (DSA top-k, MoE experts) likewise on
+the disagreement 1 - overlap. Its cause: weights, then kernel, then the differing switches (conventions), then an
+earlier divergence carried (upstream, propagated mode), else numerics: the train code's own, outside the kernels.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ STREAM_FLOOR = 1e-5  # the smallest stream rel err ever named (a rounding-sized 
 SELECTION_FLOOR = 1e-3  # the smallest selection disagreement ever named (a near-tie flip at the real sizes: ~1e-7)
 SELECTIONS = (("topk", "topk_overlap"), ("experts", "expert_overlap"))
 
-WEIGHTS, CONVENTIONS, UPSTREAM, NUMERICS = "weights", "conventions", "upstream", "numerics"
+WEIGHTS, KERNEL, CONVENTIONS, UPSTREAM, NUMERICS = "weights", "kernel", "conventions", "upstream", "numerics"
+KERNEL_BEYOND = "kernel beyond its bound"
 EQUAL, ROUNDED, DIFFER = "equal", "rounded", "differ"  # a sub-block's weights (glmconv.compare.weight_diff)
 
 
@@ -47,11 +54,16 @@ def excess(value: float, noise: float) -> float:
 
 def add_noise_fields(rec: dict[str, Any]) -> None:
     """The record's `noise`, `excess` and, per selection, `*_noise` / `*_excess` (disagreement units)."""
-    rec["noise"] = rec.get("noise_serve", 0.0) + rec.get("noise_train", 0.0)
+    rec["noise"] = rec.get("noise_serve", 0.0) + rec.get("noise_train", 0.0) + rec.get("noise_kernel", 0.0)
     rec["excess"] = excess(rec["rel_err"], rec["noise"])
     for name, key in SELECTIONS:
         if key in rec:
             rec[f"{name}_excess"] = excess(1.0 - rec[key], rec.get(f"{name}_noise", 0.0))
+
+
+def failing_kernels(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's kernel checks beyond their bounds."""
+    return [c for c in rec.get("kernels", ()) if not c["within"]]
 
 
 def reasons(rec: dict[str, Any], floors: Floors, check_weights: bool = True) -> list[str]:
@@ -59,6 +71,8 @@ def reasons(rec: dict[str, Any], floors: Floors, check_weights: bool = True) -> 
     out = []
     if check_weights and rec.get("weights") == DIFFER:
         out.append("weights differ")
+    if failing_kernels(rec):
+        out.append(KERNEL_BEYOND)
     if not rec.get("ref_rel_err", rec["rel_err"]) <= floors.stream:
         out.append("reference rel err")
     if not rec["rel_err"] <= max(floors.stream, floors.margin * rec.get("noise", 0.0)):
@@ -99,11 +113,15 @@ class Judge:
                       "value": rec["rel_err"], "noise": rec["noise"], "excess": rec["excess"],
                       "ref_rel_err": rec.get("ref_rel_err", rec["rel_err"]), "why": why, "cause": rec["cause"],
                       "switches": switches}
+        if failing_kernels(rec):
+            self.first["kernel"] = max(failing_kernels(rec), key=lambda c: c["ratio"])
         return True
 
     def _cause(self, rec: dict[str, Any], switches: list[str]) -> str:
         if self.check_weights and rec.get("weights") == DIFFER:
             return WEIGHTS
+        if failing_kernels(rec):
+            return KERNEL
         if switches:
             return CONVENTIONS
         if self.propagated and self.first is not None:

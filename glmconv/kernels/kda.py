@@ -1,7 +1,7 @@
 """KDA on a GPU through fla's `chunk_kda`; reference: `glmconv.ops.kda` (kda_layer, chunk_kda, recurrent_kda).
 
-Same layer as the reference, with the three hot parts in fla's triton kernels: the packed q/k/v short conv
-(`causal_conv1d` with cu_seqlens, SiLU fused), and the gated delta rule with the gate
+Same layer as the reference (its very code, `kda_layer` below), with the three hot parts in fla's triton kernels:
+the packed q/k/v short conv (`causal_conv1d` with cu_seqlens, SiLU fused), and the gated delta rule with the gate
 lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), beta = sigmoid(b) and the q/k l2 norm all computed in
 kernel (fp32 state, chunk 64, packed sequences through cu_seqlens). Projections and the gated output norm
 stay torch.
@@ -11,17 +11,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from glmconv.ops.kda import KdaParams, KdaTensors, gated_rms_norm
+from glmconv.ops.kda import KdaParams, KdaTensors
+from glmconv.ops.kda import kda_layer as reference_layer
 
 if TYPE_CHECKING:
     import torch
 
 
-def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+               activation: str | None = "silu") -> torch.Tensor:
     """Causal depthwise conv + SiLU of packed sequences: x [T, C], weight [C, 1, W] -> [T, C] in x.dtype."""
     from fla.modules.causal_conv1d import causal_conv1d
 
-    y, _ = causal_conv1d(x.unsqueeze(0), weight.reshape(weight.shape[0], -1), activation="silu",
+    y, _ = causal_conv1d(x.unsqueeze(0), weight.reshape(weight.shape[0], -1), activation=activation,
                          cu_seqlens=cu_seqlens.long())
     return y.squeeze(0)
 
@@ -43,15 +45,5 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
 
 
 def kda_layer(x: torch.Tensor, w: KdaTensors, p: KdaParams, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The whole KDA sub-block (same contract as `glmconv.ops.kda.kda_layer`): x [T, hidden] -> [T, hidden]."""
-    import torch
-    import torch.nn.functional as F
-
-    t, c = x.shape[0], p.heads * p.head_dim
-    qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
-    q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in short_conv(qkv, w.conv, cu_seqlens).split(c, dim=-1))
-    f = F.linear(F.linear(x, w.f_a), w.f_b)
-    o = kda_core(q, k, v, f, F.linear(x, w.b_proj), w.a_log, w.dt_bias, p, cu_seqlens).to(x.dtype)
-    gate = F.linear(F.linear(x, w.g_a), w.g_b).view(t, p.heads, p.head_dim)
-    o = gated_rms_norm(o, gate, w.o_norm, p.norm_eps).to(x.dtype).reshape(t, c)
-    return F.linear(o, w.o_proj)
+    """The whole KDA sub-block on these kernels: the reference layer's code with its conv and core swapped."""
+    return reference_layer(x, w, p, cu_seqlens, conv=short_conv, core=kda_core)

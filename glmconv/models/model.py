@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.config import GlmConfig
 from glmconv.errors import GlmconvError
-from glmconv.kernels import op_set
+from glmconv.kernels import OpSet, op_set, reference_ops
+from glmconv.kernels.check import KernelCheck, checked
 from glmconv.models.conventions import Conventions
 from glmconv.models.residency import LoadedBank, WeightCache
 from glmconv.models.weights import AttentionWeights, ExpertBank, HcSite, MlpWeights, WeightSource
 from glmconv.ops import rms_norm
 from glmconv.ops.dsa import DsaParams, dsa_layer
-from glmconv.ops.kda import KdaParams
+from glmconv.ops.kda import KdaParams, kda_layer
 from glmconv.ops.kpool import KpoolParams, token_params
 from glmconv.ops.mhc import HcParams, hc_post, hc_pre, head_learned, head_mean
 from glmconv.ops.moe import RouterParams, replay_route, route, routed, swiglu_limit
@@ -45,7 +46,9 @@ class GlmModel:
     """The text model; `weights` decides serve or train, `conventions` the numerics, `kernels` the ops.
 
     kernels="auto" runs KDA, DSA attention and the kpool indexer through glmconv.kernels on CUDA (the
-    references elsewhere); "reference" runs the torch references everywhere. One forward code either way.
+    references elsewhere); "reference" runs the torch references everywhere; "emulated" the kernel path with
+    the references standing in (`ops` hands in any op set, a planted kernel defect's). One forward code.
+    With `check_kernels()` every kernel call is also judged against its reference on the same input.
     With conventions.indexer_kpool "off" (megatron-core's token-level indexer) the same ops run pools of one
     token without the compress tensors (the triton kernel too).
     stream=True holds one layer's weights at a time (see `WeightCache`), with the same results.
@@ -53,7 +56,7 @@ class GlmModel:
 
     def __init__(self, config: GlmConfig, weights: WeightSource, conventions: Conventions,
                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                 kernels: str = "reference", stream: bool = False) -> None:
+                 kernels: str = "reference", stream: bool = False, ops: OpSet | None = None) -> None:
         import torch
 
         dtype = torch.float32 if dtype is None else dtype
@@ -67,11 +70,11 @@ class GlmModel:
                                "tensors, which this checkpoint does not have (GLM-5.3-Flash contracts by mean)")
         self._params(config.text)
         self.kernels = kernels
-        self.ops = op_set(kernels, self.device, self.kpool_p.width)
+        self.ops = ops if ops is not None else op_set(kernels, self.device, self.kpool_p.width)
+        self._run = self.ops  # what runs: the ops, or the ops each checked against its reference
+        self.kernel_checks: list[KernelCheck] = []
         self._kpool = conventions.indexer_kpool == "learned"
         self._index_p = self.kpool_p if self._kpool else token_params(self.kpool_p)
-        self._indexer = self.ops.indexer
-        self.record_out = False  # aux["out"]: the attention output itself, for the kernel error rows
         self.cache = WeightCache(stream)
         self._source: GlmModel | None = None  # a model whose prepared weights this one casts (precise_twin)
         self.weight_patch: WeightPatch | None = None  # planted in memory over the prepared weights (self-test)
@@ -136,11 +139,9 @@ class GlmModel:
         a = rms_norm(collapsed, w.norm, self.eps)
         aux: dict[str, torch.Tensor] = {}
         if w.kda is not None:
-            y = self.ops.kda_layer(a, w.kda, self.kda_p, cu_seqlens)
+            y = kda_layer(a, w.kda, self.kda_p, cu_seqlens, conv=self._run.short_conv, core=self._run.kda_core)
         else:
             y, aux["topk"] = self._dsa(layer, a, w, cu_seqlens, replay)
-        if self.record_out:
-            aux["out"] = y
         return hc_post(y, x, post, comb, self.conventions.hc_mix), aux
 
     def mlp(self, layer: int, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
@@ -193,18 +194,27 @@ class GlmModel:
     __call__ = forward
 
     def kernel_twin(self) -> GlmModel | None:
-        """The same model on the torch references (for the kernels' own error), or None without kernels."""
-        if self.ops.name == "reference":
+        """The same model (planted weights too) on the torch references in this dtype: the rounding noise of
+        correct code, apart from the kernels'. None without kernels."""
+        if self.ops.is_reference:
             return None
-        twin = self.variant()
-        self.record_out = twin.record_out = True
-        return twin
+        return self.variant(patch=self.weight_patch)
+
+    def check_kernels(self) -> None:
+        """From now on judge every kernel call against its reference on the same input (`take_kernel_checks`)."""
+        if not self.ops.is_reference:
+            self._run = checked(self.ops, reference_ops(), self.kernel_checks.append)
+
+    def take_kernel_checks(self) -> list[KernelCheck]:
+        """The checks of the kernel calls since the last take (one sub-block's, as parity takes them)."""
+        out, self.kernel_checks[:] = list(self.kernel_checks), []
+        return out
 
     def variant(self, conventions: Conventions | None = None, patch: WeightPatch | None = None,
-                kernels: str = "reference") -> GlmModel:
+                kernels: str = "reference", ops: OpSet | None = None) -> GlmModel:
         """This model with other conventions, planted weights or ops: the same weights, held once."""
         twin = GlmModel(self.config, self.weights, conventions or self.conventions, self.dtype, self.device,
-                        kernels=kernels)
+                        kernels=kernels, ops=ops)
         twin.cache, twin._source, twin.weight_patch = self.cache, self._source, patch
         return twin
 
@@ -213,7 +223,7 @@ class GlmModel:
         reference its own rounding and kernel error is measured against. None when this model already is one."""
         import torch
 
-        if self.dtype == torch.float32 and self.ops.name == "reference":
+        if self.dtype == torch.float32 and self.ops.is_reference:
             return None
         twin = GlmModel(self.config, self.weights, self.conventions, torch.float32, self.device, kernels="reference",
                         stream=self.stream)
@@ -249,8 +259,8 @@ class GlmModel:
         if shared and replay is None:
             replay = self._last_used
         y, topk = dsa_layer(a, w.dsa, self.dsa_p, self._index_p, cu_seqlens, self.conventions.indexer_query,
-                            topk=self._last_topk if shared else None, indexer=self._indexer,
-                            attend=self.ops.sparse_mla, replay=replay)
+                            topk=self._last_topk if shared else None, indexer=self._run.indexer,
+                            attend=self._run.sparse_mla, replay=replay)
         self._last_topk, self._last_used = topk, topk if replay is None else replay
         return y, topk
 

@@ -13,7 +13,9 @@ representation with a unit-triangular solve) sits beside the naive recurrence it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,7 +68,8 @@ def segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(cu[:-1], cu[1:]))
 
 
-def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+               activation: str | None = "silu") -> torch.Tensor:
     """Causal depthwise conv + SiLU per sequence: x [T, C], weight [C, 1, W] -> [T, C] in x.dtype.
 
     y_t = sum_j w[:, j] * x_(t - W + 1 + j), computed in the weight's dtype (fp32 in the release, as
@@ -83,7 +86,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) 
         y = torch.zeros_like(seg[:e - s])  # the +0.0 start `sum` had: the same bits, a -0.0 included
         for j in range(width):
             y = y + seg[j:j + e - s] * w[:, j]
-        out[s:e] = F.silu(y).to(x.dtype)
+        out[s:e] = (F.silu(y) if activation == "silu" else y).to(x.dtype)
     return out
 
 
@@ -171,18 +174,36 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return weight.float() * o * torch.sigmoid(gate.float())
 
 
-def kda_layer(x: torch.Tensor, w: KdaTensors, p: KdaParams, cu_seqlens: torch.Tensor,
-              chunked: bool = True) -> torch.Tensor:
-    """The whole KDA sub-block: x [T, hidden] (already input-normed) -> [T, hidden] in x.dtype."""
+def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+             a_log: torch.Tensor, dt_bias: torch.Tensor, p: KdaParams, cu_seqlens: torch.Tensor,
+             chunked: bool = True) -> torch.Tensor:
+    """The gated delta rule from raw inputs, fla's fused-kernel contract: o [T, H, V] fp32 from q, k [T, H, K],
+    v [T, H, V], the raw gate input f [T, H*K] and beta logits b [T, H] (gate and beta computed here)."""
+    import torch
+
+    g = forget_gate(f, a_log, dt_bias, p)
+    return (chunk_kda if chunked else recurrent_kda)(q, k, v, g, torch.sigmoid(b), cu_seqlens)
+
+
+ShortConv = Callable[..., "torch.Tensor"]  # short_conv's contract (glmconv.kernels.kda has the GPU one)
+KdaCore = Callable[..., "torch.Tensor"]  # kda_core's contract
+
+
+def kda_layer(x: torch.Tensor, w: KdaTensors, p: KdaParams, cu_seqlens: torch.Tensor, chunked: bool = True,
+              conv: ShortConv = short_conv, core: KdaCore | None = None) -> torch.Tensor:
+    """The whole KDA sub-block: x [T, hidden] (already input-normed) -> [T, hidden] in x.dtype.
+
+    `conv` / `core`: the short conv and the gated delta rule to run (the references here; the GPU kernels of
+    glmconv.kernels.kda have the same contracts), so the kernel path and the reference share every other line."""
     import torch
     import torch.nn.functional as F
 
     t, c = x.shape[0], p.heads * p.head_dim
     qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
-    q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in short_conv(qkv, w.conv, cu_seqlens).split(c, dim=-1))
-    g = forget_gate(F.linear(F.linear(x, w.f_a), w.f_b), w.a_log, w.dt_bias, p)
-    beta = torch.sigmoid(F.linear(x, w.b_proj))
-    o = (chunk_kda if chunked else recurrent_kda)(q, k, v, g, beta, cu_seqlens).to(x.dtype)
+    q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in conv(qkv, w.conv, cu_seqlens).split(c, dim=-1))
+    f = F.linear(F.linear(x, w.f_a), w.f_b)
+    run = core if core is not None else partial(kda_core, chunked=chunked)
+    o = run(q, k, v, f, F.linear(x, w.b_proj), w.a_log, w.dt_bias, p, cu_seqlens).to(x.dtype)
     gate = F.linear(F.linear(x, w.g_a), w.g_b).view(t, p.heads, p.head_dim)
     o = gated_rms_norm(o, gate, w.o_norm, p.norm_eps).to(x.dtype).reshape(t, c)
     return F.linear(o, w.o_proj)

@@ -69,6 +69,46 @@ def kpool_topk(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors, p: Kpo
                cu_seqlens: torch.Tensor) -> torch.Tensor:
     """x [T, hidden], q_resid [T, q_lora] -> LongTensor [T, width] of packed token ids, -1 = none."""
     import torch
+
+    iq, ik, gate, head_w = _projections(x, q_resid, w, p)
+    out = torch.full((x.shape[0], p.width), -1, dtype=torch.long, device=x.device)
+    for s, e in segments(cu_seqlens):
+        ids = _sequence_topk(iq[s:e], ik[s:e], None if gate is None else gate[s:e], head_w[s:e], w.compress_ape, p)
+        out[s:e] = torch.where(ids >= 0, ids + s, ids)
+    return out
+
+
+def selection_scores(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors, p: KpoolParams,
+                     cu_seqlens: torch.Tensor, *selections: torch.Tensor) -> list[torch.Tensor]:
+    """The reference's score of each selected id: per selection [T, W'] of packed token ids, [T, W'] fp32 scores of
+    the pool holding each id for that query; NaN for -1, for a pool the query cannot see (its tail too) and for
+    an id outside its sequence. Two selections that differ only where their scores tie differ by rounding alone."""
+    import torch
+
+    iq, ik, gate, head_w = _projections(x, q_resid, w, p)
+    outs = [torch.full(sel.shape, float("nan"), dtype=torch.float32, device=x.device) for sel in selections]
+    for s, e in segments(cu_seqlens):
+        keys = pool_keys(ik[s:e], None if gate is None else gate[s:e], w.compress_ape, p.kpool)
+        if keys.shape[0] == 0:
+            continue
+        pos = torch.arange(e - s, device=x.device)
+        step = max(1, SCORE_BUDGET // max(1, 4 * p.heads * keys.shape[0]))
+        for b in range(0, e - s, step):
+            rows = slice(s + b, min(s + b + step, e))
+            scores, visible = _visible_scores(iq[rows], head_w[rows], keys, pos[b:b + step], p.kpool)
+            scores = scores.masked_fill(~visible, float("nan"))
+            for out, sel in zip(outs, selections):
+                ids = sel[rows].long() - s
+                pool = torch.div(ids, p.kpool, rounding_mode="floor")
+                ok = (ids >= 0) & (pool < keys.shape[0])
+                got = scores.gather(1, pool.clamp(0, keys.shape[0] - 1))
+                out[rows] = torch.where(ok, got, float("nan"))
+    return outs
+
+
+def _projections(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors,
+                 p: KpoolParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(iq [T, n, d], ik [T, d], gate [T, d] or None, head weights [T, n] fp32): the indexer's projections."""
     import torch.nn.functional as F
 
     iq = F.linear(q_resid, w.wq_b).view(x.shape[0], p.heads, p.head_dim)
@@ -76,12 +116,7 @@ def kpool_topk(x: torch.Tensor, q_resid: torch.Tensor, w: IndexerTensors, p: Kpo
     if w.compress_gate is None and p.kpool != 1:
         raise ValueError(f"the indexer without compress tensors pools single tokens (kpool 1), not {p.kpool}")
     gate = None if w.compress_gate is None else F.linear(x, w.compress_gate)
-    head_w = F.linear(x, w.weights_proj).float() * p.heads ** -0.5
-    out = torch.full((x.shape[0], p.width), -1, dtype=torch.long, device=x.device)
-    for s, e in segments(cu_seqlens):
-        ids = _sequence_topk(iq[s:e], ik[s:e], None if gate is None else gate[s:e], head_w[s:e], w.compress_ape, p)
-        out[s:e] = torch.where(ids >= 0, ids + s, ids)
-    return out
+    return iq, ik, gate, F.linear(x, w.weights_proj).float() * p.heads ** -0.5
 
 
 def pool_keys(ik: torch.Tensor, gate: torch.Tensor | None, ape: torch.Tensor | None, kpool: int) -> torch.Tensor:
@@ -125,16 +160,26 @@ def _select(iq: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, pos: tor
     import torch.nn.functional as F
 
     n_pools = keys.shape[0]
-    pool_start = torch.arange(n_pools, device=iq.device) * p.kpool
-    visible = (pool_start + p.kpool - 1)[None, :] <= pos[:, None]  # [q, P]
-    scores = pool_scores(iq, keys, head_w, p.head_dim).masked_fill(~visible, torch.finfo(torch.float32).min)
+    scores, visible = _visible_scores(iq, head_w, keys, pos, p.kpool)
+    scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
     chosen = scores.topk(min(p.topk // p.kpool, n_pools), dim=-1).indices  # [q, k], best first
+    pool_start = torch.arange(n_pools, device=iq.device) * p.kpool
     ids = (pool_start[chosen][..., None] + torch.arange(p.kpool, device=iq.device)).flatten(-2)
     ok = visible.gather(-1, chosen).repeat_interleave(p.kpool, dim=-1)
     ids = ids.masked_fill(~ok, -1)
     if p.select_tail:
         ids = torch.cat([ids, _tail(pos, p.kpool)], dim=-1)
     return F.pad(ids, (0, max(0, p.width - ids.shape[-1])), value=-1)[:, : p.width]
+
+
+def _visible_scores(iq: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
+                    kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([q, P] scores of every complete pool, [q, P] whether the query at `pos` sees it: its last token <= pos)."""
+    import torch
+
+    pool_start = torch.arange(keys.shape[0], device=iq.device) * kpool
+    visible = (pool_start + kpool - 1)[None, :] <= pos[:, None]
+    return pool_scores(iq, keys, head_w, iq.shape[-1]), visible
 
 
 def _tail(pos: torch.Tensor, kpool: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The calibrated verdict on CUDA with the kernels on the train side: an aligned pair passes in both dtypes and
-modes with its fp32 reference twins equal bit for bit (the reference path is deterministic there too), and every
-planted defect of the catalog is named. Skips cleanly without CUDA. The fixture is the default (realistic) tiny:
+modes with its fp32 reference twins equal bit for bit (the reference path is deterministic there too) and every
+real kernel within its bound, and every planted defect of the catalog is named, the kernel-path ones (planted in
+the real kernels' calls) with cause `kernel`. Skips cleanly without CUDA. The fixture is the default (realistic) tiny:
 at --init unit the proj-RMS eps form and the SwiGLU clamp change nothing, so two catalog entries would be invisible
 (the unit fixtures of test_parity_cuda.py avoid CPU-vs-CUDA tie breaks, which never arise here: both sides and
 their twins run on the one device). GLMCONV_GPU_FIXTURES=DIR hands in DIR/hf-tiny-realistic and its conversion
@@ -34,4 +35,10 @@ def test_aligned_pair_with_kernels_passes_and_the_catalog_is_named(tiny_pair: tu
     assert r["kernels"] == "kernels" and r["noise_measured"]
     assert r["first_divergence"] is None, r["first_divergence"]
     assert all(rec["ref_rel_err"] == 0.0 and rec["weights"] == "equal" for rec in r["layers"])
+    checks = [c for rec in r["layers"] if rec["sub_block"] == "attention" for c in rec["kernels"]]
+    assert {c["op"] for c in checks} == {"short_conv", "kda_core", "indexer", "sparse_mla"}
+    assert [c for c in checks if not c["within"]] == []  # the real kernels within their bounds at tiny dims too
     assert [row["defect"] for row in r["self_test"] if not row["named"]] == []
+    kernel_rows = [row for row in r["self_test"] if row["kind"] == "kernel"]
+    assert len(kernel_rows) >= 6 and r["self_test_skipped"] == []
+    assert all(row["first_divergence"]["cause"] == "kernel" for row in kernel_rows)
