@@ -25,10 +25,10 @@ def _dt_bias_dropped(op: Op) -> Op:
     return call
 
 
-def _lower_bound_doubled(op: Op) -> Op:
-    """kda_core with its KdaParams' gate lower bound doubled."""
+def _lower_bound_halved(op: Op) -> Op:
+    """kda_core with its KdaParams' gate lower bound halved (fla takes [-5, 0))."""
     def call(q: Any, k: Any, v: Any, f: Any, b: Any, a_log: Any, dt_bias: Any, p: Any, *rest: Any, **kw: Any) -> Any:
-        return op(q, k, v, f, b, a_log, dt_bias, dataclasses.replace(p, lower_bound=p.lower_bound * 2), *rest, **kw)
+        return op(q, k, v, f, b, a_log, dt_bias, dataclasses.replace(p, lower_bound=p.lower_bound / 2), *rest, **kw)
     return call
 
 
@@ -96,7 +96,7 @@ def _unsorted(op: Op) -> Op:
 
 
 KERNEL_DAMAGES: dict[str, Callable[[Op], Op]] = {
-    "dt-bias-dropped": _dt_bias_dropped, "lower-bound-doubled": _lower_bound_doubled,
+    "dt-bias-dropped": _dt_bias_dropped, "lower-bound-halved": _lower_bound_halved,
     "beta-presigmoid": _beta_presigmoid, "no-activation": _no_activation, "scale-x0.75": _scale_low,
     "ids-off-by-one": _attend_off_by_one, "truncated": _truncated, "unsorted": _unsorted,
 }
