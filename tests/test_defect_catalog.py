@@ -14,8 +14,8 @@ WEIGHTS = {"name": "norm-offset", "kind": "weights", "site": "dsa", "sub_block":
            "path": ["dsa", "q_a_norm"], "damage": "plus-one", "summary": "q_a_norm stored as w + 1"}
 CONVENTION = {"name": "convention-hc_mix", "kind": "convention", "convention": "hc_mix=bf16",
               "summary": "train convention hc_mix=bf16 alone"}
-KERNEL = {"name": "kernel-sparse-mla-scale", "kind": "kernel", "site": "dsa", "op": "sparse_mla", "damage": "scale-x0.75",
-          "summary": "scale 25% low"}
+KERNEL = {"name": "kernel-sparse-mla-scale", "kind": "kernel", "site": "dsa", "op": "sparse_mla",
+          "damage": "scale-x0.75", "summary": "scale 25% low"}
 
 
 def _text(*entries: Any) -> str:

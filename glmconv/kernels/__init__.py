@@ -55,7 +55,8 @@ class OpSet:
 
     def with_op(self, op: str, fn: Callable[..., Any]) -> OpSet:
         """This op set with `op` run by `fn` (a planted kernel-path defect)."""
-        return replace(self, **{op: fn})
+        changes: dict[str, Any] = {op: fn}
+        return replace(self, **changes)
 
 
 def reference_ops() -> OpSet:

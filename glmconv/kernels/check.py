@@ -89,9 +89,9 @@ def checked(kernels: OpSet, references: OpSet, sink: Sink) -> OpSet:
     """`kernels` with each op also run as its reference on the same arguments, the comparison sent to `sink`."""
     from glmconv.kernels import OpSet
 
-    return OpSet(kernels.name, *(_checked(op, getattr(kernels, op), getattr(references, op),
-                                          kernels.kernel_name(op), sink) for op in OpSet.OPS),
-                 kernel_names=kernels.kernel_names)
+    wrapped: dict[str, Any] = {op: _checked(op, getattr(kernels, op), getattr(references, op), kernels.kernel_name(op),
+                                            sink) for op in OpSet.OPS}
+    return OpSet(kernels.name, kernel_names=kernels.kernel_names, **wrapped)
 
 
 def _checked(op: str, kernel: Callable[..., Any], reference: Callable[..., Any], name: str,
