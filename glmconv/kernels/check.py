@@ -15,13 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from glmconv.kernels import OpSet
 from glmconv.kernels.bounds import BIAS_Z, TIE_RTOL, Bound, bound
 from glmconv.ops.kpool import selection_scores
 
 if TYPE_CHECKING:
     import torch
-
-    from glmconv.kernels import OpSet
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,6 @@ Sink = Callable[[KernelCheck], None]
 
 def checked(kernels: OpSet, references: OpSet, sink: Sink) -> OpSet:
     """`kernels` with each op also run as its reference on the same arguments, the comparison sent to `sink`."""
-    from glmconv.kernels import OpSet
-
     wrapped: dict[str, Any] = {op: _checked(op, getattr(kernels, op), getattr(references, op), kernels.kernel_name(op),
                                             sink) for op in OpSet.OPS}
     return OpSet(kernels.name, kernel_names=kernels.kernel_names, **wrapped)
