@@ -68,6 +68,7 @@ def test_a_convention_entry_becomes_a_convention_defect() -> None:
      r"entry 0 \(norm-offset\): kind must be one of weights, convention, kernel, not 'weight'"),
     ({**KERNEL, "op": "flash_attn"}, r"op must be one of short_conv, kda_core, indexer, sparse_mla, not 'flash_attn'"),
     ({**KERNEL, "site": "moe"}, r"a kernel defect's site must be kda or dsa"),
+    ({**KERNEL, "damage": "scale-x2"}, r"entry 0 \(kernel-sparse-mla-scale\): damage must be one of .*not 'scale-x2'"),
     ({**KERNEL, "path": []}, r"unknown key\(s\) path \(a kernel entry has"),
     ({**WEIGHTS, "site": "mla"}, r"site must be kda, dsa, dense or moe \(optionally :N\)"),
     ({**WEIGHTS, "sub_block": "ffn"}, r"sub_block attention or mlp, not 'dsa' / 'ffn'"),

@@ -60,7 +60,7 @@ def test_an_installed_wheel_reads_its_own_data_not_the_repository(wheel: Path, t
     got = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert got.returncode == 0, got.stderr
-    assert got.stdout.split() == [str(site / "glmconv_fixtures" / "__init__.py"), "45", "17"]
+    assert got.stdout.split() == [str(site / "glmconv_fixtures" / "__init__.py"), "45", "26"]
 
 
 def test_the_editable_install_reads_the_repository_folder() -> None:

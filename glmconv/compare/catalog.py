@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from glmconv.compare.kernel_defects import KERNEL_DAMAGES
 from glmconv.data_files import DEFECTS_FILE, read_text
 from glmconv.errors import GlmconvError
 from glmconv.kernels import OpSet
@@ -28,7 +29,7 @@ class Defect:
     site: str = ""  # where: "kda", "kda:1" (the second KDA layer), "dsa", "dense", "moe"
     sub_block: str = "attention"
     path: tuple[str, ...] = ()  # the damaged field of the sub-block's weights
-    damage: str = ""  # its damage: glmconv.compare.defects.DAMAGES, or KERNEL_DAMAGES for a kernel defect
+    damage: str = ""  # its damage: glmconv.compare.defects.DAMAGES, or kernel_defects.KERNEL_DAMAGES (kernel)
     convention: str = ""  # KEY=VALUE for a convention defect
     op: str = ""  # the kernel op a kernel defect damages (glmconv.kernels.OpSet.OPS)
 
@@ -92,6 +93,8 @@ def _kernel_defect(entry: dict[str, Any], where: str) -> Defect:
     """A kernel defect: an op of the kernel path, at a KDA or DSA attention sub-block."""
     if entry["op"] not in OpSet.OPS:
         raise CatalogError(f"{where}: op must be one of {', '.join(OpSet.OPS)}, not {entry['op']!r}")
+    if entry["damage"] not in KERNEL_DAMAGES:
+        raise CatalogError(f"{where}: damage must be one of {', '.join(KERNEL_DAMAGES)}, not {entry['damage']!r}")
     if entry["site"].partition(":")[0] not in _KERNEL_SITES or not _SITE.fullmatch(entry["site"]):
         raise CatalogError(f"{where}: a kernel defect's site must be kda or dsa (optionally :N), not "
                            f"{entry['site']!r}")

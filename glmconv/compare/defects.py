@@ -80,7 +80,7 @@ class Planted:
 
     def ops(self, base: OpSet) -> OpSet:
         """The kernel path `base` with this kernel defect's op damaged (its reference untouched)."""
-        return base.with_op(self.defect.op, damaged(self.defect.op, self.defect.damage, getattr(base, self.defect.op)))
+        return base.with_op(self.defect.op, damaged(self.defect.damage, getattr(base, self.defect.op)))
 
     def patch(self, sub_block: str, layer: int, w: Any, read: Callable[[int], Any]) -> Any:
         """The model's weight patch (glmconv.models.model.WeightPatch)."""

@@ -98,14 +98,11 @@ def _unsorted(op: Op) -> Op:
 KERNEL_DAMAGES: dict[str, Callable[[Op], Op]] = {
     "dt-bias-dropped": _dt_bias_dropped, "lower-bound-halved": _lower_bound_halved,
     "beta-presigmoid": _beta_presigmoid, "no-activation": _no_activation, "scale-x0.75": _scale_low,
-    "ids-off-by-one": _attend_off_by_one, "truncated": _truncated, "unsorted": _unsorted,
+    "ids-off-by-one": _attend_off_by_one, "selected-ids-off-by-one": _select_off_by_one, "truncated": _truncated,
+    "unsorted": _unsorted,
 }
-SELECTION_DAMAGES: dict[str, Callable[[Op], Op]] = {"ids-off-by-one": _select_off_by_one}  # on the indexer's output
 
 
-def damaged(op_name: str, damage: str, op: Op) -> Op:
-    """`op` (the kernel path's `op_name`) with `damage` planted."""
-    table = SELECTION_DAMAGES if op_name == "indexer" and damage in SELECTION_DAMAGES else KERNEL_DAMAGES
-    if damage not in table:
-        raise KeyError(f"unknown kernel damage {damage!r} (known: {', '.join(sorted(KERNEL_DAMAGES))})")
-    return table[damage](op)
+def damaged(damage: str, op: Op) -> Op:
+    """`op` with `damage` planted (the catalog checked the name on load)."""
+    return KERNEL_DAMAGES[damage](op)
