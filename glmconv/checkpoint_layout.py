@@ -62,8 +62,9 @@ def homeless_line(plan: Plan) -> str | None:
     if not counts:
         return None
     what = ", ".join(f"{KIND_WORDS.get(kind, kind)} ({count(n, 'tensor')})" for kind, n in counts.items())
-    return (f"warning: the {plan.layout} layout has no parameter for {what}: kept under {names.KEPT_PREFIX} so "
-            f"that export restores them; {layouts.layout(plan.layout).trainer} does not load them")
+    return (f"warning: the {plan.layout} layout has no parameter for {what}: kept under {names.KEPT_PREFIX} in a "
+            f"sidecar beside the DCP so that export restores them; {layouts.layout(plan.layout).trainer} does not "
+            "load them")
 
 
 KIND_WORDS = {MTP_PART: "the MTP layer", VISION_PART: "the vision tower",

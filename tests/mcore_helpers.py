@@ -185,17 +185,23 @@ def read_safetensors(ckpt_dir: Any) -> dict[str, torch.Tensor]:
 
 
 def read_dcp(root: Any) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint root, at its stored dtype and global shape (torch's DCP reader)."""
+    """Every tensor of a torch_dist checkpoint root and of its `glmconv_kept/` sidecar, at its stored dtype and global
+    shape (torch's DCP reader)."""
     from pathlib import Path
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    ckpt = Path(root) / "release"
-    md = dcp.FileSystemReader(str(ckpt)).read_metadata()
-    out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-           if isinstance(v, TensorStorageMetadata)}
-    dcp.load(out, checkpoint_id=str(ckpt), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    release = Path(root) / "release"
+    for ckpt in (release, release / "glmconv_kept"):  # the sidecar of kept tensors is a DCP of its own
+        if not (ckpt / ".metadata").is_file():
+            continue
+        md = dcp.FileSystemReader(str(ckpt)).read_metadata()
+        part = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata)}
+        dcp.load(part, checkpoint_id=str(ckpt), no_dist=True)
+        out.update(part)
     return out
 
 
@@ -379,9 +385,11 @@ def _assemble(parts: dict[Any, torch.Tensor]) -> torch.Tensor:
 
 def rewrite_dcp(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
                 common: Callable[[dict[str, Any]], dict[str, Any]] = lambda c: c,
-                keep: tuple[str, ...] = ("config.json",)) -> Path:
+                keep: tuple[str, ...] = ("config.json",),
+                objects: Callable[[str], bool] = lambda key: True) -> Path:
     """A copy of a torch_dist checkpoint as a trainer might leave it: tensors and common state edited, written by
-    glmconv's own writer (objects kept); the files and folders named in `keep` copied beside it."""
+    glmconv's own writer in one DCP (no sidecar), with the objects `objects` keeps; the files and folders named in
+    `keep` copied beside it."""
     import io
     import shutil
 
@@ -392,11 +400,11 @@ def rewrite_dcp(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], 
 
     reader = DcpReader(src)
     tensors = edit({n: reader.read(n) for n in reader.names()})
-    objects = {k: torch.load(io.BytesIO(read_bytes_entry(reader.iter_dir, k)), weights_only=True)[0]
-               for k in reader.ckpt.objects if k != COMMON_STATE_KEY}
+    kept = {k: torch.load(io.BytesIO(read_bytes_entry(reader.iter_dir, k)), weights_only=True)[0]
+            for k in reader.ckpt.objects if k != COMMON_STATE_KEY and objects(k)}
     writer = DcpWriter(dst)
     writer.write(tensors)
-    writer.write_objects(objects)
+    writer.write_objects(kept)
     writer.finish(common(read_common_state(reader.iter_dir)))
     for name in keep:
         (shutil.copytree if (src / name).is_dir() else shutil.copyfile)(src / name, dst / name)

@@ -185,10 +185,29 @@ def test_release_total_size_is_reached_with_bf16_hc_fn_and_kpool_ape(cfg):
     assert total == 328_326_771_576
 
 
-def test_every_megatron_linear_asks_for_an_extra_state_and_experts_one_each(cfg):
+def test_every_transformer_engine_module_asks_for_an_extra_state_and_experts_one_each(cfg):
     keys = build_plan(cfg, vision=False).mcore_objects()
     assert "decoder.layers.3.self_attention.linear_q_down_proj._extra_state/shard_0_1" in keys
     assert "decoder.layers.0.self_attention.kda.q_proj._extra_state/shard_0_1" in keys
     assert "decoder.layers.3.mlp.experts.experts.linear_fc2._extra_state/shard_287_288" in keys
     assert "mtp.layers.0.eh_proj._extra_state/shard_0_1" in keys
-    assert not any("layernorm" in k or "router" in k or "embedding" in k for k in keys)
+    assert not any("router" in k or "embedding" in k or "output_layer" in k or "o_norm" in k for k in keys)
+
+
+def test_every_transformer_engine_norm_asks_for_an_extra_state(cfg):
+    """TENorm modules (the layer and final norms, the MoE pre-MLP norm, the indexer's k_norm) save one too; a norm
+    fused into a TE linear (`linear_fc1.layer_norm_weight`, miles' q/kv norms) is the linear's."""
+    norms = {k for k in build_plan(cfg, vision=False).mcore_objects() if "norm" in k}
+    assert {k for k in norms if not k.startswith("mtp.")} == {
+        "decoder.final_layernorm._extra_state/shard_0_1",
+        *(f"decoder.layers.{i}.input_layernorm._extra_state/shard_0_1" for i in range(cfg.num_layers)),
+        *(f"decoder.layers.{i}.pre_mlp_layernorm._extra_state/shard_0_1" for i in range(cfg.num_layers)
+          if cfg.mlp_types[i] == "moe"),
+        *(f"decoder.layers.{i}.self_attention.k_norm._extra_state/shard_0_1" for i in range(cfg.num_layers)
+          if cfg.attn_types[i] == "dsa" and cfg.indexer_full[i])}
+
+
+def test_the_mcore_layouts_q_and_kv_norms_are_modules_of_their_own(cfg):
+    norms = {k for k in build_plan(cfg, layout="mcore").mcore_objects() if "layernorm" in k and "attention" in k}
+    assert norms == {f"decoder.layers.{i}.self_attention.{n}_layernorm._extra_state/shard_0_1"
+                     for i in range(cfg.num_layers) if cfg.attn_types[i] == "dsa" for n in ("q", "kv")}

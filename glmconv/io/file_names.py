@@ -20,4 +20,5 @@ COMMON_STATE_KEY = f"{COMMON_STATE}/shard_0_1"  # ... and its DCP entry (`Sharde
 
 # glmconv's own
 MANIFEST_NAME = "glmconv.json"  # in every directory glmconv publishes; `written_by` marks it as glmconv's
+KEPT_DIR = "glmconv_kept"  # in the iteration directory: a DCP of the tensors no trainer loads (`.metadata` its own)
 SIDECAR_DIR = "hf_sidecars"  # in a converted checkpoint: the HF source's tokenizer and generation files

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from glmconv.defaults import DTYPE_CHOICES, MCORE
+from glmconv.defaults import DTYPE_CHOICES, MCORE, MILES
 from glmconv.rules.layouts import LAYOUTS
 from glmconv.rules.names import KEPT_PREFIX
 from glmconv.rules.table import FP8, GLOBAL, MTP, POLICIES, RULES, VISION, DtypePolicy, Rule
@@ -18,10 +18,16 @@ Shapes are named dimensions resolved from the config. dtype: the rule's dtype po
 Megatron names are the `miles` layout's (the default); the `mcore` column gives megatron-core's native names
 (`convert --layout mcore`, as Megatron-Bridge names them) where they differ. What the mcore layout has no
 parameter for is kept under `KEPT` (never loaded by its trainer; export restores it): the rules marked so, and
-in that layout also every PARTS tensor.
+in that layout also every PARTS tensor. Kept tensors are stored in a sidecar beside the DCP (README: the layouts),
+so that megatron-core's strictest load (`raise_all`) finds exactly what the trainer requests.
 
-| HF | Megatron | mcore layout | transform | shape (HF) | applies to | dtype |
-|---|---|---|---|---|---|---|
+**TE extra state**: the layouts whose trainer builds the tensor's module from Transformer Engine (a linear, or a
+`TENorm`), which saves an `_extra_state` object (`torch.empty(0, dtype=torch.uint8)` without FP8) that a trainer
+requests at load: convert and relayout write one per module (one per expert for the grouped experts). A norm fused
+into a TE linear (`linear_fc1.layer_norm_weight`, miles' `linear_{q,kv}_up_proj.layer_norm_weight`) is the linear's.
+
+| HF | Megatron | mcore layout | transform | shape (HF) | applies to | dtype | TE extra state |
+|---|---|---|---|---|---|---|---|
 """.replace("KEPT", KEPT_PREFIX).replace("PARTS", " and every ".join(sorted(LAYOUTS[MCORE].homeless_parts)))
 
 POLICY_HEADER = """
@@ -66,10 +72,15 @@ def _mcore(rule: Rule) -> str:
     return names + ("" if native.transform == rule.transform else f" ({native.transform!r})")
 
 
+def _extra_state(rule: Rule) -> str:
+    """The layouts in which the rule's module saves an `_extra_state` object."""
+    return ", ".join(name for name in (MILES, MCORE) if rule.in_layout(name).extra_state) or "-"
+
+
 def _row(rule: Rule) -> str:
     cells = ["<br>".join(f"`{t}`" for t in rule.hf), "<br>".join(f"`{t}`" for t in rule.mcore), _mcore(rule),
              repr(rule.transform), "<br>".join(f"[{', '.join(map(str, s))}]" for s in rule.shapes),
-             _where(rule), _dtype(rule)]
+             _where(rule), _dtype(rule), _extra_state(rule)]
     return "| " + " | ".join(cells) + " |"
 
 

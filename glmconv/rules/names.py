@@ -73,6 +73,11 @@ def kept(name: str) -> str:
     return name if name.startswith(KEPT_PREFIX) else KEPT_PREFIX + name
 
 
+def is_kept(name: str) -> bool:
+    """A Megatron name stored under KEPT_PREFIX (in the checkpoint's `glmconv_kept/` sidecar, not its DCP)."""
+    return name.startswith(KEPT_PREFIX)
+
+
 def unkept(name: str) -> str:
     """The Megatron name under KEPT_PREFIX (the name itself when it is not kept)."""
     return name[len(KEPT_PREFIX):] if name.startswith(KEPT_PREFIX) else name
@@ -152,7 +157,7 @@ WEIGHT_SUFFIX = ".weight"
 
 
 def is_extra_state(key: str) -> bool:
-    """A TE linear's `_extra_state` entry (a state dict's key, or a DCP object key), not a weight."""
+    """A Transformer Engine module's `_extra_state` entry (a state dict's key, or a DCP object key), not a weight."""
     return key.endswith(EXTRA_STATE) or EXTRA_STATE + "/" in key
 
 
@@ -162,7 +167,7 @@ def sharded_object_key(key: str, offset: tuple[int, ...] = (0,), shape: tuple[in
 
 
 def extra_state_keys(weight: str, experts: int | None = None) -> list[str]:
-    """The `_extra_state` object keys a Megatron linear owning `weight` saves (one per expert when stacked)."""
+    """The `_extra_state` object keys the TE module owning `weight` saves (one per expert when stacked)."""
     if not weight.endswith(WEIGHT_SUFFIX):
         raise ValueError(f"{weight}: a linear's weight ends with {WEIGHT_SUFFIX}")
     key = weight[: -len(WEIGHT_SUFFIX)] + EXTRA_STATE

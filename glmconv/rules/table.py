@@ -78,6 +78,7 @@ class Home:
     mcore: tuple[str, ...]
     transform: Transform = Rename()
     homeless: bool = False
+    extra_state: bool | None = None  # whether its module saves `_extra_state` there (None: as in miles)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class Rule:
     per_expert: bool = False  # HF templates expand over `{e}` in 0..n_routed_experts-1
     needs_shared_experts: bool = False
     per_block: bool = False  # vision templates expand over `{b}` in 0..depth-1
-    extra_state: bool = False  # the Megatron module is a parallel/TE linear: it saves an `_extra_state` object
+    extra_state: bool = False  # the Megatron module is a Transformer Engine one (linear or norm): it saves an
+    # `_extra_state` object, which a trainer requests at load (a norm fused into a TE linear is the linear's)
     role: str = ""  # what the tensor is to a model (`glmconv.rules.roles`): models and fixtures look it up
     homes: tuple[tuple[str, Home], ...] = ()  # layout -> Home, where it differs from miles
     homeless: bool = False  # set by `in_layout`: no parameter of this layout's trainer holds the tensors
@@ -113,8 +115,9 @@ class Rule:
         home = dict(self.homes).get(layout(name).name)
         if home is None:
             return self
+        extra_state = self.extra_state if home.extra_state is None else home.extra_state
         return dataclasses.replace(self, mcore=home.mcore, transform=home.transform, homeless=home.homeless,
-                                   extra_state=self.extra_state and not home.homeless, miles=self.mcore, homes=())
+                                   extra_state=extra_state and not home.homeless, miles=self.mcore, homes=())
 
     @property
     def key(self) -> str:
@@ -184,13 +187,13 @@ def _dsa() -> list[Rule]:
         _r(a + "q_a_proj.weight", m + "linear_q_down_proj.weight", ("q_lora", "hidden"), attn=DSA, fp8=True,
            extra_state=True, role=R.DSA_Q_A),
         _r(a + "q_a_layernorm.weight", m + "linear_q_up_proj.layer_norm_weight", ("q_lora",), attn=DSA,
-           native=m + "q_layernorm.weight", role=R.DSA_Q_A_NORM),
+           native=Home((m + "q_layernorm.weight",), extra_state=True), role=R.DSA_Q_A_NORM),
         _r(a + "q_b_proj.weight", m + "linear_q_up_proj.weight", ("mla_q", "q_lora"), attn=DSA, fp8=True,
            extra_state=True, role=R.DSA_Q_B),
         _r(a + "kv_a_proj_with_mqa.weight", m + "linear_kv_down_proj.weight", ("mla_kv_a", "hidden"), attn=DSA,
            fp8=True, extra_state=True, role=R.DSA_KV_A),
         _r(a + "kv_a_layernorm.weight", m + "linear_kv_up_proj.layer_norm_weight", ("kv_lora",), attn=DSA,
-           native=m + "kv_layernorm.weight", role=R.DSA_KV_A_NORM),
+           native=Home((m + "kv_layernorm.weight",), extra_state=True), role=R.DSA_KV_A_NORM),
         _r(a + "kv_b_proj.weight", m + "linear_kv_up_proj.weight", ("mla_kv_b", "kv_lora"), attn=DSA,
            extra_state=True, role=R.DSA_KV_B),
         _r(a + "o_proj.weight", m + "linear_proj.weight", ("hidden", "mla_o"), attn=DSA, fp8=True, extra_state=True,
@@ -200,7 +203,7 @@ def _dsa() -> list[Rule]:
         _r(a + "indexer.wk.weight", m + "wk.weight", ("idx_dim", "hidden"), attn=DSA, indexer=True,
            native=ix + "linear_wk.weight", extra_state=True, role=R.INDEXER_WK),
         _r(a + "indexer.k_norm.weight", m + "k_norm.weight", ("idx_dim",), attn=DSA, indexer=True,
-           native=ix + "k_norm.weight", role=R.INDEXER_K_NORM_WEIGHT),
+           native=ix + "k_norm.weight", extra_state=True, role=R.INDEXER_K_NORM_WEIGHT),
         _r(a + "indexer.k_norm.bias", m + "k_norm.bias", ("idx_dim",), attn=DSA, indexer=True,
            native=ix + "k_norm.bias", role=R.INDEXER_K_NORM_BIAS),
         _r(a + "indexer.weights_proj.weight", m + "weights_proj.weight", ("idx_heads", "hidden"), attn=DSA,
@@ -225,7 +228,7 @@ def _mlp() -> list[Rule]:
         _r(h + "down_proj.weight", m + "linear_fc2.weight", ("hidden", "inter"), mlp=DENSE, fp8=True, extra_state=True,
            role=R.DENSE_FC2),
         _r("{layer}post_attention_layernorm.weight", "{layer}pre_mlp_layernorm.weight", ("hidden",), mlp=MOE,
-           role=R.MLP_NORM),
+           extra_state=True, role=R.MLP_NORM),
         _r(h + "gate.weight", m + "router.weight", ("experts", "hidden"), mlp=MOE, role=R.MOE_ROUTER),
         _r(h + "gate.e_score_correction_bias", m + "router.expert_bias", ("experts",), mlp=MOE, dtypes=F32_STATE,
            role=R.MOE_EXPERT_BIAS),
@@ -245,7 +248,8 @@ def _mlp() -> list[Rule]:
 
 def _layer() -> list[Rule]:
     return [
-        _r("{layer}input_layernorm.weight", "{layer}input_layernorm.weight", ("hidden",), role=R.ATTN_NORM),
+        _r("{layer}input_layernorm.weight", "{layer}input_layernorm.weight", ("hidden",), extra_state=True,
+           role=R.ATTN_NORM),
         *_hc("attn", "self_attention"), *_hc("ffn", "mlp"), *_kda(), *_dsa(), *_mlp(),
     ]
 
@@ -254,7 +258,8 @@ def _global() -> list[Rule]:
     return [
         _r("{text}embed_tokens.weight", "embedding.word_embeddings.weight", ("vocab", "hidden"), scope=GLOBAL,
            role=R.EMBED),
-        _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL, role=R.FINAL_NORM),
+        _r("{text}norm.weight", "decoder.final_layernorm.weight", ("hidden",), scope=GLOBAL, extra_state=True,
+           role=R.FINAL_NORM),
         # no extra_state: GPTModel.sharded_state_dict drops output_layer._extra_state (gpt_model.py)
         _r("lm_head.weight", "output_layer.weight", ("vocab", "hidden"), scope=GLOBAL, role=R.LM_HEAD),
     ]
@@ -263,12 +268,12 @@ def _global() -> list[Rule]:
 def _mtp() -> list[Rule]:
     """The MTP layer's own tensors; its decoder layer (DSA + MoE, no hc) uses the layer rules."""
     return [
-        _r("{layer}enorm.weight", "{mtp}enorm.weight", ("hidden",), scope=MTP, role=R.MTP_ENORM),
-        _r("{layer}hnorm.weight", "{mtp}hnorm.weight", ("hidden",), scope=MTP, role=R.MTP_HNORM),
+        _r("{layer}enorm.weight", "{mtp}enorm.weight", ("hidden",), scope=MTP, extra_state=True, role=R.MTP_ENORM),
+        _r("{layer}hnorm.weight", "{mtp}hnorm.weight", ("hidden",), scope=MTP, extra_state=True, role=R.MTP_HNORM),
         _r("{layer}eh_proj.weight", "{mtp}eh_proj.weight", ("hidden", "eh_in"), scope=MTP, extra_state=True,
            role=R.MTP_EH_PROJ),
         _r("{layer}shared_head.norm.weight", "{mtp}final_layernorm.weight", ("hidden",), scope=MTP,
-           role=R.MTP_FINAL_NORM),
+           extra_state=True, role=R.MTP_FINAL_NORM),
     ]
 
 

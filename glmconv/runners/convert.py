@@ -41,7 +41,7 @@ from glmconv.numerics import dequant
 from glmconv.numerics.dequant import require_device, share_dequantizer
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.progress import Progress
-from glmconv.rules import layouts
+from glmconv.rules import layouts, names
 from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import BF16, F32, FP8
 from glmconv.runners import audit as audit_mod
@@ -384,7 +384,8 @@ class ConvertRun(PlanRun[ShareResult]):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> ShareResult:
-        self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog)
+        self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog,
+                                 kept=names.is_kept)
         o = self.opts
         with share_dequantizer(o.device, fp8_bytes(share), o.fp8_threads or fp8_thread_count(self.world),
                                rank) as (device, dequantize):

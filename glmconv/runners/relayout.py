@@ -374,7 +374,8 @@ class RelayoutRun(PlanRun[Counts]):
         return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> Counts:
-        writer = self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog)
+        writer = self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog,
+                                          kept=names.is_kept)
         reader = DcpReader(self.job.src)
         counts = Counts()
         pairs = {m.key: src for src, m in self.job.pairs}

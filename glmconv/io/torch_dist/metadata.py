@@ -15,6 +15,7 @@ from glmconv.io.file_names import (
     COMMON_STATE,
     CONFIG_NAME,
     DCP_METADATA_NAME,
+    KEPT_DIR,
     MCORE_METADATA_NAME,
     RELEASE,
     TRACKER_NAME,
@@ -82,12 +83,38 @@ def inspect_torch_dist(path: str | Path) -> DcpCheckpoint:
     meta_path = require_file(iter_dir, DCP_METADATA_NAME,
                              f"{iter_dir.name}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")
     metadata = load_metadata(meta_path, stand_ins=True)  # names, shapes, dtypes, files: no torch needed
+    _merge_kept(metadata, iter_dir)
     tensors, objects = _entries(metadata, meta_path)
     _check_storage(metadata, iter_dir)
     common = COMMON_PT_NAME if optional_file(iter_dir, COMMON_PT_NAME) is not None else next(
         (o for o in objects if o.split("/", 1)[0] == COMMON_STATE), None)
     return DcpCheckpoint(root=Path(path), iter_dir=iter_dir, iteration=iteration, tensors=tensors,
                          objects=objects, common_state=common, metadata=metadata)
+
+
+def _merge_kept(metadata: Any, iter_dir: Path) -> None:
+    """The tensors of the KEPT_DIR sidecar (what no trainer loads) joined to the checkpoint's own, its data files
+    named relative to the iteration directory; a checkpoint without one (or from before it) is left as it is."""
+    if not (iter_dir / KEPT_DIR).is_dir():
+        return
+    path = require_file(iter_dir / KEPT_DIR, DCP_METADATA_NAME,
+                        f"{KEPT_DIR}/{DCP_METADATA_NAME}: missing (checkpoint incomplete?)")
+    kept = load_metadata(path, stand_ins=True)
+    where = f"{KEPT_DIR}/{DCP_METADATA_NAME}"
+    for key, md in kept.state_dict_metadata.items():
+        if not is_a(md, "TensorStorageMetadata"):
+            raise CheckpointError(f"{where}: entry {key} is not a tensor")
+        if key in metadata.state_dict_metadata:
+            raise CheckpointError(f"{where}: {key} is stored in the checkpoint too")
+        metadata.state_dict_metadata[key] = md
+    storage = metadata.storage_data if metadata.storage_data is not None else {}
+    for index, info in (kept.storage_data or {}).items():
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or "/" in rel:
+            raise CheckpointError(f"{where}: data file {rel!r} is outside {KEPT_DIR}")
+        info.relative_path = f"{KEPT_DIR}/{rel}"
+        storage[index] = info
+    metadata.storage_data = storage
 
 
 def _check_backend(iter_dir: Path) -> None:

@@ -25,14 +25,14 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent
 from glmconv.io.checkpoint_files import require_file
 from glmconv.io.dtypes import torch_dtype
-from glmconv.io.file_names import DCP_METADATA_NAME
+from glmconv.io.file_names import DCP_METADATA_NAME, KEPT_DIR
 from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.dcp_classes import StorageInfo, TensorStorageMetadata
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
@@ -242,13 +242,19 @@ class DcpReader:
 
     def _data_file(self, name: str, info: Any) -> Path:
         rel = str(getattr(info, "relative_path", ""))
-        if not rel or PurePosixPath(rel).name != rel:
+        if not _plain_data_file(rel):
             raise CheckpointError(f"{name}: data file {rel!r} is outside the checkpoint directory")
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{rel}: {name} is stored with transforms {list(info.transform_descriptors)} "
                                   "(compressed checkpoints are not supported)")
         return require_file(self.iter_dir, rel, f"{rel}: data file of {name} is missing from {self.iter_dir}",
                             f"{name}: data file")
+
+
+def _plain_data_file(rel: str) -> bool:
+    """A data file's name in the iteration directory, or in its KEPT_DIR sidecar: nothing else is read."""
+    parts = rel.split("/")
+    return (len(parts) == 1 or len(parts) == 2 and parts[0] == KEPT_DIR) and parts[-1] not in ("", ".", "..")
 
 
 def _chunk_key(name: str, offsets: Any) -> tuple[str, tuple[int, ...]]:

@@ -7,7 +7,10 @@ group's metadata is kept (a few hundred bytes per tensor) and the tensors are re
 ranks' metadata are gathered on the coordinator, merged, checked (every tensor tiled exactly once, as planned)
 and written as `.metadata` exactly as DCP's `FileSystemWriter.finish` writes it (`_write_dcp_metadata`), from
 stand-ins of DCP's classes (`dcp_classes`): importing DCP's package costs 0.6-0.9 s. Then `metadata.json`, and
-the tracker file last; every file is created O_EXCL|O_NOFOLLOW, like every file glmconv writes. Peak memory
+the tracker file last; every file is created O_EXCL|O_NOFOLLOW, like every file glmconv writes. Tensors that no
+trainer loads (`kept`: glmconv's `glmconv_kept.` names) go to data files and a `.metadata` of their own in the
+`glmconv_kept/` subdirectory, so a strict load (`raise_all`) sees only what the trainer requests; glmconv's
+reader merges the two (`metadata.inspect_torch_dist`). Peak memory
 is one group. Each data file is fsynced on a background thread as soon as it is complete
 (glmconv/io/background_sync.py), so the disk flushes while the next group is written; `finish` waits for all
 of them before it writes any metadata.
@@ -23,7 +26,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,7 +35,14 @@ from glmconv.errors import CheckpointError
 from glmconv.io.background_sync import BackgroundSync
 from glmconv.io.byte_copy import FileCopier, write_all
 from glmconv.io.dtypes import torch_dtype
-from glmconv.io.file_names import COMMON_STATE_KEY, DCP_METADATA_NAME, MCORE_METADATA_NAME, RELEASE, TRACKER_NAME
+from glmconv.io.file_names import (
+    COMMON_STATE_KEY,
+    DCP_METADATA_NAME,
+    KEPT_DIR,
+    MCORE_METADATA_NAME,
+    RELEASE,
+    TRACKER_NAME,
+)
 from glmconv.io.output import new_file
 from glmconv.io.torch_dist.common_state import pickle_module_for
 from glmconv.io.torch_dist.dcp_classes import (
@@ -165,11 +175,13 @@ class DcpWriter:
     """Writes `<root>/release` group by group; `finish()` publishes it (collective when `group` is given)."""
 
     def __init__(self, root: str | Path, *, specs: Mapping[str, Planned] | None = None,
-                 group: dist.ProcessGroup | None = None, sync_files: bool = True, progress: Any = None) -> None:
+                 group: dist.ProcessGroup | None = None, sync_files: bool = True, progress: Any = None,
+                 kept: Callable[[str], bool] | None = None) -> None:
         import torch.distributed as dist
 
         self.root, self.ckpt_dir = Path(root), Path(root) / RELEASE
         self._specs, self._group, self._sync, self._progress = specs, group, sync_files, progress
+        self._kept = kept or (lambda name: False)  # tensors written to the KEPT_DIR sidecar
         self.rank = dist.get_rank() if group is not None else 0
         self.coordinator = dist.get_global_rank(group, 0) if group is not None else 0
         self._md: dict[str, _Entry] = {}
@@ -282,25 +294,33 @@ class DcpWriter:
                 f"{c.name}: {list(shape)} {t.dtype} but the plan says {list(spec.shape)} {spec.dtype}")
 
     def _save_group(self, chunks: list[Chunk], objects: dict[str, io.BytesIO]) -> None:
-        if not chunks and not objects:
-            return
         if self._done:
             raise CheckpointError(f"{self.ckpt_dir}: already finished; nothing more can be written")
-        final = f"__{self.rank}_{self._groups}.distcp"
-        tmp = self.ckpt_dir / f".part{final}"
+        kept = [c for c in chunks if self._kept(c.name)]
+        self._save_file(self.ckpt_dir, [c for c in chunks if not self._kept(c.name)], objects)
+        if kept:
+            (self.ckpt_dir / KEPT_DIR).mkdir(exist_ok=True)
+            self._save_file(self.ckpt_dir / KEPT_DIR, kept, {})
+
+    def _save_file(self, folder: Path, chunks: list[Chunk], objects: dict[str, io.BytesIO]) -> None:
+        """One data file in `folder` (the iteration directory or its KEPT_DIR), named relative to the former."""
+        if not chunks and not objects:
+            return
+        name = f"__{self.rank}_{self._groups}.distcp"
+        final, tmp = str((folder / name).relative_to(self.ckpt_dir)), folder / f".part{name}"
         try:
             md, infos = _write_group_file(tmp, final, chunks, objects, self._progress)
-            os.replace(tmp, self.ckpt_dir / final)
+            os.replace(tmp, folder / name)
             if self._sync:
-                self._syncer.submit(self.ckpt_dir / final)
+                self._syncer.submit(folder / name)
         except CheckpointError:
             tmp.unlink(missing_ok=True)
             raise
         except Exception as exc:
             tmp.unlink(missing_ok=True)
             need = sum(c.nbytes for c in chunks) + sum(len(b.getvalue()) for b in objects.values())
-            why = _why(exc, self.ckpt_dir, need)
-            raise CheckpointError(f"{self.ckpt_dir / final}: write failed ({why})") from None
+            why = _why(exc, folder, need)
+            raise CheckpointError(f"{folder / name}: write failed ({why})") from None
         self._groups += 1
         self._raise(_merge(self._md, self._storage, md, infos))
 
@@ -313,9 +333,14 @@ class DcpWriter:
         errors += _check_specs(md, self._specs)
         if errors:
             return errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more problems)"
-        metadata = Metadata(state_dict_metadata=dict(sorted(md.items())))
+        kept = {k for k in md if self._kept(k)}
         try:
-            _write_dcp_metadata(self.ckpt_dir, metadata, storage, self._sync)
+            if kept:  # the sidecar's own `.metadata`, its data files named relative to it, before the main one
+                _write_dcp_metadata(self.ckpt_dir / KEPT_DIR, _metadata(md, kept), {
+                    MetadataIndex(k.fqn, k.offset): dataclasses.replace(v, relative_path=_in_kept(v.relative_path))
+                    for k, v in storage.items() if k.fqn in kept}, self._sync)
+            _write_dcp_metadata(self.ckpt_dir, _metadata(md, md.keys() - kept),
+                                {k: v for k, v in storage.items() if k.fqn not in kept}, self._sync)
             _write_text(self.ckpt_dir / MCORE_METADATA_NAME, json.dumps(BACKEND_CONFIG), self._sync)
             _write_text(self.root / TRACKER_NAME, RELEASE, self._sync)  # last: the success signal
         except OSError as exc:
@@ -352,6 +377,18 @@ class DcpWriter:
     def _raise(error: str | None) -> None:
         if error:
             raise CheckpointError(error)
+
+
+def _metadata(md: Mapping[str, _Entry], keys: Iterable[str]) -> Metadata:
+    return Metadata(state_dict_metadata={k: md[k] for k in sorted(keys)})
+
+
+def _in_kept(relative_path: str) -> str:
+    """A sidecar data file's name relative to the sidecar (written relative to the iteration directory)."""
+    head, _, name = relative_path.partition("/")
+    if head != KEPT_DIR or not name or "/" in name:
+        raise CheckpointError(f"{relative_path}: a tensor of the {KEPT_DIR} sidecar outside it")
+    return name
 
 
 def _why(exc: BaseException, where: Path, need: int) -> str:
