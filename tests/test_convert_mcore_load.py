@@ -5,7 +5,8 @@ Per parallel layout, one group of 2 gloo processes on CPU (spawned, like tests/m
 converted `tiny`, `tiny --fp8` and `cut8` of each Megatron layout with a sharded state dict of
 `ShardedTensor.from_rank_offsets` requests for every tensor of the plan a trainer requests (as it shards it:
 `mcore_helpers.plan_pieces`, the shard kind of each tensor's role and transform) plus every `_extra_state`
-ShardedObject (Transformer Engine linears and norms), at `strict="raise_all"`: nothing requested is missing,
+ShardedObject (Transformer Engine linears and norms; for the mcore layout exactly the keys of the recorded
+Megatron-Bridge model inventory, tests/bridge_inventory.py), at `strict="raise_all"`: nothing requested is missing,
 nothing stored is left unrequested. The mcore layout's homeless tensors (`glmconv_kept.`: kept for export, no
 trainer parameter) are in the `glmconv_kept/` sidecar beside the DCP, which megatron never reads.
 Every local shard must equal the same slice of `mcore_helpers.reference_mcore` (computed from the HF files
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import bridge_inventory
 import mcore_helpers as mh
 import pytest
 import torch
@@ -63,6 +65,9 @@ def _check_fixture(name: str, layout: str, src: str, root: str, r: mh.Ranks) -> 
     assert all(k.startswith(KEPT_PREFIX) for k in kept) and bool(kept) == (layout == "mcore"), f"{name} {layout}"
     objects = {k: o for k in plan.mcore_objects() if (o := mh.object_request(k, r)) is not None}
     ckpt = str(Path(root) / "release")
+    if layout == "mcore" and name != "tiny-fp8":  # what is requested is the Megatron-Bridge model's own inventory
+        bridge = bridge_inventory.recorded(name)
+        assert (requested, set(plan.mcore_objects())) == (set(bridge.tensors), bridge.objects), name
     loaded = mh.load({**request, **objects}, ckpt, strict="raise_all")  # the kept tensors: in the sidecar
     for key, t in expected.items():
         mh.assert_same(f"{name} {layout}: {key} at {r}", loaded[key], t)
