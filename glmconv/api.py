@@ -20,11 +20,11 @@ from glmconv import weight_sync
 from glmconv.arguments import keywords_checked
 from glmconv.compare import ParityOptions, run_parity
 from glmconv.compare.metrics import parse_bound
-from glmconv.compare.report import write_report
+from glmconv.compare.report import JSON_NAME, MD_NAME, PNG_NAME, write_report
 from glmconv.config import GlmConfig
 from glmconv.defaults import DEVICE_CHOICES, DTYPE_CHOICES, LAYOUT_CHOICES
 from glmconv.errors import GlmconvError
-from glmconv.io.output import claim_report_dir
+from glmconv.io.output import ReportClaim, claim_report_dir
 from glmconv.mistakes import check_pair, check_same_model
 from glmconv.runners import audit as audit_runner
 from glmconv.runners import convert as convert_runner
@@ -254,16 +254,20 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     inputs = {"HF checkpoint": Path(hf_dir), "torch_dist checkpoint": Path(mcore_dir),
               "prompt file": Path(prompt_file) if prompt_file else None,
               "replay file": Path(replay_file) if replay_file else None}  # the report never lands on an input
-    if report_dir is not None:
-        claim_report_dir(Path(report_dir), inputs)  # before the run: a directory that cannot take it fails now
+    # before the run: a directory that cannot take it fails now; a run that fails leaves nothing of it
+    claim = claim_report_dir(Path(report_dir), inputs) if report_dir is not None else ReportClaim()
     options.setdefault("progress", False)
-    report = run_parity(ParityOptions(
-        hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=D.DEFAULT_TOKENS if tokens is None else tokens,
-        sequences=1 if sequences is None else sequences, prompt_file=Path(prompt_file) if prompt_file else None,
-        bounds=bounds, threshold=threshold, **options))
-    report["wall_s"] = round(time.monotonic() - start, 3)  # the whole run; `elapsed_s` is the forward passes alone
-    if report_dir is not None:
-        report["report_files"] = [str(p) for p in write_report(report, report_dir, inputs)]
+    try:
+        report = run_parity(ParityOptions(
+            hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=D.DEFAULT_TOKENS if tokens is None else tokens,
+            sequences=1 if sequences is None else sequences, prompt_file=Path(prompt_file) if prompt_file else None,
+            bounds=bounds, threshold=threshold, **options))
+        report["wall_s"] = round(time.monotonic() - start, 3)  # the whole run; `elapsed_s`: the forward passes
+        if report_dir is not None:
+            report["report_files"] = [str(p) for p in write_report(report, report_dir, inputs)]
+    except BaseException:
+        claim.undo([Path(report_dir) / n for n in (JSON_NAME, MD_NAME, PNG_NAME)] if report_dir is not None else [])
+        raise
     return report
 
 

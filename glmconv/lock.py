@@ -106,7 +106,7 @@ class OutputLock:
                 raise GlmconvError(f"{self.path}: is a symlink; glmconv never writes through one: remove it"
                                    ) from None
             if not parent.is_dir():
-                raise GlmconvError(f"{parent}: output parent directory does not exist") from None
+                raise GlmconvError(f"{parent}: output parent directory {not_a_directory(parent)}") from None
             raise GlmconvError(f"{parent}: cannot create the lock file {self.path.name} "
                                f"({exc.strerror or exc}); is the output location writable?") from None
         st = os.fstat(fd)
@@ -145,3 +145,16 @@ def _read_pid(fd: int) -> int | None:
     except OSError:
         return None
     return decimal(text)
+
+
+def not_a_directory(path: Path) -> str:
+    """Why `path` is no directory, in words (a symlink loop and a dangling link are said as such)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symlink loop"
+        if exc.errno == errno.ENOENT:
+            return "is a symlink to nothing" if os.path.islink(path) else "does not exist"
+        return f"cannot be read ({exc.strerror or exc})"
+    return "is a directory" if stat.S_ISDIR(st.st_mode) else "is not a directory"

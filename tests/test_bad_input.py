@@ -603,6 +603,14 @@ def test_output_parent_is_a_file(source: str, sources: dict[str, Path], tmp_path
 
 
 @pytest.mark.parametrize("source", ["tiny", "mc"])
+def test_output_parent_is_a_symlink_loop(source: str, sources: dict[str, Path], tmp_path: Path) -> None:
+    command, src = _input(source, sources)
+    (tmp_path / "loop").symlink_to("loop")
+    assert_refused([command, str(src), str(tmp_path / "loop" / "out")], [src], tmp_path / "sentinel",
+                   _q(f"{tmp_path / 'loop'}: output parent directory is a symlink loop"))
+
+
+@pytest.mark.parametrize("source", ["tiny", "mc"])
 def test_output_is_a_file(source: str, sources: dict[str, Path], tmp_path: Path) -> None:
     command, src = _input(source, sources)
     (tmp_path / "out").write_text("not a directory")

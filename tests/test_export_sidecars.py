@@ -150,3 +150,39 @@ def _cli() -> Any:
     from glmconv_cli.main import cli
 
     return cli
+
+
+@pytest.fixture(scope="module")
+def templated(source: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The source with transformers' folder of named chat templates beside its default one, and its conversion."""
+    out = tmp_path_factory.mktemp("templates")
+    shutil.copytree(source, out / "hf")
+    (out / "hf" / "chat_templates").mkdir()
+    (out / "hf" / "chat_templates" / "tool_use.jinja").write_bytes(TEMPLATE + b"{# tools #}\n")
+    convert_mod.convert(convert_mod.prepare(out / "hf", out / "mc"), convert_mod.RunOptions(progress=False))
+    return out / "hf", out / "mc"
+
+
+def test_convert_carries_the_chat_templates_folder(templated: tuple[Path, Path]) -> None:
+    src, mc = templated
+    listed = json.loads((mc / MANIFEST_NAME).read_text())["sidecars"]
+    assert "chat_templates/tool_use.jinja" in listed
+    assert (mc / "hf_sidecars" / "chat_templates" / "tool_use.jinja").read_bytes() == (
+        src / "chat_templates" / "tool_use.jinja").read_bytes()
+
+
+@pytest.mark.parametrize("like", [False, True])
+def test_export_restores_the_chat_templates_folder(templated: tuple[Path, Path], like: bool, tmp_path: Path) -> None:
+    src, mc = templated
+    summary = _export(mc, tmp_path / "hf", like=src) if like else _export(mc, tmp_path / "hf")
+    assert "chat_templates/tool_use.jinja" in summary["sidecars"]
+    assert (tmp_path / "hf" / "chat_templates" / "tool_use.jinja").read_bytes() == (
+        src / "chat_templates" / "tool_use.jinja").read_bytes()
+
+
+def test_a_file_named_chat_templates_is_refused(source: Path, tmp_path: Path) -> None:
+    shutil.copytree(source, tmp_path / "hf")
+    (tmp_path / "hf" / "chat_templates").write_text("x")
+    with pytest.raises(CheckpointError, match=r"chat_templates: not a directory; transformers keeps named chat "
+                                              r"templates in one$"):
+        convert_mod.prepare(tmp_path / "hf", tmp_path / "mc")

@@ -260,6 +260,17 @@ def test_index_naming_a_file_outside_the_directory_is_refused(tmp_path, shard):
         inspect_hf_checkpoint(ck)
 
 
+def test_an_index_name_with_dot_dot_that_stays_inside_is_refused_as_such(tmp_path):
+    ck = write_hf(tmp_path / "ck")
+    index = json.loads((ck / INDEX_NAME).read_text())
+    shard = index["weight_map"]["lm_head.weight"]
+    index["weight_map"]["lm_head.weight"] = f"sub/../{shard}"
+    (ck / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"shard 'sub/../{shard}' has a '..' component \\(it names a file "
+                                              "inside, but glmconv takes no '..'\\)$"):
+        inspect_hf_checkpoint(ck)
+
+
 def test_symlinked_shard_escaping_the_directory_is_refused(tmp_path):
     ck = write_hf(tmp_path / "ck")
     shard = ck / "model-00001-of-00003.safetensors"

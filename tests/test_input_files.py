@@ -267,3 +267,35 @@ def test_parity_report_dir_holding_the_replay_file_is_refused(tiny_ckpt: Path, m
     assert got.exit_code == 2
     assert got.stderr.strip().endswith(f"contains the replay file {payload}; choose one outside every input")
     assert payload.read_text() == "{}"
+
+
+def test_a_failed_parity_run_leaves_no_report_directory_it_made(tiny_ckpt: Path, mc_ckpt: Path,
+                                                                 tmp_path: Path) -> None:
+    """A bad prompt file is found after the report directory was claimed: what the run made goes with it."""
+    (tmp_path / "prompt").write_text("1 two")
+    report_dir = tmp_path / "new" / "rep"
+    got = invoke(["parity", str(tiny_ckpt), str(mc_ckpt), "--prompt-file", str(tmp_path / "prompt"),
+                  "--report-dir", str(report_dir)])
+    assert got.exit_code == 2 and "'two' is not a token id" in got.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompt"]
+
+
+def test_a_failed_parity_run_keeps_the_empty_directory_it_was_given(tiny_ckpt: Path, mc_ckpt: Path,
+                                                                    tmp_path: Path) -> None:
+    (tmp_path / "prompt").write_text("1 two")
+    (tmp_path / "rep").mkdir()
+    got = invoke(["parity", str(tiny_ckpt), str(mc_ckpt), "--prompt-file", str(tmp_path / "prompt"),
+                  "--report-dir", str(tmp_path / "rep")])
+    assert got.exit_code == 2 and list((tmp_path / "rep").iterdir()) == []
+
+
+def test_a_failed_parity_run_leaves_an_earlier_report_as_it_was(tiny_ckpt: Path, mc_ckpt: Path,
+                                                                tmp_path: Path) -> None:
+    rep = tmp_path / "rep"
+    assert invoke(["parity", str(tiny_ckpt), str(mc_ckpt), "--tokens", "16", "--train-conventions", "serve",
+                   "--report-dir", str(rep)]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in rep.iterdir()}
+    (tmp_path / "prompt").write_text("1 two")
+    got = invoke(["parity", str(tiny_ckpt), str(mc_ckpt), "--prompt-file", str(tmp_path / "prompt"),
+                  "--report-dir", str(rep)])
+    assert got.exit_code == 2 and {p.name: p.read_bytes() for p in rep.iterdir()} == before

@@ -117,7 +117,10 @@ def test_prompt_file_formats(tmp_path: Path, text: str, cu: list[int]) -> None:
 
 
 @pytest.mark.parametrize("text,match", [
-    ("1 two 3", "'two' is not an integer"), ("1 512", "outside the vocabulary"), ("", "no token ids"),
+    ("1 two 3", "'two' is not a token id"), ("1 512", "outside the vocabulary"), ("", "no token ids"),
+    ("1 \uff11\uff10", "'\uff11\uff10' is not a token id"), ("1 1_0", "'1_0' is not a token id"),
+    ("+5", "'\\+5' is not a token id"), ("1 -2", "'-2' is not a token id"),
+    ("1 " + "9" * 5000, "outside any vocabulary"),
     ("[1, [2]]", "JSON list"), ("[1, 2", "not valid JSON"), ("[[]]", "JSON list"), ("[true]", "JSON list"),
 ])
 
@@ -125,6 +128,12 @@ def test_prompt_file_formats(tmp_path: Path, text: str, cu: list[int]) -> None:
 def test_prompt_file_errors(tmp_path: Path, text: str, match: str) -> None:
     (tmp_path / "p").write_text(text)
     with pytest.raises(GlmconvError, match=match):
+        load_prompt_file(tmp_path / "p", VOCAB)
+
+
+def test_a_prompt_file_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "p").mkdir()
+    with pytest.raises(GlmconvError, match=r"p: not a regular file \(a directory\)$"):
         load_prompt_file(tmp_path / "p", VOCAB)
 
 

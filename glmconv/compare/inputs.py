@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import GlmconvError
 from glmconv.io.jsonfile import parse_json, read_capped
-from glmconv.text import show
+from glmconv.text import decimal, show
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +58,9 @@ def random_batch(vocab: int, tokens: int, sequences: int = 1, seed: int = 0) -> 
     return Batch(ids, _cu_seqlens(lengths), "random")
 
 
+MAX_ID_DIGITS = 18  # a word longer than this is no token id of any vocabulary
+
+
 def load_prompt_file(path: str | Path, vocab: int) -> Batch:
     """Read a file of token ids (see the module docstring); every id must lie in [0, vocab)."""
     import torch
@@ -84,11 +87,14 @@ def _parse_text(text: str, p: Path) -> list[list[int]]:
         words = line.split()
         if not words:
             continue
-        try:
-            seqs.append([int(w) for w in words])
-        except ValueError:
-            bad = next(w for w in words if not _is_int(w))
-            raise GlmconvError(f"{p}:{n}: {show(bad, quote=True)} is not an integer token id") from None
+        long = next((w for w in words if len(w) > MAX_ID_DIGITS), None)
+        if long is not None:  # no vocabulary is that large; int() would refuse 4,300 digits and more
+            raise GlmconvError(f"{p}:{n}: token id {show(long)} is outside any vocabulary")
+        ids = [decimal(w) for w in words]
+        bad = next((w for w, i in zip(words, ids) if i is None), None)
+        if bad is not None:
+            raise GlmconvError(f"{p}:{n}: {show(bad, quote=True)} is not a token id (ASCII digits 0-9 only)")
+        seqs.append([i for i in ids if i is not None])
     return seqs
 
 
@@ -110,14 +116,6 @@ def _parse_json(text: str, p: Path) -> list[list[int]]:
 
 def _is_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
-
-
-def _is_int(w: str) -> bool:
-    try:
-        int(w)
-    except ValueError:
-        return False
-    return True
 
 
 def _cu_seqlens(lengths: list[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 import stat
 from pathlib import Path, PurePosixPath
 
@@ -47,8 +48,14 @@ def inside(root: Path, rel: str, label: str | None = None) -> Path:
     """`root / rel` resolved, refused when `rel` or a symlink on the way leads outside the checkpoint."""
     what = f"{label} {rel!r}" if label else f"{root / rel}:"
     pure = PurePosixPath(rel)
-    if not rel or "\0" in rel or "\\" in rel or pure.is_absolute() or ".." in pure.parts:
+    if not rel or "\0" in rel or "\\" in rel:
+        raise CheckpointError(f"{what} is not a file name (empty, or holding a NUL or a backslash)")
+    if pure.is_absolute():
         raise CheckpointError(f"{what} is outside the checkpoint directory")
+    if ".." in pure.parts:  # refused even where it stays inside: said as it is
+        if posixpath.normpath(rel).split("/")[0] == "..":
+            raise CheckpointError(f"{what} is outside the checkpoint directory")
+        raise CheckpointError(f"{what} has a '..' component (it names a file inside, but glmconv takes no '..')")
     real = resolved(root / rel, what)
     if not any(real.is_relative_to(a) for a in allowed_roots(root)):
         raise CheckpointError(f"{what} resolves to {real}, outside the checkpoint directory")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io.checkpoint_files import file_kind
 
 # A JSON value, as glmconv writes them (summaries, manifests); what it reads stays `Any` until checked.
 # Read-only containers: a `list[str]` or `dict[str, int]` is one too.
@@ -79,10 +80,11 @@ def read_capped(p: Path, name: str, *, error: type[GlmconvError] = CheckpointErr
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise error(f"{name}: cannot read ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before any file object: a directory opens, but no file object reads it
+        os.close(fd)
+        raise error(f"{name}: not a regular file ({file_kind(st.st_mode)})")
     with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{name}: not a regular file")
         if st.st_size > max_bytes:
             raise error(f"{name}: {st.st_size:,} bytes, more than the {max_bytes:,} a JSON file here may hold")
         try:

@@ -36,8 +36,8 @@ import socket
 import stat
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -45,7 +45,7 @@ from typing import IO, Any
 from glmconv import interrupt
 from glmconv.errors import GlmconvError
 from glmconv.io.file_names import MANIFEST_NAME
-from glmconv.lock import LOCK_SUFFIX
+from glmconv.lock import LOCK_SUFFIX, not_a_directory
 
 STAGING_SUFFIX = ".glmconv-staging"
 OLD_SUFFIX = ".glmconv-old"
@@ -117,7 +117,30 @@ def replace_file(path: Path, data: bytes) -> None:
 REPORT_FORMAT = "parity-report"
 
 
-def claim_report_dir(d: Path, inputs: dict[str, Path | None]) -> None:
+@dataclass(frozen=True)
+class ReportClaim:
+    """What claiming a report directory made, so that a run that fails leaves nothing it made behind."""
+
+    made: tuple[Path, ...] = ()  # the directories it created, outermost first
+    manifest: Path | None = None  # the manifest it wrote: None when the directory was a report directory already
+
+    def undo(self, files: Iterable[Path] = ()) -> None:
+        """Remove the report `files`, the manifest and the directories this claim made; nothing of a report directory
+        from before, nothing it did not make, no directory that is not empty."""
+        if self.manifest is None:
+            return
+        for f in (*files, self.manifest):
+            with suppress(OSError):
+                if stat.S_ISREG(os.lstat(f).st_mode):
+                    f.unlink()
+        for d in reversed(self.made):
+            try:
+                d.rmdir()
+            except OSError:
+                return
+
+
+def claim_report_dir(d: Path, inputs: dict[str, Path | None]) -> ReportClaim:
     """A directory glmconv writes reports into: outside every input; new, empty, or a report directory it wrote
     before (its manifest says so). A converted checkpoint, also glmconv's, is no report directory."""
     real = resolve_out(d)
@@ -127,17 +150,24 @@ def claim_report_dir(d: Path, inputs: dict[str, Path | None]) -> None:
             raise GlmconvError(f"{d}: the report directory {how} the {label} {given}; choose one outside every input")
     if d.exists() and not d.is_dir():
         raise GlmconvError(f"{d}: exists and is not a directory")
+    made = tuple(reversed([p for p in (d, *d.parents) if not os.path.lexists(p)]))
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise GlmconvError(f"{d}: cannot create the report directory ({_why(exc, d)})") from None
     mine = _small_json(d / MANIFEST_NAME)
     if published_by_glmconv(d) and isinstance(mine, dict) and mine.get("format") == REPORT_FORMAT:
-        return
+        return ReportClaim()
     if _not_empty(d):
         raise GlmconvError(f"{d}: not empty and not a report directory glmconv wrote; choose a new or empty one")
     manifest = json.dumps({**manifest_fields(), "format": REPORT_FORMAT}, indent=2) + "\n"
-    replace_file(d / MANIFEST_NAME, manifest.encode())
+    claim = ReportClaim(made, d / MANIFEST_NAME)
+    try:
+        replace_file(d / MANIFEST_NAME, manifest.encode())
+    except GlmconvError:
+        claim.undo()
+        raise
+    return claim
 
 
 def _why(exc: OSError, path: Path | None = None) -> str:
@@ -251,8 +281,7 @@ def check_target(out: Path, real: Path, force: bool) -> None:
                                f"--force replaces only those: remove it yourself or choose another OUT")
     parent = real.parent
     if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise GlmconvError(f"{parent}: output parent directory {what}")
+        raise GlmconvError(f"{parent}: output parent directory {not_a_directory(parent)}")
     if not os.access(parent, os.W_OK):
         raise GlmconvError(f"{parent}: not writable")
     if real.is_dir() and os.stat(real).st_dev != os.stat(parent).st_dev:

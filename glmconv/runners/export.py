@@ -44,6 +44,7 @@ from glmconv.defaults import (
     zero_copy,
 )
 from glmconv.errors import CheckpointError, GlmconvError
+from glmconv.io import sidecars
 from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.file_names import (
     CONFIG_NAME,
@@ -52,7 +53,7 @@ from glmconv.io.file_names import (
     SHARD_NAME,
 )
 from glmconv.io.jsonfile import JsonObject
-from glmconv.io.output import check_overlap, copy_new, manifest_fields, write_new
+from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.like_files import LikeFiles, fit
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.safetensors.reader import HfTensorSource
@@ -314,7 +315,7 @@ def write_sidecars(job: ExportJob, stage: Path, fp8: Fp8Stats | None = None) -> 
     those convert stored in the torch_dist checkpoint; glmconv.json records what FP8 encoding did."""
     write_new(stage / CONFIG_NAME, json.dumps(job.config_json, indent=2) + "\n")
     for name, path in job.sidecars.items():
-        copy_new(path, stage / name)
+        sidecars.copy_into(path, stage, name)
     manifest = {**manifest_fields(), "source": str(job.src.resolve()), "format": "hf-safetensors",
                 "fp8": job.plan.fp8, "mtp": job.plan.mtp, "vision": job.plan.vision, "layout": job.plan.layout,
                 "text_prefix": job.plan.text_prefix, "like": str(job.like.resolve()) if job.like else None,
