@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from itertools import groupby
 from typing import TYPE_CHECKING
@@ -14,8 +13,10 @@ from rich.text import Text
 from glmconv import api, defaults
 from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.runners.audit import KINDS, AuditReport, Finding, expected_tensors
+from glmconv.stdout import stream
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
+from glmconv_cli.output import echo_json
 
 if TYPE_CHECKING:
     pass
@@ -77,7 +78,7 @@ def audit_names(src: str, against: str | None, as_json: bool, config: str | None
     report = api.audit_report(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
                        accept_flat_prefix=accept_flat_prefix, config=config, layout=layout)
     if as_json:
-        click.echo(json.dumps(report.as_json(), indent=1))
+        echo_json(report.as_json(), indent=1)
     else:
         _print_report(report)
     sys.exit(0 if report.ok else 1)
@@ -86,9 +87,9 @@ def audit_names(src: str, against: str | None, as_json: bool, config: str | None
 def _emit(src: str, side: str, as_json: bool, **kw: object) -> None:
     specs = expected_tensors(src, side, **kw)  # type: ignore[arg-type]  # click passes the typed options
     if as_json:
-        click.echo(json.dumps([s.as_json() for s in specs]))
+        echo_json([s.as_json() for s in specs])
         return
-    out = sys.stdout
+    out = stream()
     out.write("".join(f"{printable(s.name)} {list(s.shape)} {s.dtype}\n".replace(", ", ",") for s in specs))
     out.flush()
 

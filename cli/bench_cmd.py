@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import sys
-
 import click
 from rich.table import Table
 
 from glmconv.errors import GlmconvError
 from glmconv.kernels.bench import run
 from glmconv.text import console
+from glmconv_cli.output import echo_json
 
 
 @click.group("bench")
@@ -34,10 +31,9 @@ def kernels(tokens: int, as_json: bool) -> None:
     if not torch.cuda.is_available():
         raise GlmconvError("glmconv bench kernels needs a CUDA device (the kernels are GPU-only)")
 
-    with contextlib.redirect_stdout(sys.stderr):  # tilelang logs its compiles to stdout: keep --json clean
-        rows = run(tokens=tokens, dsa_tokens=max(64, tokens // 2))
+    rows = run(tokens=tokens, dsa_tokens=max(64, tokens // 2))  # tilelang's compile logs: stderr (glmconv/stdout.py)
     if as_json:
-        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        echo_json([r.as_dict() for r in rows], indent=2)
         return
 
     t = Table(title=f"glmconv bench kernels ({torch.cuda.get_device_name()})")

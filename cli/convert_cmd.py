@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -12,6 +11,7 @@ from glmconv import defaults as D
 from glmconv.defaults import DEFAULT_LAYOUT, DTYPE_CHOICES, KEEP, LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
+from glmconv_cli.output import echo, echo_json
 from glmconv_cli.sizes import SIZE
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
@@ -75,7 +75,7 @@ def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as
         return
     warn_homeless(summary)
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        echo_json(summary, indent=2)
         return
     _print(summary, dry_run)
 
@@ -90,19 +90,19 @@ def warn_homeless(s: dict) -> None:
 
 def _print(s: dict, dry_run: bool) -> None:
     verb = "would convert" if dry_run else "converted"
-    click.echo(f"{verb} {count(s['hf_tensors'], 'HF tensor')} ({s['bytes_in'] / 1e9:.3f} GB) -> "
-               f"{count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_out'] / 1e9:.3f} GB)"
-               f"{' into ' + printable(s['published']) if 'published' in s else ''}")
+    echo(f"{verb} {count(s['hf_tensors'], 'HF tensor')} ({s['bytes_in'] / 1e9:.3f} GB) -> "
+         f"{count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_out'] / 1e9:.3f} GB)"
+         f"{' into ' + printable(s['published']) if 'published' in s else ''}")
     for part, n in s["left_out"].items():
-        click.echo(f"left out by request: {part} ({count(n, 'HF tensor')})")
+        echo(f"left out by request: {part} ({count(n, 'HF tensor')})")
     if s["narrowed_f32_to_bf16"]:
-        click.echo(f"--dtype {s['dtype']}: {count(s['narrowed_f32_to_bf16'], 'HF tensor')} stored F32 rounded to BF16")
+        echo(f"--dtype {s['dtype']}: {count(s['narrowed_f32_to_bf16'], 'HF tensor')} stored F32 rounded to BF16")
     if dry_run:
         for w in s["workers"]:
-            click.echo(f"  worker {w['rank']}: {count(w['mappings'], 'mapping')}, {w['bytes_in'] / 1e9:.3f} GB in, "
-                       f"peak memory <= {w['peak_bytes_estimate'] / 1e9:.3f} GB")
+            echo(f"  worker {w['rank']}: {count(w['mappings'], 'mapping')}, {w['bytes_in'] / 1e9:.3f} GB in, "
+                 f"peak memory <= {w['peak_bytes_estimate'] / 1e9:.3f} GB")
         for line in plan_lines(s):
-            click.echo(line)
+            echo(line)
 
 
 def plan_lines(s: dict) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -12,6 +11,7 @@ from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable, show
 from glmconv_cli.convert_cmd import plan_lines, warn_homeless
+from glmconv_cli.output import echo, echo_json
 from glmconv_cli.sizes import SIZE
 from glmconv_cli.workers import read_threads_option, workers_option
 
@@ -80,7 +80,7 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
         return
     warn_homeless(summary)
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        echo_json(summary, indent=2)
         return
     if dry_run:
         _print_dry_run(summary)
@@ -89,37 +89,37 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
 
 
 def _print_dry_run(s: dict) -> None:
-    click.echo(f"would export {count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_in'] / 1e9:.3f} GB) -> "
-               f"{count(s['hf_tensors'], 'HF tensor')} ({s['bytes_out'] / 1e9:.3f} GB){' as FP8' if s['fp8'] else ''}")
+    echo(f"would export {count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_in'] / 1e9:.3f} GB) -> "
+         f"{count(s['hf_tensors'], 'HF tensor')} ({s['bytes_out'] / 1e9:.3f} GB){' as FP8' if s['fp8'] else ''}")
     for line in plan_lines(s):
-        click.echo(line)
+        echo(line)
 
 
 def _print(s: dict) -> None:
-    click.echo(f"exported {count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_in'] / 1e9:.3f} GB read) -> "
-               f"{count(s['hf_tensors'], 'HF tensor')} in {count(s['shards'], 'shard')} "
-               f"({s['bytes_out'] / 1e9:.3f} GB) into "
-               f"{printable(s['published'])} in {s['elapsed_s']:.1f}s")
+    echo(f"exported {count(s['mcore_tensors'], 'Megatron tensor')} ({s['bytes_in'] / 1e9:.3f} GB read) -> "
+         f"{count(s['hf_tensors'], 'HF tensor')} in {count(s['shards'], 'shard')} "
+         f"({s['bytes_out'] / 1e9:.3f} GB) into "
+         f"{printable(s['published'])} in {s['elapsed_s']:.1f}s")
     for name, pad in s["vocab_padding_stripped"].items():
-        click.echo(f"vocab padding stripped: {name} {pad['stored_rows']:,} -> {count(pad['vocab_size'], 'row')}")
+        echo(f"vocab padding stripped: {name} {pad['stored_rows']:,} -> {count(pad['vocab_size'], 'row')}")
     if s["fp8_requantized"]:
         f = s["fp8_requantized"]
         kept = f["blocks"] - f["requantized_blocks"]
         reused = f", {count(kept, 'block')} kept as --like stores them" if s["like"] else ""
-        click.echo(f"fp8: {count(f['tensors'], 'weight')}, {count(f['blocks'], 'block')}: "
-                   f"{count(f['requantized_blocks'], 'block')} re-quantised (in "
-                   f"{count(f['requantized_tensors'], 'weight')}){reused}; "
-                   f"{count(f['scale_adjusted_blocks'], 'scale')} moved off amax/448 to reproduce the bf16 values, "
-                   f"{count(f['inexact_blocks'], 'block')} inexact")
+        echo(f"fp8: {count(f['tensors'], 'weight')}, {count(f['blocks'], 'block')}: "
+             f"{count(f['requantized_blocks'], 'block')} re-quantised (in "
+             f"{count(f['requantized_tensors'], 'weight')}){reused}; "
+             f"{count(f['scale_adjusted_blocks'], 'scale')} moved off amax/448 to reproduce the bf16 values, "
+             f"{count(f['inexact_blocks'], 'block')} inexact")
     if s["like_files_unfit"]:
-        click.echo(f"note: shards cut at {s['max_shard_bytes'] / 1e9:g} GB, not as --like's files: "
-                   f"{s['like_files_unfit']}")
+        echo(f"note: shards cut at {s['max_shard_bytes'] / 1e9:g} GB, not as --like's files: "
+             f"{s['like_files_unfit']}")
     for part in ("mtp", "vision"):
         if not s[part]:
-            click.echo(f"{part}: not in the torch_dist checkpoint, not exported")
+            echo(f"{part}: not in the torch_dist checkpoint, not exported")
     if s.get("source_fp8") and not s["fp8"]:
-        click.echo("note: the source HF checkpoint was FP8; this export is BF16 (pass --fp8 to re-quantise)")
+        echo("note: the source HF checkpoint was FP8; this export is BF16 (pass --fp8 to re-quantise)")
     src_prefix = s.get("source_text_prefix")
     if src_prefix and src_prefix != s["text_prefix"]:
-        click.echo(f"note: the source HF checkpoint used the text prefix {show(src_prefix, quote=True)}; "
-                   f"this export uses {s['text_prefix']!r} (pass --like SOURCE to restore it)")
+        echo(f"note: the source HF checkpoint used the text prefix {show(src_prefix, quote=True)}; "
+             f"this export uses {s['text_prefix']!r} (pass --like SOURCE to restore it)")

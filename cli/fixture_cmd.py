@@ -3,7 +3,6 @@ real-dimension)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ from glmconv.fixtures.inits import INIT_HELP
 from glmconv.fixtures.presets import PRESETS, REAL_CUTS
 from glmconv.fixtures.real import RealCutInfo, write_real_cut
 from glmconv.text import count, printable
+from glmconv_cli.output import echo, echo_json
 from glmconv_cli.sizes import SEED, SEED_HELP, SIZE
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ def make(out: Path, preset: str, layers: int | None, size: int | None, shard_siz
                              init=init)
         what = preset
     if as_json:
-        click.echo(json.dumps(info.as_json()))
+        echo_json(info.as_json())
         return
     kind = "fp8" if fp8 else "bf16"
-    click.echo(f"{printable(str(info.path))}: {what} {kind} seed {seed}, {count(info.tensors, 'tensor')}, "
-               f"{count(info.bytes, 'byte')} in {count(info.shards, 'shard')}")
+    echo(f"{printable(str(info.path))}: {what} {kind} seed {seed}, {count(info.tensors, 'tensor')}, "
+         f"{count(info.bytes, 'byte')} in {count(info.shards, 'shard')}")

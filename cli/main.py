@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
+import functools
 import signal
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
-from glmconv import interrupt
+from glmconv import interrupt, stdout
 from glmconv.errors import GlmconvError
 from glmconv.interrupt import Interrupted
 from glmconv.runners import ranks
@@ -78,7 +78,7 @@ def _interruptible(invoke: Callable[[click.Context], object], ctx: click.Context
 
 def _reader_gone() -> NoReturn:
     """stdout's reader went away (`glmconv ... | head`): stop quietly with SIGPIPE's status, like any Unix tool."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not fail again
+    stdout.reader_gone()  # glmconv's stdout, reserved or not, goes to /dev/null: the exit flush must not fail again
     sys.exit(128 + signal.SIGPIPE)
 
 
@@ -108,15 +108,29 @@ def cli() -> None:
 
 
 def _register() -> None:
-    cli.add_command(audit_names)
-    cli.add_command(bench)
-    cli.add_command(convert)
-    cli.add_command(export)
-    cli.add_command(fixture)
-    cli.add_command(megatron_args)
-    cli.add_command(parity)
-    cli.add_command(relayout)
-    cli.add_command(verify)
+    for command in (audit_names, bench, convert, export, fixture, megatron_args, parity, relayout, verify):
+        _reserving_stdout(command)
+        cli.add_command(command)
+
+
+def _reserving_stdout(command: click.Command) -> None:
+    """Every command's body runs with stdout reserved for glmconv's output (glmconv/stdout.py): a library's prints
+    and its C-level writes go to stderr. Parsing, --help, --version and usage errors, which click prints, come first
+    and keep their streams. Outside `main()` (click's CliRunner, a Python caller) nothing is reserved."""
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _reserving_stdout(sub)
+        return
+    body = command.callback
+    if body is None:
+        return
+
+    @functools.wraps(body)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with stdout.reserved():
+            return body(*args, **kwargs)
+
+    command.callback = run
 
 
 _register()
@@ -125,11 +139,12 @@ _register()
 def main() -> None:
     ranks.cli_ends_the_process()
     interrupt.cli_process()  # once published, a late SIGINT/SIGTERM is ignored until the process exits
+    stdout.cli_process()  # a command's stdout is glmconv's alone: libraries print to stderr (glmconv/stdout.py)
     try:
         cli(prog_name="glmconv")
     except SystemExit as done:
         try:
-            sys.stdout.flush()  # what is still buffered goes now, while a closed pipe can be told apart
+            stdout.stream().flush()  # what is still buffered goes now, while a closed pipe can be told apart
         except BrokenPipeError:
             _reader_gone()
         sys.stderr.flush()

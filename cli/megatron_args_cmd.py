@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -11,6 +10,7 @@ from glmconv.defaults import DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.io.config_file import load_config
 from glmconv.megatron_args import command_line, model_args
 from glmconv.text import printable
+from glmconv_cli.output import echo, echo_json
 
 
 @click.command("megatron-args")
@@ -33,8 +33,8 @@ def megatron_args(config: Path, layers: int | None, as_json: bool, layout: str) 
         cfg = cfg.cut(layers)
     args = model_args(cfg, layout)
     if as_json:
-        click.echo(json.dumps(args, indent=2))
+        echo_json(args, indent=2)
         return
     lines = command_line(args)
     for i, line in enumerate(lines):
-        click.echo(printable(line) + (" \\" if i < len(lines) - 1 else ""))
+        echo(printable(line) + (" \\" if i < len(lines) - 1 else ""))

@@ -10,11 +10,12 @@ import click
 from glmconv import api
 from glmconv import defaults as D
 from glmconv.compare.catalog import NAMES as DEFECT_NAMES
-from glmconv.compare.report import divergence_line, print_table, to_json
+from glmconv.compare.report import divergence_line, print_table
 from glmconv.compare.verdict import MARGIN, STREAM_FLOOR
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
+from glmconv_cli.output import echo_json
 from glmconv_cli.sizes import SEED, SEED_HELP
 
 
@@ -139,7 +140,7 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
                         defects=defects)
     paths = [Path(p) for p in report.get("report_files", [])]
     if as_json:
-        click.echo(to_json(report))
+        echo_json(report, indent=2)
     else:
         _print(report, paths)
     for note in report.get("report_skipped", []):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -13,6 +12,7 @@ from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
 from glmconv_cli.convert_cmd import plan_lines, warn_homeless
+from glmconv_cli.output import echo, echo_json
 from glmconv_cli.sizes import SIZE
 
 
@@ -59,18 +59,18 @@ def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_s
                            progress=not as_json, space_check=not no_space_check, like=like)
     warn_homeless(summary)
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        echo_json(summary, indent=2)
         return
     s = summary
     verb = "would rewrite" if dry_run else "rewrote"
-    click.echo(f"{verb} {count(s['mcore_tensors_in'], 'Megatron tensor')} ({s['from']}, {s['bytes_in'] / 1e9:.3f} GB) "
-               f"-> {count(s['mcore_tensors'], 'Megatron tensor')} ({s['to']}, {s['bytes_out'] / 1e9:.3f} GB)"
-               f"{' into ' + printable(s['published']) if 'published' in s else ''}")
+    echo(f"{verb} {count(s['mcore_tensors_in'], 'Megatron tensor')} ({s['from']}, {s['bytes_in'] / 1e9:.3f} GB) "
+         f"-> {count(s['mcore_tensors'], 'Megatron tensor')} ({s['to']}, {s['bytes_out'] / 1e9:.3f} GB)"
+         f"{' into ' + printable(s['published']) if 'published' in s else ''}")
     if not dry_run:
-        click.echo(f"copied file to file: {count(s['copied_mappings'], 'mapping')} "
-                   f"({s['bytes_copied'] / 1e9:.3f} GB); read and rebuilt: {count(s['computed_mappings'], 'mapping')}")
+        echo(f"copied file to file: {count(s['copied_mappings'], 'mapping')} "
+             f"({s['bytes_copied'] / 1e9:.3f} GB); read and rebuilt: {count(s['computed_mappings'], 'mapping')}")
     if s["training_state_dropped"]:
-        click.echo(f"not carried: {count(s['training_state_dropped'], 'optimizer tensor')}")
+        echo(f"not carried: {count(s['training_state_dropped'], 'optimizer tensor')}")
     if dry_run:
         for line in plan_lines(s):
-            click.echo(line)
+            echo(line)

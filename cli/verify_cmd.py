@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from glmconv import api
 from glmconv.progress import PLAN, say
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
+from glmconv_cli.output import echo_json
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
 ROWS = 20  # mismatches in the table (--json lists up to glmconv.runners.verify.LISTED)
@@ -40,7 +40,7 @@ def verify(hf_dir: Path, mcore_dir: Path, as_json: bool, workers: int | str, rea
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        echo_json(summary, indent=2)
     else:
         _print(summary)
     sys.exit(0 if summary["equal"] else 1)

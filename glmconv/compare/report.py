@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from glmconv.compare.weight_diff import DIFFER
 from glmconv.io.output import claim_report_dir, replace_file
 from glmconv.models.conventions import SELECTION, acting_at
 from glmconv.rules import roles as R
-from glmconv.text import count, printable
+from glmconv.text import count, json_text, printable
 from glmconv.version import __version__
 
 JSON_NAME, MD_NAME, PNG_NAME = "report.json", "report.md", "error_per_layer.png"
@@ -236,18 +235,8 @@ def have_matplotlib() -> bool:
 
 
 def to_json(report: dict[str, Any]) -> str:
-    """Strict JSON: NaN and infinities become strings, so any JSON parser reads the report."""
-    return json.dumps(_finite(report), indent=2)
-
-
-def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
+    """Strict JSON (`glmconv.text.json_text`): NaN and infinities are strings, so any JSON parser reads it."""
+    return json_text(report, indent=2)
 
 
 def _fmt(v: Any, spec: str = ".3e") -> str:
