@@ -244,7 +244,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     """
 
     start = time.monotonic()
-    _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, report_dir, options)
+    ignored = _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, report_dir, options)
     bounds = tuple(parse_bound(b) for b in A.fail_on(fail_on))  # bad syntax fails before any model is built
     if prompt_file is not None and (tokens is not None or sequences is not None):
         raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
@@ -263,6 +263,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
             sequences=1 if sequences is None else sequences, prompt_file=Path(prompt_file) if prompt_file else None,
             bounds=bounds, threshold=threshold, **options))
         report["wall_s"] = round(time.monotonic() - start, 3)  # the whole run; `elapsed_s`: the forward passes
+        report["config_keys_ignored"] = ignored  # differ between the two configs, change neither model nor numerics
         if report_dir is not None:
             report["report_files"] = [str(p) for p in write_report(report, report_dir, inputs)]
     except BaseException:
@@ -272,8 +273,8 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
 
 
 def _parity_arguments(hf_dir: str | Path, mcore_dir: str | Path, tokens: object, sequences: object, prompt_file: object,
-                      report_dir: object, options: dict[str, Any]) -> None:
-    """parity's paths, counts and option names, checked before anything is read."""
+                      report_dir: object, options: dict[str, Any]) -> list[str]:
+    """parity's paths, counts and option names, checked before anything is read; the config keys to note."""
 
     A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
     A.optional(A.path, "--prompt-file", prompt_file), A.optional(A.path, "--report-dir", report_dir)
@@ -284,7 +285,7 @@ def _parity_arguments(hf_dir: str | Path, mcore_dir: str | Path, tokens: object,
         raise GlmconvError(f"glmconv.parity(): unknown keyword {unknown[0]!r} (the options are: "
                            f"{', '.join(sorted(known))})")
     check_pair("parity", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
-    check_same_model(hf_dir, mcore_dir)
+    return check_same_model(hf_dir, mcore_dir)
 
 
 _PARITY_OWN = ("hf_dir", "mcore_dir", "tokens", "sequences", "prompt_file", "bounds", "threshold")

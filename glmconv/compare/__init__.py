@@ -16,7 +16,6 @@ defect, whether the verdict names it, in the same pass over the layers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from glmconv.errors import GlmconvError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME
+from glmconv.mistakes import check_same_config
 from glmconv.models.conventions import Conventions
 from glmconv.models.model import GlmModel
 from glmconv.models.weights import HfWeights, MegatronWeights
@@ -180,9 +180,4 @@ def _check_same_config(config: GlmConfig, mcore_dir: Path) -> None:
     path = optional_file(check_checkpoint_dir(Path(mcore_dir)), CONFIG_NAME)
     if path is None:
         return  # the train side's weights say more (MegatronWeights finds the config or refuses)
-    other = load_config(path)
-    keys = sorted(k for k in set(config.text) | set(other.text) if config.text.get(k) != other.text.get(k)
-                  and k not in ("dtype", "torch_dtype"))
-    if keys or (config.attn_types, config.mlp_types) != (other.attn_types, other.mlp_types):
-        diff = ", ".join(f"{k}: {json.dumps(config.text.get(k))} vs {json.dumps(other.text.get(k))}" for k in keys[:3])
-        raise GlmconvError(f"{path} describes a different model than the HF config ({diff or 'layer schedule'})")
+    check_same_config(config, load_config(path), "the HF config", mcore_dir)

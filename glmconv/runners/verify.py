@@ -52,6 +52,7 @@ class VerifyJob:
     mcore: export_job.ExportJob
     pairs: list[tuple[Mapping, Mapping]]
     left_out: list[str] = field(default_factory=list)  # HF parts the Megatron checkpoint does not hold
+    config_keys_ignored: list[str] = field(default_factory=list)  # differ, but change neither model nor numerics
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Mismatch:
 def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     """Check both checkpoints (the Megatron one, stored args included, against the HF config) and pair mappings."""
     check_pair("verify", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
-    check_same_model(hf_dir, mcore_dir)  # a checkpoint of another model: before its args are read
+    ignored = check_same_model(hf_dir, mcore_dir)  # a checkpoint of another model: before its args are read
     mc = export_job.source_job(mcore_dir, config=hf_dir)
     export_job.check_loadable(mc.src)  # every stored object a trainer will load
     hf = convert.source_job(hf_dir, layout=mc.plan.layout)  # the pairs meet under the Megatron side's names
@@ -86,7 +87,7 @@ def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
              if m.mcore[0].name in mc.plan.mapping_of_mcore]
     left = sorted({m.optional_part(hf.plan.config.num_layers) for m in hf.plan.mappings
                    if m.mcore[0].name not in mc.plan.mapping_of_mcore})
-    return VerifyJob(hf=hf, mcore=mc, pairs=pairs, left_out=left)
+    return VerifyJob(hf=hf, mcore=mc, pairs=pairs, left_out=left, config_keys_ignored=ignored)
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def summary(job: VerifyJob, found: list[Mismatch], elapsed: float) -> JsonObject
     worst = max(found, key=lambda f: f.max_abs_diff, default=None)
     return {"hf": str(job.hf.src), "mcore": str(job.mcore.src), "iteration": job.mcore.iteration,
             "fp8_source": job.hf.plan.fp8, "mtp": plan.mtp, "vision": plan.vision, "layout": plan.layout,
-            "left_out": job.left_out, **dtype_changes(job),
+            "left_out": job.left_out, "config_keys_ignored": job.config_keys_ignored, **dtype_changes(job),
             "mappings": len(job.pairs), "hf_tensors": hf_names, "mcore_tensors": len(plan.mcore_index),
             "bytes": sum(mc.mcore_bytes for _, mc in job.pairs), "equal": not found, "mismatches": len(found),
             "first_mismatch": found[0].as_json() if found else None,
