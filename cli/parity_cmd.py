@@ -12,6 +12,7 @@ from glmconv import defaults as D
 from glmconv.compare.catalog import NAMES as DEFECT_NAMES
 from glmconv.compare.report import divergence_line, print_table
 from glmconv.compare.verdict import MARGIN, STREAM_FLOOR
+from glmconv.mistakes import runtime_note
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
@@ -143,8 +144,9 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
         echo_json(report, indent=2)
     else:
         _print(report, paths)
-    for note in report.get("report_skipped", []):
-        click.echo(printable(f"note: {note}"), err=True)
+    for note in [*report.get("report_skipped", []), runtime_note(report.get("config_keys_ignored", []))]:
+        if note:
+            click.echo(printable(f"note: {note}"), err=True)
     if not report["passed"]:
         click.echo(printable(f"parity failed: {failure(report)}"), err=True)
         sys.exit(1)

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from glmconv import api
+from glmconv.mistakes import runtime_note
 from glmconv.progress import PLAN, say
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
@@ -39,6 +40,9 @@ def verify(hf_dir: Path, mcore_dir: Path, as_json: bool, workers: int | str, rea
                          device=device)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
+    note = runtime_note(summary["config_keys_ignored"])
+    if note:
+        click.echo(printable(f"note: {note}"), err=True)
     if as_json:
         echo_json(summary, indent=2)
     else:

@@ -78,3 +78,14 @@ def test_a_checkpoint_transformers_saved_verifies_and_parities_against_its_conve
     api.convert(saved, tmp_path / "mc")
     assert api.verify(saved, tmp_path / "mc")["equal"] is True
     assert api.parity(saved, tmp_path / "mc", tokens=16, train_conventions="serve")["passed"] is True
+
+
+def test_the_cli_notes_the_ignored_keys_on_stderr(patched: Path, mc_ckpt: Path) -> None:
+    from click.testing import CliRunner
+
+    from glmconv_cli.main import cli
+
+    got = CliRunner().invoke(cli, ["verify", str(patched), str(mc_ckpt), "--json"])
+    assert got.exit_code == 0 and json.loads(got.stdout)["equal"] is True
+    assert "note: config.json keys that differ but change neither the model nor its numerics (ignored): " in got.stderr
+    assert "output_router_logits" in got.stderr and got.stderr.strip().endswith("and 3 more")
