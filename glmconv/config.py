@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,7 @@ def parse_config(raw: dict[str, Any]) -> GlmConfig:
         check_fields(text["linear_attn_config"], LAC_SCHEMA, f"{where}linear_attn_config.")
     if isinstance(raw.get("quantization_config"), dict):
         check_fields(raw["quantization_config"], _QUANT_SCHEMA, "quantization_config.")
+        weight_block_size(raw)
     _flatten_linear_attn_config(text)
     _check_dims(text)
     n = text["num_hidden_layers"]
@@ -287,10 +289,37 @@ _WRAPPER_SCHEMA: dict[str, Field] = {
     "text_config": Field(dict), "vision_config": Field(dict, nullable=True),
     "quantization_config": Field(dict, nullable=True),
 }
-_QUANT_SCHEMA: dict[str, Field] = {
-    "quant_method": Field(str), "weight_block_size": Field(list, items=int),
-    "modules_to_not_convert": Field(list, items=str, nullable=True),
+_QUANT_SCHEMA: dict[str, Field] = {  # weight_block_size: `weight_block_size`, which also checks its length and range
+    "quant_method": Field(str), "modules_to_not_convert": Field(list, items=str, nullable=True),
 }
+BLOCK_SIZE_KEY = "quantization_config.weight_block_size"
+
+
+def weight_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
+    """The FP8 scale block (rows, columns) a config declares, None where it declares none.
+
+    A loader reads it to map each `_scale_inv` element onto its weight: a zero, a negative, a bool, a float or
+    a length other than 2 is no block size, and is refused here, naming the key. Whether it agrees with the
+    scales on disk is `glmconv.numerics.fp8.check_block_size`'s question.
+    """
+    q = raw.get("quantization_config")
+    if not isinstance(q, dict) or "weight_block_size" not in q:
+        return None
+    value = q["weight_block_size"]
+    if (type(value) is not list or len(value) != 2
+            or not all(type(v) is int and 1 <= v <= MAX_DIM for v in value)):
+        raise ConfigError(f"{BLOCK_SIZE_KEY} must be a list of 2 positive integers up to {MAX_DIM} (the rows and "
+                          f"columns of one scale block, [128, 128] in the release), got {_shown_list(value)}")
+    return value[0], value[1]
+
+
+def _shown_list(value: Any) -> str:
+    """A short list of numbers as JSON writes it (`[0, 0]`, `[true, true]`); anything else as `found` says it."""
+    if type(value) is list and len(value) <= 4 and all(type(v) in (int, float, bool) for v in value):
+        text = json.dumps(value)
+        if len(text) <= 80:
+            return text
+    return found(value)
 
 
 def _check_dims(text: dict[str, Any]) -> None:

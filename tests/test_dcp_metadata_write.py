@@ -25,7 +25,6 @@ from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.runners import convert
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-FIXED_UUID = uuid.UUID("12345678-1234-5678-1234-567812345678")
 
 
 def _real_class(cls: type) -> Any:
@@ -84,8 +83,9 @@ def test_storage_info_leaves_out_none_fields_as_dcps() -> None:
 
 # ---- the writer: what DCP's FileSystemWriter.finish wrote before, from the same writes ----
 
-def _old_write(ckpt_dir: Path, md: ours.Metadata, storage: dict[Any, Any], sync: bool) -> None:
-    """The writer's `.metadata` as glmconv wrote it before: DCP's classes through `FileSystemWriter.finish`."""
+def _old_write(ckpt_dir: Path, md: ours.Metadata, storage: dict[Any, Any], sync: bool, checkpoint_id: str) -> None:
+    """The writer's `.metadata` as glmconv wrote it before: DCP's classes through `FileSystemWriter.finish`, whose
+    `storage_meta` is the writer's (a relative checkpoint_id, a save_id derived from the metadata)."""
     def entry(e: Any) -> Any:
         if isinstance(e, ours.BytesStorageMetadata):
             return dcp_md.BytesStorageMetadata()
@@ -96,7 +96,17 @@ def _old_write(ckpt_dir: Path, md: ours.Metadata, storage: dict[Any, Any], sync:
     real = dcp.Metadata(state_dict_metadata={k: entry(v) for k, v in md.state_dict_metadata.items()})
     results = [WriteResult(index=dcp_md.MetadataIndex(k.fqn, k.offset), size_in_bytes=v.length,
                            storage_data=_StorageInfo(v.relative_path, v.offset, v.length)) for k, v in storage.items()]
-    dcp.FileSystemWriter(str(ckpt_dir), sync_files=sync).finish(real, [results])
+    unsaved = dcp.Metadata(state_dict_metadata=real.state_dict_metadata, version="1.0.0",
+                           storage_data={r.index: r.storage_data for r in results},
+                           storage_meta=dcp_md.StorageMeta(checkpoint_id=checkpoint_id))
+    unsaved_bytes = pickle.dumps(unsaved, protocol=pickle.DEFAULT_PROTOCOL)
+    meta = dcp_md.StorageMeta(checkpoint_id=checkpoint_id, save_id=writer_module.content_save_id(unsaved_bytes))
+
+    class Writer(dcp.FileSystemWriter):
+        def storage_meta(self) -> dcp_md.StorageMeta:
+            return meta
+
+    Writer(str(ckpt_dir), sync_files=sync).finish(real, [results])
 
 
 def _write(root: Path) -> Path:
@@ -120,7 +130,6 @@ def _read(ckpt: Path) -> Any:
 
 
 def test_the_metadata_is_byte_for_byte_what_dcps_finish_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(uuid, "uuid4", lambda: FIXED_UUID)
     new = _write(tmp_path / "ck") / DCP_METADATA_NAME
     new_bytes, new_md = new.read_bytes(), _read(new.parent)
     shutil.rmtree(tmp_path / "ck")
@@ -128,13 +137,25 @@ def test_the_metadata_is_byte_for_byte_what_dcps_finish_wrote(tmp_path: Path, mo
     old = _write(tmp_path / "ck") / DCP_METADATA_NAME
     assert new_md == _read(old.parent)
     assert new_bytes == old.read_bytes()
-    assert new_md.storage_meta.save_id == str(FIXED_UUID)
+    assert new_md.storage_meta.checkpoint_id == RELEASE
+
+
+def test_the_save_id_is_a_uuid_of_the_content(tmp_path: Path) -> None:
+    """Written twice, anywhere: the same bytes; another checkpoint: another save_id."""
+    a, b = _read(_write(tmp_path / "a")), _read(_write(tmp_path / "elsewhere" / "b"))
+    assert (tmp_path / "a" / RELEASE / DCP_METADATA_NAME).read_bytes() == (
+        tmp_path / "elsewhere" / "b" / RELEASE / DCP_METADATA_NAME).read_bytes()
+    assert a.storage_meta.save_id == b.storage_meta.save_id
+    assert uuid.UUID(a.storage_meta.save_id).version == 5
+    w = DcpWriter(tmp_path / "c")
+    w.write({"a.weight": torch.zeros(4, 3)})
+    assert _read(w.finish({"iteration": 0})).storage_meta.save_id != a.storage_meta.save_id
 
 
 def test_dcp_reads_the_writers_own_classes(tmp_path: Path) -> None:
     md = _read(_write(tmp_path / "ck"))
     assert type(md) is dcp.Metadata and md.version == "1.0.0" and md.planner_data is None
-    assert md.storage_meta.checkpoint_id == tmp_path / "ck" / RELEASE and md.storage_meta.modules == []
+    assert md.storage_meta.checkpoint_id == RELEASE and md.storage_meta.modules == []  # not where it was written
     assert str(uuid.UUID(md.storage_meta.save_id)) == md.storage_meta.save_id
     assert {k: type(v).__name__ for k, v in md.state_dict_metadata.items()} == {
         "a._extra_state/shard_0_1": "BytesStorageMetadata", "a.weight": "TensorStorageMetadata",
@@ -166,7 +187,7 @@ def test_a_converted_metadata_is_what_dcp_pickles(source: str, workers: int, tin
     md = _read(out / RELEASE)
     assert pickle.dumps(md, protocol=pickle.DEFAULT_PROTOCOL) == path.read_bytes()
     assert md.version == "1.0.0"
-    assert md.storage_meta.checkpoint_id == Path(f"{out}.glmconv-staging") / RELEASE  # where it was written
+    assert md.storage_meta.checkpoint_id == RELEASE  # not the staging directory publishing removed
     files = {v.relative_path for v in md.storage_data.values()}
     assert {f.split("_")[2] for f in files} == {str(r) for r in range(workers)}
     assert list(md.state_dict_metadata) == sorted(md.state_dict_metadata)

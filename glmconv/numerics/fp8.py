@@ -11,10 +11,13 @@ only rounding that matters, and HF/sglang/DeepSeek `weight_dequant` do exactly t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from glmconv.errors import CheckpointError
+from glmconv.config import BLOCK_SIZE_KEY, weight_block_size
+from glmconv.errors import CheckpointError, ConfigError
 from glmconv.numerics.finite import require_finite
+from glmconv.text import show
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +110,36 @@ def check_scales(scale_inv: torch.Tensor, name: str) -> None:
     more = f" ({len(bad)} such blocks)" if len(bad) > 1 else ""
     raise Fp8FormatError(f"{name}: block {block} has scale {value:.7g}; expected a positive, finite, normal float32 "
                          f"(block amax / 448){more}")
+
+
+def check_block_size(config: dict[str, Any], scales: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
+    """The config's `quantization_config.weight_block_size` must describe `scales`, else a ConfigError naming a scale.
+
+    `scales`: (name, shape, its weight's shape) of every FP8 weight's `_scale_inv`. glmconv reads and writes
+    FP8_BLOCK x FP8_BLOCK blocks; a loader reads the config's block size. Where the two disagree about a scale's
+    shape (ceil(rows/block) x ceil(cols/block)), the loader would spread each scale over the wrong block of the
+    weight. A config of quant_method fp8 that declares no block size is refused too when there are FP8 weights: a
+    loader may take their block scales for per-tensor ones (vLLM's Fp8Config does) or guess 128x128 (transformers'
+    FineGrainedFP8Config does). Scales whose
+    shape fits neither block size are left to the plan's scale-shape check.
+    """
+    declared = weight_block_size(config)
+    expected = [FP8_BLOCK, FP8_BLOCK]
+    fp8 = sorted((name, tuple(shape), tuple(weight)) for name, shape, weight in scales if len(weight) == 2)
+    if declared is None:
+        q = config.get("quantization_config")
+        if fp8 and isinstance(q, dict) and q.get("quant_method") == "fp8":
+            name, shape, weight = fp8[0]
+            raise ConfigError(f"{BLOCK_SIZE_KEY}: expected {expected}, found absent; {show(name)} holds {list(shape)} "
+                              f"block scales of a {list(weight)} FP8 weight ({FP8_BLOCK}x{FP8_BLOCK} blocks)")
+        return
+    for name, shape, weight in fp8:
+        ours = scale_shape(weight)
+        theirs = (-(-weight[0] // declared[0]), -(-weight[1] // declared[1]))
+        if shape == ours != theirs:
+            raise ConfigError(f"{BLOCK_SIZE_KEY}: expected {expected}, found {list(declared)}; {show(name)} holds "
+                              f"{list(shape)} block scales of a {list(weight)} FP8 weight ({FP8_BLOCK}x{FP8_BLOCK} "
+                              f"blocks; {list(declared)} blocks would need {list(theirs)})")
 
 
 def _check_block(block: int) -> None:

@@ -33,6 +33,7 @@ from glmconv.io.torch_dist.loadable import check_stored_objects
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata import config_path as mcore_config_path
 from glmconv.megatron_args import check_stored_args
+from glmconv.numerics.fp8 import FP8_BLOCK, check_block_size
 from glmconv.plan import Mapping, Plan, TensorSpec, build_plan, retyped
 from glmconv.release_config import modules_not_converted, quantization_config
 from glmconv.rules import names
@@ -106,7 +107,8 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
     dtypes, dtypes_from = _dtypes(plan, like_ck, manifest, src_p)
     files, files_from = _sidecars(like_ck, manifest, src_p)  # refused before any work when not plain files inside
     return ExportJob(
-        src=src_p, out=src_p, plan=plan, config_json=_config_json(like_ck.config if like_ck else cfg, plan),
+        src=src_p, out=src_p, plan=plan,
+        config_json=_config_json(like_ck.config if like_ck else cfg, plan, like_ck.path if like_ck else cfg_path),
         dtypes=dtypes, stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
         like=Path(like) if like is not None else None, config_path=Path(config) if config is not None else None,
         source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
@@ -186,14 +188,21 @@ def _sidecars(like: HfCheckpoint | None, manifest: dict[str, Any], src: Path) ->
     return {}, None
 
 
-def _config_json(cfg: GlmConfig, plan: Plan) -> dict[str, Any]:
-    """The config to publish: FP8 quantization_config exactly when the tensors are FP8."""
+def _config_json(cfg: GlmConfig, plan: Plan, path: Path) -> dict[str, Any]:
+    """The config to publish: FP8 quantization_config exactly when the tensors are FP8, its block size refused
+    (naming `path`, the config it comes from) where it does not describe the scales written."""
 
     raw = cfg.to_json()
     q = raw.pop("quantization_config", None)
     if plan.fp8:
         fp8_q = isinstance(q, dict) and q.get("quant_method") == "fp8"
         raw["quantization_config"] = q if fp8_q else quantization_config(modules_not_converted(raw))
+        scales = [(s.name, s.shape, t.shape) for m in plan.mappings for t, s in zip(m.hf, m.scales) if s is not None]
+        try:
+            check_block_size(raw, scales)
+        except ConfigError as exc:
+            raise ConfigError(f"{path / CONFIG_NAME if path.is_dir() else path}: {exc}; export --fp8 writes "
+                              f"{FP8_BLOCK}x{FP8_BLOCK} blocks") from None
     return raw
 
 

@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from glmconv.config import GlmConfig
-from glmconv.errors import CheckpointError
+from glmconv.errors import CheckpointError, ConfigError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file, require_file
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safetensors.header import read_header
-from glmconv.rules.names import detect_text_prefix
+from glmconv.numerics.fp8 import check_block_size
+from glmconv.rules.names import detect_text_prefix, scale_owner
 from glmconv.text import show
 
 
@@ -70,15 +71,29 @@ def inspect_hf_checkpoint(path: str | Path, *, strict: bool = True) -> HfCheckpo
     """Read config, index and shard headers; with `strict`, index/shard disagreements raise too."""
     root = Path(path)
     _check_dir(root)
-    config = load_config(require_file(root, CONFIG_NAME, f"{root}: no {CONFIG_NAME} (not an HF checkpoint directory)"))
+    config_file = require_file(root, CONFIG_NAME, f"{root}: no {CONFIG_NAME} (not an HF checkpoint directory)")
+    config = load_config(config_file)
     index_file, weight_map = _weight_map(root)
     tensors, problems = _read_shards(root, weight_map, index_file)
     if strict and problems:
         p = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(f"{show(p.file)}: {p.message}{more}")
+    check_config_block_size(config_file, config, tensors)
     return HfCheckpoint(path=root, config=config, index_file=index_file, tensors=tensors,
                         text_prefix=detect_text_prefix(set(tensors)), problems=problems)
+
+
+def check_config_block_size(config_file: Path, config: GlmConfig, tensors: dict[str, HfTensor]) -> None:
+    """The config's FP8 block size agrees with every `_scale_inv` of an FP8 weight here (numerics.fp8), else one
+    ConfigError naming the config file, the key and a scale: convert, audit-names, verify, parity, export's --like
+    and the audit of an export all read an HF checkpoint through here."""
+    scales = [(name, t.shape, tensors[owner].shape) for name, t in tensors.items()
+              if (owner := scale_owner(name)) is not None and owner in tensors]
+    try:
+        check_block_size(config.raw, scales)
+    except ConfigError as exc:
+        raise ConfigError(f"{config_file}: {exc}") from None
 
 
 def _check_dir(root: Path) -> None:

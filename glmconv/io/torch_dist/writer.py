@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -338,9 +339,9 @@ class DcpWriter:
             if kept:  # the sidecar's own `.metadata`, its data files named relative to it, before the main one
                 _write_dcp_metadata(self.ckpt_dir / KEPT_DIR, _metadata(md, kept), {
                     MetadataIndex(k.fqn, k.offset): dataclasses.replace(v, relative_path=_in_kept(v.relative_path))
-                    for k, v in storage.items() if k.fqn in kept}, self._sync)
+                    for k, v in storage.items() if k.fqn in kept}, self._sync, f"{RELEASE}/{KEPT_DIR}")
             _write_dcp_metadata(self.ckpt_dir, _metadata(md, md.keys() - kept),
-                                {k: v for k, v in storage.items() if k.fqn not in kept}, self._sync)
+                                {k: v for k, v in storage.items() if k.fqn not in kept}, self._sync, RELEASE)
             _write_text(self.ckpt_dir / MCORE_METADATA_NAME, json.dumps(BACKEND_CONFIG), self._sync)
             _write_text(self.root / TRACKER_NAME, RELEASE, self._sync)  # last: the success signal
         except OSError as exc:
@@ -469,13 +470,22 @@ def _check_specs(md: Mapping[str, _Entry], specs: Mapping[str, Planned] | None) 
 
 
 def _write_dcp_metadata(ckpt_dir: Path, md: Metadata, storage: Mapping[MetadataIndex, StorageInfo],
-                        sync: bool) -> None:
+                        sync: bool, checkpoint_id: str) -> None:
     """`.metadata` as torch 2.13's `FileSystemWriter(ckpt_dir, sync_files=sync).finish(md, results)` writes it:
-    version, storage_data and storage_meta set, pickled into `.metadata.tmp`, fsynced, renamed over `.metadata`."""
+    version, storage_data and storage_meta set, pickled into `.metadata.tmp`, fsynced, renamed over `.metadata`.
+
+    But for `storage_meta`, so that a re-run writes the same bytes (issue 39): DCP records the directory it saved
+    to and a random uuid4 there, and no loader reads either (torch's `FileSystemReader.read_metadata` only sets
+    `load_id`; megatron-core reads `state_dict_metadata` and `storage_data`). `checkpoint_id` is the directory
+    relative to the checkpoint root (`release`, `release/glmconv_kept`), not the staging directory that publishing
+    removes, and `save_id` a uuid5 of the sha256 of the metadata itself: the same checkpoint always gets the same
+    one, another checkpoint another.
+    """
     md.version = CURRENT_DCP_VERSION
     # index hints were per group; drop them (megatron's own saves carry none either)
     md.storage_data = {MetadataIndex(k.fqn, k.offset): v for k, v in storage.items()}
-    md.storage_meta = StorageMeta(checkpoint_id=Path(ckpt_dir), save_id=str(uuid.uuid4()))
+    md.storage_meta = StorageMeta(checkpoint_id=checkpoint_id)
+    md.storage_meta.save_id = content_save_id(dumps(md))
     tmp = ckpt_dir / (DCP_METADATA_NAME + ".tmp")
     with new_file(tmp, "wb") as f:
         f.write(dumps(md))
@@ -483,6 +493,14 @@ def _write_dcp_metadata(ckpt_dir: Path, md: Metadata, storage: Mapping[MetadataI
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, ckpt_dir / DCP_METADATA_NAME)
+
+
+SAVE_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "glmconv:dcp-save-id")
+
+
+def content_save_id(metadata: bytes) -> str:
+    """A DCP `save_id` (a uuid, as `_generate_uuid` writes it) derived from the pickled metadata, save_id unset."""
+    return str(uuid.uuid5(SAVE_ID_NAMESPACE, hashlib.sha256(metadata).hexdigest()))
 
 
 def _write_text(path: Path, text: str, sync: bool) -> None:
