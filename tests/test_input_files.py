@@ -234,7 +234,30 @@ def test_parity_allow_different_weights_runs_and_reports_the_disagreement(tiny_c
     import json
 
     report = json.loads(got.stdout)
-    assert report["logits"]["top1_agreement"] < 0.5 and report["first_divergence"]["cause"] != "weights"
+    assert report["logits"]["top1_agreement"] < 0.5 and report["first_divergence"]["cause"] == "weights"
+    assert "weights differ (the checkpoints hold different weights here (--allow-different-weights)): " in got.stderr
+
+
+def test_allowed_different_weights_are_the_cause_where_they_differ(tiny_ckpt: Path, mc_ckpt: Path,
+                                                                   tmp_path: Path) -> None:
+    """A checkpoint trained further: one hc_attn_base value moved. The verdict names the weights, not numerics."""
+    import json
+
+    import mcore_helpers as mh
+
+    bias = "decoder.layers.0.self_attention_hyper_connection.bias"
+
+    def nudge(ts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ts[bias] = ts[bias].clone()
+        ts[bias][0] += 0.5
+        return ts
+
+    trained = mh.rewrite_dcp(mc_ckpt, tmp_path / "trained", nudge, keep=("config.json", "glmconv.json"))
+    got = invoke(["parity", str(tiny_ckpt), str(trained), "--tokens", "16", "--json", "--train-conventions", "serve",
+                  "--allow-different-weights"])
+    first = json.loads(got.stdout)["first_divergence"]
+    assert got.exit_code == 1 and (first["layer"], first["sub_block"], first["cause"]) == (0, "attention", "weights")
+    assert "numerics" not in got.stderr
 
 
 def test_parity_accepts_its_own_conversion(tiny_ckpt: Path, mc_ckpt: Path) -> None:

@@ -93,6 +93,8 @@ def _first(first: dict[str, Any] | None, cap: Capture, opts: ParityOptions) -> d
     if first is not None:
         rec = next(r for r in cap.layers if (r["layer"], r["sub_block"]) == (first["layer"], first["sub_block"]))
         first = {**first, "weight_diffs": rec.get("weight_diffs", [])} if rec.get("weight_diffs") else first
+        if first["cause"] == "weights" and opts.allow_different_weights:  # different checkpoints, on purpose
+            first = {**first, "different_weights_allowed": True}
     return first
 
 
@@ -277,7 +279,9 @@ _CAUSES = {"upstream": "carried from an earlier divergence",
 def _cause_text(fd: dict[str, Any]) -> str:
     if fd.get("cause") == "weights":
         diffs = fd.get("weight_diffs", [])[:3]
-        return "weights differ (a conversion defect): " + "; ".join(weight_text(d) for d in diffs)
+        why = ("the checkpoints hold different weights here (--allow-different-weights)"
+               if fd.get("different_weights_allowed") else "a conversion defect")
+        return f"weights differ ({why}): " + "; ".join(weight_text(d) for d in diffs)
     if fd.get("cause") == "conventions":
         return "train switches acting there: " + ", ".join(fd.get("switches", []))
     if fd.get("cause") == "kernel" and fd.get("kernel"):

@@ -16,6 +16,8 @@ A sub-block diverges when its weights differ, when a kernel is beyond its bound,
 floor, or when rel_err exceeds both the floor and MARGIN x noise; selections (DSA top-k, MoE experts) likewise on
 the disagreement 1 - overlap. Its cause: weights, then kernel, then the differing switches (conventions), then an
 earlier divergence carried (upstream, propagated mode), else numerics: the train code's own, outside the kernels.
+With --allow-different-weights (`check_weights` off) differing weights alone name no divergence, but where a
+sub-block diverges and its weights differ, they are still its cause.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class Judge:
         return True
 
     def _cause(self, rec: dict[str, Any], switches: list[str]) -> str:
-        if self.check_weights and rec.get("weights") == DIFFER:
+        if rec.get("weights") == DIFFER:  # the cause wherever they differ, --allow-different-weights or not
             return WEIGHTS
         if failing_kernels(rec):
             return KERNEL
