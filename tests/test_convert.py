@@ -159,7 +159,8 @@ def test_existing_output_is_refused_without_force(sources: dict[str, Path], tmp_
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(GlmconvError, match="already exists and is not empty; pass --force"):
+    with pytest.raises(GlmconvError, match="already exists and is not empty, and glmconv did not publish it .*: "
+                       "choose another OUT, or empty it$"):
         run_convert(sources["tiny"], out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -381,7 +381,8 @@ def test_force_never_replaces_a_directory_glmconv_did_not_write(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(GlmconvError, match="not a directory glmconv published"):
+    with pytest.raises(GlmconvError, match="glmconv did not publish it .*; --force replaces only a directory glmconv "
+                       "published: choose another OUT, or empty it$"):
         make_fixture(out, "tiny", force=True)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "x"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]

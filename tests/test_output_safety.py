@@ -178,27 +178,55 @@ def test_output_overlapping_any_input_never_changes_it(tiny_ckpt: Path, mc: Path
         assert_refused(args, [root / "in"], out, OUTSIDE)
 
 
+FOREIGN = r"already exists and is not empty, and glmconv did not publish it \(no glmconv\.json written by glmconv\)"
+EMPTY_IT = r": choose another OUT, or empty it$"
+
+
 def test_force_refuses_a_directory_glmconv_did_not_publish(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
     assert_refused(["convert", str(src), str(out), "--force"], [src], out,
-                   rf"{out}: not a directory glmconv published \(no glmconv\.json written by glmconv\); --force "
-                   r"replaces only those: remove it yourself or choose another OUT$")
+                   rf"^error: {out}: {FOREIGN}; --force replaces only a directory glmconv published{EMPTY_IT}")
+
+
+@pytest.mark.parametrize("command", ["convert", "export", "relayout", "fixture"])
+def test_a_folder_glmconv_did_not_make_is_never_told_to_pass_force(command: str, src: Path, tmp_path: Path) -> None:
+    """Without --force, a non-empty OUT glmconv did not publish gets the next step that works (another OUT, or
+    empty it), never `pass --force`, which would then be refused (issue 40)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    mc = tmp_path / "mc"
+    _published(src, mc)
+    args = {"convert": ["convert", str(src), str(out)], "export": ["export", str(mc), str(out)],
+            "relayout": ["relayout", str(mc), str(out), "--to", "mcore"], "fixture": ["fixture", "make", str(out)]}
+    line = assert_refused(args[command], [src, mc], out, rf"^error: {out}: {FOREIGN}{EMPTY_IT}")
+    assert "--force" not in line
+    (out / "thesis.tex").unlink()  # the advice works: emptied, the same command publishes into it
+    assert invoke(args[command]).exit_code == 0 and output.published_by_glmconv(out)
+
+
+def test_a_folder_glmconv_published_is_told_to_pass_force_and_force_works(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _published(src, out)
+    assert_refused(["convert", str(src), str(out)], [src], out,
+                   rf"^error: {out}: already exists and is not empty; pass --force to replace it$")
+    assert invoke(["convert", str(src), str(out), "--force"]).exit_code == 0
 
 
 def test_fixture_make_force_refuses_a_directory_glmconv_did_not_publish(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
-    assert_refused(["fixture", "make", str(out), "--force"], [out], out, rf"{out}: not a directory glmconv published")
+    assert_refused(["fixture", "make", str(out), "--force"], [out], out, rf"{out}: {FOREIGN}; --force")
 
 
 def test_force_refuses_a_foreign_glmconv_json(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "glmconv.json").write_text('{"source": "somewhere"}')
-    assert_refused(["convert", str(src), str(out), "--force"], [src], out, r"not a directory glmconv published")
+    assert_refused(["convert", str(src), str(out), "--force"], [src], out, FOREIGN)
 
 
 def test_empty_output_directory_is_used_without_force(src: Path, tmp_path: Path) -> None:

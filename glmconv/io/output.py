@@ -274,11 +274,12 @@ def check_target(out: Path, real: Path, force: bool) -> None:
     if os.path.lexists(real) and not real.is_dir():
         raise GlmconvError(f"{out}: exists and is not a directory")
     if real.is_dir() and _not_empty(real):
+        if not published_by_glmconv(real):  # --force is refused here too: never suggested
+            tried = "; --force replaces only a directory glmconv published" if force else ""
+            raise GlmconvError(f"{out}: already exists and is not empty, and glmconv did not publish it (no "
+                               f"{MANIFEST_NAME} written by glmconv){tried}: choose another OUT, or empty it")
         if not force:
             raise GlmconvError(f"{out}: already exists and is not empty; pass --force to replace it")
-        if not published_by_glmconv(real):
-            raise GlmconvError(f"{out}: not a directory glmconv published (no {MANIFEST_NAME} written by glmconv); "
-                               f"--force replaces only those: remove it yourself or choose another OUT")
     parent = real.parent
     if not parent.is_dir():
         raise GlmconvError(f"{parent}: output parent directory {not_a_directory(parent)}")
