@@ -18,6 +18,7 @@ from typing import Any
 from glmconv.config import MOE, GlmConfig
 from glmconv.defaults import DEFAULT_LAYOUT
 from glmconv.errors import CheckpointError
+from glmconv.io.torch_dist.common_state import short_repr
 from glmconv.io.torch_dist.metadata import TORCH_DIST
 from glmconv.rules.layouts import MTP_PART
 from glmconv.rules.layouts import layout as find_layout
@@ -178,12 +179,21 @@ def check_stored_args(args: Any, config: GlmConfig, where: str) -> None:
             "num_experts": config.dim("n_routed_experts"), "dense_layers": _dense(config.mlp_types),
             "vocab_size": config.dim("vocab_size")}
     have = dict(stored)
-    if isinstance(have.get("moe_layer_freq"), list):
-        have["dense_layers"] = _dense([MOE if f else "dense" for f in have["moe_layer_freq"]])
+    freq = have.get("moe_layer_freq")
+    if isinstance(freq, list) and all(isinstance(f, int) for f in freq):  # 0/1 per layer, as megatron parses it
+        have["dense_layers"] = _dense([MOE if f else "dense" for f in freq])
     for key, what in _CHECKED:
-        if key in have and have[key] is not None and have[key] != want[key]:
-            raise CheckpointError(f"{where}: the stored Megatron args say {have[key]} {what} ({key}) but the config "
-                                  f"says {want[key]}: this checkpoint is another model than its config.json")
+        if key in have and have[key] is not None and not _equal(have[key], want[key]):
+            raise CheckpointError(f"{where}: the stored Megatron args say {short_repr(have[key])} {what} ({key}) but "
+                                  f"the config says {want[key]}: this checkpoint is another model than its config.json")
+
+
+def _equal(stored: Any, expected: int) -> bool:
+    """A stored arg (any value a checkpoint holds: an array, a set, a stand-in) equals the config's int."""
+    try:
+        return bool(stored == expected)
+    except Exception:  # an array's ambiguous truth, a comparison that raises: not the config's value
+        return False
 
 
 def _dense(mlp_types: Any) -> int:

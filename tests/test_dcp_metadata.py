@@ -257,19 +257,19 @@ def _saved(obj: Any) -> bytes:
 
 def test_a_common_state_reads_the_same_without_torch_as_with_it() -> None:
     from glmconv.fixtures import preset_config
-    from glmconv.io.torch_dist.common_state import _with_torch, _without_torch
+    from glmconv.io.torch_dist.common_state import _data_pkl, _with_torch, _without_torch
     from glmconv.megatron_args import build_common_state
 
     data = _saved([build_common_state(parse_config(preset_config("tiny")), iteration=7)])
-    (plain,), (strict,) = _without_torch(data), _with_torch(data, "state")
+    (plain,), (strict,) = _without_torch(_data_pkl(data, "state")), _with_torch(data, "state")
     assert plain == strict and plain["iteration"] == 7 and vars(plain["args"]) == vars(strict["args"])
 
 
 def test_a_common_state_holding_a_tensor_is_left_to_torch() -> None:
-    from glmconv.io.torch_dist.common_state import _without_torch, load_common_state
+    from glmconv.io.torch_dist.common_state import _data_pkl, _without_torch, load_common_state
 
     data = _saved([{"iteration": 3, "rng": torch.arange(3)}])
-    assert _without_torch(data) is None
+    assert _without_torch(_data_pkl(data, "state")) is None
     assert load_common_state(data, source="state")["rng"].tolist() == [0, 1, 2]
 
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import re
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +37,7 @@ from glmconv.io.torch_dist.dcp_classes import StorageInfo, TensorStorageMetadata
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata_check import load_metadata
 from glmconv.io.torch_dist.safe_unpickle import is_a
-from glmconv.io.torch_dist.stored_objects import check_tensor_archive
+from glmconv.io.torch_dist.stored_objects import check_tensor_archive, refused_global, torch_reason
 from glmconv.io.torch_dist.zip_records import record_start, stored_record
 from glmconv.numerics.finite import require_finite
 
@@ -322,10 +321,10 @@ def _check_cover(name: str, boxes: list[Box], shape: tuple[int, ...], start: int
 
 
 def _line(exc: BaseException) -> str:
-    """The reason in one line: the weights-only unpickler's own words when it refused something."""
-    found = re.search(r"WeightsUnpickler error:\s*(.+)|(Trying to load unsupported GLOBAL [\w.]+)", str(exc))
-    if found:
-        return "refused by the weights-only unpickler: " + (found.group(1) or found.group(2)).strip()
+    """The reason in one line: the refused global by name, or the weights-only unpickler's own words when it refused
+    something (never torch's advice to allow it)."""
+    if "WeightsUnpickler error:" in str(exc) or refused_global(exc):
+        return torch_reason(exc)
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
@@ -438,14 +437,18 @@ def read_metadata(ckpt_dir: str | Path) -> Any:
     return load_metadata(path)
 
 
-def read_bytes_entry(ckpt_dir: str | Path, key: str) -> bytes:
-    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state)."""
-    return next(iter_bytes_entries(ckpt_dir, [key]))[1]
+def read_bytes_entry(ckpt_dir: str | Path, key: str, *, limit: int | None = None, expected: str = "") -> bytes:
+    """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state); one longer than `limit` is
+    refused unread (`expected`: what the entry should be, for the message)."""
+    limits = {key: (limit, expected)} if limit is not None else None
+    return next(iter_bytes_entries(ckpt_dir, [key], limits=limits))[1]
 
 
-def iter_bytes_entries(ckpt_dir: str | Path, keys: list[str]) -> Iterator[tuple[str, bytes]]:
+def iter_bytes_entries(ckpt_dir: str | Path, keys: list[str], *,
+                       limits: Mapping[str, tuple[int, str]] | None = None) -> Iterator[tuple[str, bytes]]:
     """(data file name, raw bytes) of each BYTE_IO entry `keys`, in order; `.metadata` is read once, as
-    `StandIn`s, so this needs no torch."""
+    `StandIn`s, so this needs no torch. `limits`: key -> (most bytes, what the entry should be): a longer entry
+    is refused before it is read."""
     d = Path(ckpt_dir)
     path = d / DCP_METADATA_NAME
     if not path.exists():
@@ -457,6 +460,10 @@ def iter_bytes_entries(ckpt_dir: str | Path, keys: list[str]) -> Iterator[tuple[
             raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
         if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
+        limit, expected = (limits or {}).get(key, (None, ""))
+        if limit is not None and int(info.length) > limit:
+            raise CheckpointError(f"{d / info.relative_path}: {key} is {int(info.length):,} bytes, expected at most "
+                                  f"{limit:,}{' for ' + expected if expected else ''}")
         yield info.relative_path, _read_range(d / info.relative_path, int(info.offset), int(info.length), key)
 
 

@@ -21,19 +21,24 @@ from typing import Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.torch_dist.pickle_allow import load_allow_list
+from glmconv.io.torch_dist.safe_unpickle import check_pickle_bounds
 from glmconv.io.torch_dist.zip_records import stored_record
 
 _MAX_PICKLE = 1 << 26  # a stored object's pickle record larger than this is refused unread
 
 
 def check_object(data: bytes, where: str) -> None:
-    """One stored object: weights-only torch.load, then its pickles through the real unpickler (inert globals)."""
+    """One stored object: its pickles' bounds (`check_pickle_bounds`, before anything is unpickled), then
+    weights-only torch.load, then its pickles through the real unpickler (inert globals)."""
     import torch
 
     try:
+        pickles = _pickles(data)
+        for pkl in pickles:
+            check_pickle_bounds(pkl)
         with torch.serialization.safe_globals(load_allow_list()):
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        for pkl in _pickles(data):
+        for pkl in pickles:
             _InertUnpickler(io.BytesIO(pkl)).load()
     except Exception as exc:  # any failure: a trainer's torch.load fails too
         raise CheckpointError(f"{where}: stored object is not loadable by torch.load ({_line(exc)})") from None
@@ -109,10 +114,42 @@ class _InertUnpickler(pickle.Unpickler):
         return _Inert()
 
 
-def _line(exc: BaseException) -> str:
-    """The reason in one line: the weights-only unpickler's own words when it refused something."""
-    found = re.search(r"WeightsUnpickler error:\s*(.+)|(Trying to load unsupported GLOBAL [\w.]+)", str(exc))
+NEVER_UNPICKLED = "not on the allow-list, and glmconv never unpickles a global outside it"
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)|unsupported GLOBAL ([\w.]+)", re.IGNORECASE)
+
+
+def refused_global(exc: BaseException) -> str | None:
+    """The global torch's weights-only unpickler refused (`builtins.eval`, `posix.system`), or None. torch names
+    a builtin without its module (`eval`); it is named in full here."""
+    found = _REFUSED_GLOBAL.search(str(exc))
+    if found is None:
+        return None
+    name = found.group(1) or found.group(2)
+    return name if "." in name else f"builtins.{name}"
+
+
+def torch_reason(exc: BaseException) -> str:
+    """Why torch.load failed, in one line: the refused global by name, else the weights-only unpickler's own words,
+    never torch's advice to allow-list what it refused or to load with weights_only=False."""
+    name = refused_global(exc)
+    if name is not None:
+        return f"refusing to unpickle {name}: {NEVER_UNPICKLED}"
+    found = re.search(r"WeightsUnpickler error:\s*(.+)", str(exc))
     if found:
-        return "refused by the weights-only unpickler: " + (found.group(1) or found.group(2)).strip()
+        reason = re.sub(r"\s*Please use `torch\.serialization\.(add_)?safe_globals.*", "", found.group(1).strip())
+        reason = re.sub(r"(?:allowlisted )?via `add_safe_globals`", "on the allow-list", reason)
+        return "refused by the weights-only unpickler: " + reason
+    return _first_line(exc)
+
+
+def _line(exc: BaseException) -> str:
+    """The reason in one line: the refused global, or the weights-only unpickler's own words when it refused
+    something."""
+    if "WeightsUnpickler error:" in str(exc) or refused_global(exc):
+        return torch_reason(exc)
+    return _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
