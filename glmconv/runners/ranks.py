@@ -11,6 +11,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -18,8 +19,12 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from multiprocessing import popen_spawn_posix, reduction, resource_tracker
+from multiprocessing import spawn as mp_spawn
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import SpawnContext, SpawnProcess
+from multiprocessing.context import SpawnContext, SpawnProcess, set_spawning_popen
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
@@ -237,9 +242,10 @@ def spawn(fn: RankFn[S], args: tuple[object, ...], workers: int, what: str,
     with tempfile.TemporaryDirectory(prefix="glmconv-pg-") as tmp:
         ctx = mp.get_context("spawn")
         links = [_Link(ctx) for _ in range(workers)]
-        procs = [ctx.Process(target=_worker, args=(fn, args, r, workers, Path(tmp) / "store", link.out_send,
-                                                   os.getpid(), hold, link.done_recv))
-                 for r, link in enumerate(links)]
+        procs: list[SpawnProcess] = [
+            _WorkerProcess(target=_worker, args=(fn, args, r, workers, Path(tmp) / "store", link.out_send,
+                                                 os.getpid(), hold, link.done_recv))
+            for r, link in enumerate(links)]
         try:
             with _sigint_ignored_by_children(), _tracker_relaunch_quiet():
                 for p, link in zip(procs, links):
@@ -289,6 +295,100 @@ def _tracker_relaunch_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="resource_tracker: process died unexpectedly")
         yield
+
+
+# What a worker's interpreter runs (`python -c`): multiprocessing's own spawn_main, the child bound to the parent's
+# life first, its start-up data (`pipe_handle`) a file complete before it starts. spawn_main takes a dup of that
+# handle as the child's view of its parent (`multiprocessing.parent_process()`, which glmconv never asks):
+# the workers watch the parent with PR_SET_PDEATHSIG and getppid (`_bind_to_parent`).
+_WORKER_PROGRAM = """\
+# glmconv --workers rank: multiprocessing.spawn_main, reading its start-up data from a file
+import os
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl({pdeathsig}, {sigkill}, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != {parent}:
+    os._exit(1)
+from multiprocessing.spawn import spawn_main
+spawn_main(tracker_fd={tracker}, pipe_handle={data})
+"""
+
+
+class _WorkerPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn start, except how the start-up data reaches the child.
+
+    multiprocessing (popen_spawn_posix.Popen._launch) pickles the process object (fn and the run's arguments:
+    100-300 kB for convert, export and verify of the test fixtures, more for bigger models) and writes it into a
+    pipe once the child runs, closing its own copy of the pipe's read end only after the write. More than the
+    pipe holds (64 kB) blocks until the child reads: a child killed before it has read it all left that write,
+    the parent's main thread, blocked forever (the child a zombie); a parent killed in that write left the
+    child unpickling truncated data (`UnpicklingError: pickle data was truncated`, a traceback).
+
+    Here the data is written in full, before the child exists, into an anonymous file the child inherits and
+    reads: starting a worker never waits on it, whatever it does, and a worker never reads part of its data.
+    The child's first act, before reading anything, is to bind itself to this process's life
+    (`_WORKER_PROGRAM`): a parent that dies at any time takes its workers with it, silently. A worker that dies
+    at any point is then noticed by `_collect`, as in every later phase.
+    """
+
+    _fds: list[int]  # passed to the child: set by multiprocessing's Popen, extended by duplicate_for_child
+
+    def _launch(self, process_obj: BaseProcess) -> None:
+        tracker = resource_tracker.getfd()
+        if tracker is None:
+            raise RuntimeError("multiprocessing's resource tracker did not start")
+        self._fds.append(tracker)
+        data = _anonymous_file()
+        done_here = [data]  # the child's copies: closed here once it holds them
+        kept: list[int] = []  # this process's ends: closed with this object
+        try:
+            with open(data, "wb", closefd=False) as f:
+                set_spawning_popen(self)  # pickled connections hand their fds to the child (duplicate_for_child)
+                try:
+                    reduction.dump(mp_spawn.get_preparation_data(process_obj.name), f)
+                    reduction.dump(process_obj, f)
+                finally:
+                    set_spawning_popen(None)
+            os.lseek(data, 0, os.SEEK_SET)
+            exited, child_end = os.pipe()  # EOF here: the child is gone (its sentinel)
+            kept.append(exited)
+            done_here.append(child_end)
+            program = _WORKER_PROGRAM.format(pdeathsig=PR_SET_PDEATHSIG, sigkill=int(signal.SIGKILL),
+                                             parent=os.getpid(), tracker=tracker, data=data)
+            flags: list[str] = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+            exe = mp_spawn.get_executable()
+            self._fds += [data, child_end]
+            self.pid = mp_util.spawnv_passfds(os.fsencode(exe), [exe, *flags, "-c", program,
+                                                                 "--multiprocessing-fork"], self._fds)
+            self.sentinel = exited
+        finally:
+            self.finalizer = mp_util.Finalize(self, _close, tuple(kept))
+            for fd in done_here:
+                os.close(fd)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _anonymous_file() -> int:
+    """A read-write file with no name (memfd where there is one), closed on exec unless passed on."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("glmconv-worker-start")
+    fd, name = tempfile.mkstemp(prefix="glmconv-worker-start-")
+    os.unlink(name)
+    return fd
+
+
+class _WorkerProcess(SpawnProcess):
+    """A spawned worker started by `_WorkerPopen`."""
+
+    @staticmethod
+    def _Popen(process_obj: BaseProcess) -> popen_spawn_posix.Popen:
+        return _WorkerPopen(process_obj)
 
 
 def _kill(procs: list[SpawnProcess]) -> None:
