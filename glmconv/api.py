@@ -1,16 +1,18 @@
 """The functions a Python user calls; the command line is a thin layer over exactly these.
 
 Each takes paths and plain options and returns the summary the CLI prints with `--json`; a user-caused problem
-raises `GlmconvError` (one line, naming the file or tensor), an option's value out of range or an unknown keyword
-included: every option is checked by glmconv.arguments, as the CLI checks it. Heavy imports (torch) happen
-inside the calls, so `import glmconv` stays cheap.
+raises `GlmconvError` (one line, naming the file or tensor), an argument of the wrong type, a value out of range
+or an unknown keyword included: every argument is checked by glmconv.arguments, as the CLI checks it, and named
+by its keyword (`glmconv.convert(): group_bytes='1GB': expected a number of bytes, an int ...`). Heavy imports
+(torch) happen inside the calls, so `import glmconv` stays cheap.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 def _flags(**flags: object) -> None:
     """Each yes/no option is a bool."""
     for name, value in flags.items():
-        A.flag("--" + name.replace("_", "-"), value)
+        A.flag(name, value)
 
 
 def lead_process() -> bool:
@@ -77,10 +79,10 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = D.D
     threads reading and dequantising ahead of each worker's writer (0: one step at a time).
     """
 
-    A.path("HF_DIR", hf_dir), A.path("OUT_DIR", out_dir)
-    workers, read_threads = A.workers(workers), A.read_threads(read_threads)
-    A.size("--group-size", group_bytes), A.choice("--dtype", dtype, DTYPE_CHOICES)
-    A.choice("--device", device, DEVICE_CHOICES), A.choice("--layout", layout, LAYOUT_CHOICES)
+    A.path("hf_dir", hf_dir), A.path("out_dir", out_dir)
+    workers, read_threads = A.workers(workers, "workers"), A.read_threads(read_threads, "read_threads")
+    A.size("group_bytes", group_bytes), A.choice("dtype", dtype, DTYPE_CHOICES)
+    A.choice("device", device, DEVICE_CHOICES), A.choice("layout", layout, LAYOUT_CHOICES)
     _flags(force=force, mtp=mtp, vision=vision, check_finite=check_finite, dry_run=dry_run, progress=progress,
            space_check=space_check)
     job = convert_runner.prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
@@ -113,10 +115,10 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     anything is written (glmconv/space.py).
     """
 
-    A.path("MCORE_DIR", mcore_dir), A.path("OUT_DIR", out_dir)
-    A.optional(A.path, "--like", like), A.optional(A.path, "--config", config)
-    workers, read_threads = A.workers(workers), A.read_threads(read_threads)
-    A.optional(A.size, "--max-shard-size", max_shard_bytes), A.optional(A.choice, "--layout", layout, LAYOUT_CHOICES)
+    A.path("mcore_dir", mcore_dir), A.path("out_dir", out_dir)
+    A.optional(A.path, "like", like), A.optional(A.path, "config", config)
+    workers, read_threads = A.workers(workers, "workers"), A.read_threads(read_threads, "read_threads")
+    A.optional(A.size, "max_shard_bytes", max_shard_bytes), A.optional(A.choice, "layout", layout, LAYOUT_CHOICES)
     _flags(fp8=fp8, force=force, check_finite=check_finite, dry_run=dry_run, progress=progress,
            space_check=space_check)
     job = export_runner.prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
@@ -142,8 +144,8 @@ def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool
     plan and writes nothing; `space_check` as for convert.
     """
 
-    A.path("MCORE_DIR", mcore_dir), A.path("OUT_DIR", out_dir), A.optional(A.path, "--like", like)
-    A.choice("--to", to, LAYOUT_CHOICES), A.size("--group-size", group_bytes)
+    A.path("mcore_dir", mcore_dir), A.path("out_dir", out_dir), A.optional(A.path, "like", like)
+    A.choice("to", to, LAYOUT_CHOICES), A.size("group_bytes", group_bytes)
     _flags(force=force, dry_run=dry_run, progress=progress, space_check=space_check)
     job = relayout_runner.prepare(mcore_dir, out_dir, to=to, like=like)
     opts = relayout_runner.RelayoutOptions(group_bytes=group_bytes, progress=progress, space_check=space_check)
@@ -164,9 +166,9 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
     `workers`, `read_threads` and `device` as convert's (the same mismatches, first and worst, whatever they are).
     """
 
-    A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
-    workers, read_threads = A.workers(workers), A.read_threads(read_threads)
-    A.choice("--device", device, D.DEVICE_CHOICES)
+    A.path("hf_dir", hf_dir), A.path("mcore_dir", mcore_dir)
+    workers, read_threads = A.workers(workers, "workers"), A.read_threads(read_threads, "read_threads")
+    A.choice("device", device, D.DEVICE_CHOICES)
     _flags(progress=progress)
     job = verify_runner.prepare(hf_dir, mcore_dir)
     n = worker_count(workers)
@@ -189,8 +191,17 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
     carry (`miles` or `mcore`; a directory says its own).
     """
 
+    if isinstance(params, (str, os.PathLike)):
+        A.path("params", params)
+    elif not isinstance(params, Iterable) or isinstance(params, (bytes, dict)):
+        raise A.ArgumentError("params", params, "expected (Megatron name, tensor) pairs, or a torch_dist "
+                              "directory (a str or pathlib.Path)")
+    if config is not None and not isinstance(config, (GlmConfig, str, os.PathLike)):
+        raise A.ArgumentError("config", config, "expected a GlmConfig, or a config.json or checkpoint directory (a str "
+                              "or pathlib.Path)")
     _flags(fp8=fp8)
-    A.choice("--layout", layout, LAYOUT_CHOICES)
+    A.optional(A.names_to, "dtypes", dtypes, "safetensors dtypes such as 'BF16'")
+    A.choice("layout", layout, LAYOUT_CHOICES)
     return weight_sync.hf_weights(params, config, fp8=fp8, dtypes=dtypes, layout=layout)
 
 
@@ -206,8 +217,8 @@ def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | Non
     in; a glmconv.json record they contradict is a finding); two sides in different layouts meet through the
     mapping.
     """
-    return audit_report(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
-                        accept_flat_prefix=accept_flat_prefix, config=config, layout=layout).as_json()
+    return _audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
+                  accept_flat_prefix=accept_flat_prefix, config=config, layout=layout).as_json()
 
 
 @keywords_checked
@@ -216,13 +227,18 @@ def audit_report(src: str | Path, against: str | Path | None = None, *, fp8: boo
                  accept_flat_prefix: bool = False, config: str | Path | None = None,
                  layout: str | None = None) -> AuditReport:
     """`audit` as an object (`.ok`, `.findings`, `.summary()`): what the CLI prints its table from."""
+    return _audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
+                  accept_flat_prefix=accept_flat_prefix, config=config, layout=layout)
 
-    A.path("SRC", src), A.optional(A.path, "--against", against), A.optional(A.path, "--config", config)
+
+def _audit(src: str | Path, against: str | Path | None, *, fp8: bool | None, mtp: bool | None, vision: bool | None,
+           layers: int | None, accept_flat_prefix: bool, config: str | Path | None, layout: str | None) -> AuditReport:
+    A.path("src", src), A.optional(A.path, "against", against), A.optional(A.path, "config", config)
     for name, value in (("fp8", fp8), ("mtp", mtp), ("vision", vision)):
-        A.optional(A.flag, f"--{name}", value)
-    A.optional(A.int_in, "--layers", layers, 1)
+        A.optional(A.flag, name, value)
+    A.optional(A.int_in, "layers", layers, 1)
     _flags(accept_flat_prefix=accept_flat_prefix)
-    A.optional(A.choice, "--layout", layout, LAYOUT_CHOICES)
+    A.optional(A.choice, "layout", layout, LAYOUT_CHOICES)
     return audit_runner.audit(src, against, fp8=fp8, mtp=mtp, vision=vision, layers=layers,
                               accept_flat_prefix=accept_flat_prefix, config=config, layout=layout)
 
@@ -244,12 +260,14 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     """
 
     start = time.monotonic()
-    ignored = _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, report_dir, options)
-    bounds = tuple(parse_bound(b) for b in A.fail_on(fail_on))  # bad syntax fails before any model is built
+    ignored = _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, threshold, report_dir, options)
+    bounds = tuple(parse_bound(b) for b in A.fail_on(fail_on, "fail_on"))  # bad syntax: before any model is built
+    # the command line reaches these two through here: each names the keyword and the flag
     if prompt_file is not None and (tokens is not None or sequences is not None):
-        raise GlmconvError("--prompt-file sets the tokens and sequences; drop --tokens/--sequences")
+        raise GlmconvError("--prompt-file sets the tokens and sequences (prompt_file, in Python); drop --tokens and "
+                           "--sequences (tokens, sequences)")
     if threshold is not None and not threshold > 0:
-        raise GlmconvError(f"--threshold {threshold}: must be positive")
+        raise GlmconvError(f"--threshold {threshold} (threshold, in Python): must be positive")
     replay_file = options.get("replay_file")
     inputs = {"HF checkpoint": Path(hf_dir), "torch_dist checkpoint": Path(mcore_dir),
               "prompt file": Path(prompt_file) if prompt_file else None,
@@ -273,19 +291,39 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
 
 
 def _parity_arguments(hf_dir: str | Path, mcore_dir: str | Path, tokens: object, sequences: object, prompt_file: object,
-                      report_dir: object, options: dict[str, Any]) -> list[str]:
+                      threshold: object, report_dir: object, options: dict[str, Any]) -> list[str]:
     """parity's paths, counts and option names, checked before anything is read; the config keys to note."""
 
-    A.path("HF_DIR", hf_dir), A.path("MCORE_DIR", mcore_dir)
-    A.optional(A.path, "--prompt-file", prompt_file), A.optional(A.path, "--report-dir", report_dir)
-    A.optional(A.int_in, "--tokens", tokens), A.optional(A.int_in, "--sequences", sequences)  # ranges: inputs.py
+    A.path("hf_dir", hf_dir), A.path("mcore_dir", mcore_dir)
+    A.optional(A.path, "prompt_file", prompt_file), A.optional(A.path, "report_dir", report_dir)
+    A.optional(A.int_in, "tokens", tokens), A.optional(A.int_in, "sequences", sequences)  # ranges: inputs.py
+    if threshold is not None and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)):
+        raise A.ArgumentError("threshold", threshold, "expected a positive number (an int or a float)")
     known = {f.name for f in dataclasses.fields(ParityOptions)} - set(_PARITY_OWN)
     unknown = sorted(set(options) - known)
     if unknown:
         raise GlmconvError(f"glmconv.parity(): unknown keyword {unknown[0]!r} (the options are: "
                            f"{', '.join(sorted(known))})")
+    for name, value in options.items():
+        check = _PARITY_CHECKS.get(name)
+        if check is not None:
+            check(name, value)
     check_pair("parity", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
     return check_same_model(hf_dir, mcore_dir)
 
 
 _PARITY_OWN = ("hf_dir", "mcore_dir", "tokens", "sequences", "prompt_file", "bounds", "threshold")
+# parity's other options (ParityOptions' fields), each checked as the CLI's flag of the same name is
+_PARITY_CHECKS: dict[str, Callable[[str, Any], object]] = {
+    "seed": lambda n, v: A.int_in(n, v, *A.SEED_RANGE),
+    "mode": lambda n, v: A.choice(n, v, D.PARITY_MODES),
+    "dtype": lambda n, v: A.choice(n, v, D.PARITY_DTYPES),
+    "device": A.text,
+    "train_conventions": lambda n, v: A.choice(n, v, D.TRAIN_CONVENTIONS),
+    "overrides": A.texts,
+    "kernels": lambda n, v: A.choice(n, v, D.KERNEL_CHOICES),
+    "replay": lambda n, v: A.choice(n, v, D.REPLAY_CHOICES),
+    "replay_file": lambda n, v: A.optional(A.path, n, v),
+    "defects": lambda n, v: A.optional(A.text, n, v),
+    **{flag: A.flag for flag in ("progress", "allow_different_weights", "stream_layers", "self_test")},
+}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from glmconv.config import GlmConfig
 from glmconv.errors import CheckpointError
-from glmconv.io.checkpoint_files import optional_file
+from glmconv.io.checkpoint_files import expect_directory, optional_file
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME
 from glmconv.io.safetensors.checkpoint import is_hf_checkpoint
@@ -42,20 +42,26 @@ def wrong_kind(path: str | Path, found: str, command: str, role: str, meant: str
 
 
 def expect_hf(path: str | Path, command: str, role: str = "HF_DIR") -> None:
-    """Refuse a torch_dist checkpoint given where `command` reads an HF one (convert: export was meant)."""
+    """Refuse a file (a shard, the index, config.json) or a torch_dist checkpoint given where `command` reads an
+    HF checkpoint directory (convert: export was meant)."""
+    expect_directory(path)
     if kind(path) == TORCH_DIST:
         meant = f"glmconv export {path} OUT_DIR" if command == "convert" else f"glmconv {command} HF_DIR {path}"
         raise wrong_kind(path, TORCH_DIST, command, role, meant)
 
 
 def expect_torch_dist(path: str | Path, command: str, role: str = "MCORE_DIR") -> None:
-    """Refuse an HF checkpoint given where `command` reads a torch_dist one (convert was meant first)."""
+    """Refuse a file (a .distcp, .metadata, config.json) or an HF checkpoint given where `command` reads a
+    torch_dist checkpoint directory (convert was meant first)."""
+    expect_directory(path)
     if kind(path) == HF:
         raise wrong_kind(path, HF, command, role, f"glmconv convert {path} OUT_DIR")
 
 
 def check_pair(command: str, hf_dir: str | Path, mcore_dir: str | Path) -> None:
     """verify and parity: HF_DIR then MCORE_DIR; the two given the other way round are named as a swap."""
+    expect_directory(hf_dir)
+    expect_directory(mcore_dir)
     if kind(hf_dir) == TORCH_DIST and kind(mcore_dir) == HF:
         raise wrong_kind(hf_dir, TORCH_DIST, command, "HF_DIR", f"glmconv {command} {mcore_dir} {hf_dir}")
     expect_hf(hf_dir, command)

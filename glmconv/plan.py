@@ -8,8 +8,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from glmconv import arguments as A
 from glmconv.config import DSA, MOE, GlmConfig
-from glmconv.defaults import DEFAULT_LAYOUT, KEEP, LAYOUT_CHOICES
+from glmconv.defaults import DEFAULT_LAYOUT, DTYPE_CHOICES, KEEP, LAYOUT_CHOICES
 from glmconv.io.dtypes import DTYPE_SIZES
 from glmconv.numerics.fp8 import scale_shape
 from glmconv.rules import layouts, names
@@ -196,14 +197,25 @@ def dims(config: GlmConfig) -> dict[str, int]:
     return d
 
 
+@A.keywords_checked
 def build_plan(config: GlmConfig, *, fp8: bool = False, mtp: bool = True, vision: bool = True,
                text_prefix: str = names.HF_TEXT_PREFIX, dtype: str = KEEP,
                stored: dict[str, str] | None = None, layout: str = DEFAULT_LAYOUT) -> Plan:
     """Expand every rule against `config`; MTP and vision are included when the config has them.
 
-    `dtype` (convert --dtype) and `stored` (HF tensor -> the dtype the source stores) fix each Megatron dtype;
-    `layout` names the Megatron side (glmconv.rules.layouts).
+    `config`: a GlmConfig (`glmconv.load_config` reads one). `dtype` (convert --dtype) and `stored` (HF tensor ->
+    the dtype the source stores) fix each Megatron dtype; `layout` names the Megatron side (glmconv.rules.layouts).
     """
+    if not isinstance(config, GlmConfig):
+        raise A.ArgumentError("config", config, "expected a GlmConfig; glmconv.load_config(path) reads one from a "
+                              "config.json or a checkpoint directory")
+    for flag, value in (("fp8", fp8), ("mtp", mtp), ("vision", vision)):
+        A.flag(flag, value)
+    if not isinstance(text_prefix, str):
+        raise A.ArgumentError("text_prefix", text_prefix, "expected a str such as 'model.language_model.'")
+    A.choice("dtype", dtype, DTYPE_CHOICES)
+    A.optional(A.names_to, "stored", stored, "safetensors dtypes such as 'BF16'")
+    A.choice("layout", layout, LAYOUT_CHOICES)
     plan = Plan(config=config, fp8=fp8, mtp=mtp and config.num_mtp_layers > 0,
                 vision=vision and config.vision is not None, text_prefix=text_prefix, dtype=dtype,
                 layout=layout)

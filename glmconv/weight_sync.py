@@ -8,11 +8,13 @@ stacked experts -> per-expert tensors, a few experts at a time). Which names gro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from collections.abc import Mapping as Dict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from glmconv.arguments import ArgumentError
 from glmconv.config import GlmConfig
 from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT
 from glmconv.errors import GlmconvError
@@ -22,6 +24,7 @@ from glmconv.plan import Plan, TensorSpec, build_plan
 from glmconv.rules import names
 from glmconv.runners.backward import Fp8Stats, Named, Read, mapping_hf, mapping_tensors
 from glmconv.runners.export_job import check_loadable, padded_rows, source_job
+from glmconv.text import show
 
 if TYPE_CHECKING:
     import torch
@@ -116,13 +119,19 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
         return _from_checkpoint(Path(params), config, fp8, dtypes, chunk_bytes)
     if config is None:
         raise GlmconvError("hf_weights: pass the model's config (a config.json or GlmConfig) with in-memory parameters")
+    if not isinstance(config, (GlmConfig, str, os.PathLike)):
+        raise ArgumentError("config", config, "expected a GlmConfig, or a config.json or checkpoint directory (a str "
+                            "or pathlib.Path)")
     cfg = config if isinstance(config, GlmConfig) else load_config(config)
     return _pushed(params, WeightSync(build_plan(cfg, fp8=fp8, layout=layout), dtypes, chunk_bytes=chunk_bytes))
 
 
 def _pushed(params: Iterable[tuple[str, torch.Tensor]], sync: WeightSync) -> Iterator[Named]:
-    for name, tensor in params:
-        yield from sync.push(name, tensor)
+    for i, pair in enumerate(params):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise GlmconvError(f"glmconv.hf_weights(): params[{i}]={show(pair, quote=True)}: expected a (Megatron "
+                               f"name, tensor) pair")
+        yield from sync.push(*pair)
     sync.close()
 
 

@@ -5,6 +5,7 @@ Every check runs on paths that do not exist: a refusal that names the option pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -30,47 +31,52 @@ def _refusal(fn: Any, *args: Any, **kw: Any) -> str:
     return str(exc.value)
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"workers": 0}, "--workers 0: expected a count from 1 to 256, or auto"),
-    ({"workers": -3}, "--workers -3: expected a count from 1 to 256, or auto"),
-    ({"workers": 1.5}, "--workers 1.5: expected a count from 1 to 256, or auto"),
-    ({"workers": "lots"}, "--workers lots: expected a count from 1 to 256, or auto"),
-    ({"workers": True}, "--workers True: expected a count from 1 to 256, or auto"),
-    ({"read_threads": -1}, "--read-threads -1: expected a whole number from 0 to 64"),
-    ({"group_bytes": 0}, "--group-size 0: expected a size from 1 byte to 1PiB (1125899906842624 bytes)"),
-    ({"dtype": "fp8"}, "--dtype fp8: choose from keep, bf16, fp32"),
-    ({"device": "tpu"}, "--device tpu: choose from auto, cpu, cuda"),
-    ({"layout": "nemo"}, "--layout nemo: choose from miles, mcore"),
-    ({"force": "yes"}, "--force yes: expected True or False"),
-])
-
-
-def test_convert_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -> None:
-    assert _refusal(glmconv.convert, NOWHERE, NOWHERE + "-out", **kw) == message
+SIZE = "expected a number of bytes, an int from 1 to 1125899906842624 (1 PiB)"
 
 
 @pytest.mark.parametrize(("kw", "message"), [
-    ({"workers": 0}, "--workers 0: expected a count from 1 to 256, or auto"),
-    ({"read_threads": 65}, "--read-threads 65: expected a whole number from 0 to 64"),
-    ({"max_shard_bytes": 0}, "--max-shard-size 0: expected a size from 1 byte to 1PiB (1125899906842624 bytes)"),
-    ({"like": 3}, "--like 3: expected a path (a str or pathlib.Path)"),
+    ({"workers": 0}, "workers=0: expected an int from 1 to 256, or 'auto'"),
+    ({"workers": -3}, "workers=-3: expected an int from 1 to 256, or 'auto'"),
+    ({"workers": 1.5}, "workers=1.5: expected an int from 1 to 256, or 'auto'"),
+    ({"workers": "lots"}, "workers='lots': expected an int from 1 to 256, or 'auto'"),
+    ({"workers": True}, "workers=True: expected an int from 1 to 256, or 'auto'"),
+    ({"read_threads": -1}, "read_threads=-1: expected an int from 0 to 64"),
+    ({"group_bytes": 0}, f"group_bytes=0: {SIZE}"),
+    ({"group_bytes": "1GB"}, f"group_bytes='1GB': {SIZE}; text such as '1GB' is the command line's spelling only"),
+    ({"dtype": "fp8"}, "dtype='fp8': choose from keep, bf16, fp32"),
+    ({"device": "tpu"}, "device='tpu': choose from auto, cpu, cuda"),
+    ({"layout": "nemo"}, "layout='nemo': choose from miles, mcore"),
+    ({"force": "yes"}, "force='yes': expected True or False"),
 ])
 
 
-def test_export_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -> None:
-    assert _refusal(glmconv.export, NOWHERE, NOWHERE + "-out", **kw) == message
+def test_convert_refuses_naming_its_keyword(kw: dict[str, Any], message: str) -> None:
+    """Was `--group-size 1GB: expected a size ...`: a CLI flag named to a Python caller (issue 40)."""
+    assert _refusal(glmconv.convert, NOWHERE, NOWHERE + "-out", **kw) == "glmconv.convert(): " + message
 
 
 @pytest.mark.parametrize(("kw", "message"), [
-    ({"workers": 0}, "--workers 0: expected a count from 1 to 256, or auto"),
-    ({"read_threads": 65}, "--read-threads 65: expected a whole number from 0 to 64"),
-    ({"device": "tpu"}, "--device tpu: choose from auto, cpu, cuda"),
-    ({"progress": "yes"}, "--progress yes: expected True or False"),
+    ({"workers": 0}, "workers=0: expected an int from 1 to 256, or 'auto'"),
+    ({"read_threads": 65}, "read_threads=65: expected an int from 0 to 64"),
+    ({"max_shard_bytes": 0}, f"max_shard_bytes=0: {SIZE}"),
+    ({"like": 3}, "like=3: expected a path (a str or pathlib.Path)"),
 ])
 
 
-def test_verify_refuses_what_the_cli_refuses(kw: dict[str, Any], message: str) -> None:
-    assert _refusal(glmconv.verify, NOWHERE, NOWHERE + "-mc", **kw) == message
+def test_export_refuses_naming_its_keyword(kw: dict[str, Any], message: str) -> None:
+    assert _refusal(glmconv.export, NOWHERE, NOWHERE + "-out", **kw) == "glmconv.export(): " + message
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"workers": 0}, "workers=0: expected an int from 1 to 256, or 'auto'"),
+    ({"read_threads": 65}, "read_threads=65: expected an int from 0 to 64"),
+    ({"device": "tpu"}, "device='tpu': choose from auto, cpu, cuda"),
+    ({"progress": "yes"}, "progress='yes': expected True or False"),
+])
+
+
+def test_verify_refuses_naming_its_keyword(kw: dict[str, Any], message: str) -> None:
+    assert _refusal(glmconv.verify, NOWHERE, NOWHERE + "-mc", **kw) == "glmconv.verify(): " + message
 
 
 @pytest.mark.parametrize("command", ["convert", "export", "verify"])
@@ -82,11 +88,12 @@ def test_the_shared_read_threads_option_refuses_what_the_api_refuses(command: st
 
 
 def test_relayout_refuses_an_unknown_target_layout() -> None:
-    assert _refusal(glmconv.relayout, NOWHERE, NOWHERE + "-out", to="nemo") == "--to nemo: choose from miles, mcore"
+    assert _refusal(glmconv.relayout, NOWHERE, NOWHERE + "-out", to="nemo") == (
+        "glmconv.relayout(): to='nemo': choose from miles, mcore")
 
 
 def test_audit_refuses_zero_layers() -> None:
-    assert _refusal(glmconv.audit, NOWHERE, layers=0) == "--layers 0: expected a whole number of at least 1"
+    assert _refusal(glmconv.audit, NOWHERE, layers=0) == "glmconv.audit(): layers=0: expected an int of at least 1"
 
 
 @pytest.mark.parametrize("fn", [glmconv.convert, glmconv.export, glmconv.relayout, glmconv.verify, glmconv.audit,
@@ -183,3 +190,85 @@ def test_audit_returns_what_json_prints(tiny_ckpt: Path) -> None:
     printed = CliRunner().invoke(cli, ["audit-names", str(tiny_ckpt), "--json"]).output
     assert json.loads(json.dumps(report)) == json.loads(printed)
     assert report["ok"] is True and report["findings"] == []
+
+
+# ---- every public function: a wrong type or value is one GlmconvError naming the parameter (issue 40) --------
+
+def _public_calls() -> dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]]:
+    """Each public function of glmconv.api and of `glmconv.__all__`, with arguments it accepts (paths that do not
+    exist: every check must come before anything is read)."""
+    from glmconv import api
+
+    config = glmconv.load_config(Path(__file__).resolve().parents[1] / "fixtures" / "glm-5.3-flash.config.json")
+    return {"convert": (api.convert, (NOWHERE, NOWHERE + "-out"), {}),
+            "export": (api.export, (NOWHERE, NOWHERE + "-out"), {}),
+            "relayout": (api.relayout, (NOWHERE, NOWHERE + "-out"), {"to": "mcore"}),
+            "verify": (api.verify, (NOWHERE, NOWHERE + "-mc"), {}),
+            "audit": (api.audit, (NOWHERE,), {}), "audit_report": (api.audit_report, (NOWHERE,), {}),
+            "parity": (api.parity, (NOWHERE, NOWHERE), {}),
+            "hf_weights": (api.hf_weights, ([], NOWHERE), {}),
+            "load_config": (glmconv.load_config, (NOWHERE,), {}),
+            "build_plan": (glmconv.build_plan, (config,), {})}
+
+
+def _wrong_values(default: Any) -> list[Any]:
+    """Values of the wrong type for a parameter with this default: anything for all, then the near misses."""
+    near: list[Any] = ([1, "yes", None] if isinstance(default, bool) else [1.5, True, "1GB"] if isinstance(default, int)
+                       else [5] if isinstance(default, str) else [])
+    return [object(), *near]
+
+
+def _cases() -> list[tuple[str, str, Any]]:
+    import inspect
+
+    from glmconv.api import _PARITY_OWN
+    from glmconv.compare import ParityOptions
+
+    cases = []
+    for fname, (fn, _, _) in _public_calls().items():
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                continue
+            default = None if p.default is p.empty else p.default
+            cases += [(fname, p.name, v) for v in _wrong_values(default)]
+    cases += [("parity", f.name, object()) for f in dataclasses.fields(ParityOptions) if f.name not in _PARITY_OWN]
+    return cases
+
+
+@pytest.mark.parametrize(("fname", "param", "value"), _cases(),
+                         ids=lambda x: x if isinstance(x, str) else type(x).__name__)
+def test_every_public_function_names_the_parameter_of_a_wrong_type(fname: str, param: str, value: Any) -> None:
+    """Was: `hf_weights(5, cfg)` a TypeError, `build_plan('.../config.json')` an AttributeError."""
+    import inspect
+
+    fn, args, kwargs = _public_calls()[fname]
+    names = list(inspect.signature(fn).parameters)
+    if param in names and names.index(param) < len(args):
+        args = tuple(value if i == names.index(param) else a for i, a in enumerate(args))
+    else:
+        kwargs = {**kwargs, param: value}
+    try:
+        result = fn(*args, **kwargs)
+        if inspect.isgenerator(result):
+            list(result)
+    except GlmconvError as exc:
+        message = str(exc)
+    else:
+        pytest.fail(f"glmconv.{fname}({param}={value!r}) was accepted")
+    assert message.startswith(f"glmconv.{fname}(): {param}="), message
+    assert len(message.splitlines()) == 1
+
+
+def test_a_trainers_pairs_that_are_no_pairs_are_named() -> None:
+    config = glmconv.load_config(Path(__file__).resolve().parents[1] / "fixtures" / "glm-5.3-flash.config.json")
+    assert _refusal(lambda: list(glmconv.hf_weights([5], config))) == (
+        "glmconv.hf_weights(): params[0]=5: expected a (Megatron name, tensor) pair")
+
+
+def test_parity_checks_the_command_line_shares_name_both_spellings() -> None:
+    """The CLI reaches these through glmconv.parity: the flag for its user, the keyword for a Python caller."""
+    assert _refusal(glmconv.parity, NOWHERE, NOWHERE, prompt_file=NOWHERE, tokens=8) == (
+        "--prompt-file sets the tokens and sequences (prompt_file, in Python); drop --tokens and --sequences "
+        "(tokens, sequences)")
+    assert _refusal(glmconv.parity, NOWHERE, NOWHERE, threshold=0) == (
+        "--threshold 0 (threshold, in Python): must be positive")

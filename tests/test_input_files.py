@@ -322,3 +322,65 @@ def test_a_failed_parity_run_leaves_an_earlier_report_as_it_was(tiny_ckpt: Path,
     got = invoke(["parity", str(tiny_ckpt), str(mc_ckpt), "--prompt-file", str(tmp_path / "prompt"),
                   "--report-dir", str(rep)])
     assert got.exit_code == 2 and {p.name: p.read_bytes() for p in rep.iterdir()} == before
+
+
+# ---- a file of a checkpoint given where the checkpoint directory goes (issue 40) ------------------------------
+
+FILES = {"shard": "model-00001-of-00004.safetensors", "index": INDEX_NAME, "config": CONFIG_NAME,
+         "distcp": "release/__0_0.distcp", "metadata": "release/.metadata"}
+DIR_ARGS = {  # every argument that takes a checkpoint directory: FILE stands for the file given there
+    "convert SRC": ["convert", "FILE", "OUT"], "export MCORE_DIR": ["export", "FILE", "OUT"],
+    "export --like": ["export", "MC", "OUT", "--like", "FILE"], "verify HF_DIR": ["verify", "FILE", "MC"],
+    "verify MCORE_DIR": ["verify", "HF", "FILE"], "parity HF_DIR": ["parity", "FILE", "MC"],
+    "parity MCORE_DIR": ["parity", "HF", "FILE"], "relayout MCORE_DIR": ["relayout", "FILE", "OUT", "--to", "mcore"],
+    "relayout --like": ["relayout", "MC", "OUT", "--to", "mcore", "--like", "FILE"]}
+CONFIG_ARGS = {  # arguments that take a config.json or a checkpoint directory holding one
+    "audit-names SRC": ["audit-names", "FILE"], "audit-names --against": ["audit-names", "HF", "--against", "FILE"],
+    "megatron-args CONFIG": ["megatron-args", "FILE"], "export --config": ["export", "MC", "OUT", "--config", "FILE"]}
+
+
+def _given(file: str, tiny_ckpt: Path, mc_ckpt: Path) -> tuple[Path, Path]:
+    """The file, and the checkpoint directory it is a file of."""
+    holder = mc_ckpt if file in ("distcp", "metadata") else tiny_ckpt
+    return holder / FILES[file], holder
+
+
+@pytest.mark.parametrize("file", FILES)
+@pytest.mark.parametrize("where", DIR_ARGS)
+def test_a_checkpoint_file_where_a_directory_goes_says_a_directory_is_expected(
+        where: str, file: str, tiny_ckpt: Path, mc_ckpt: Path, tmp_path: Path) -> None:
+    """Was: `not valid JSON (not UTF-8: byte 5963)` for a shard, `model_type None is not glm5_next` for the index."""
+    given, holder = _given(file, tiny_ckpt, mc_ckpt)
+    spell = {"FILE": str(given), "OUT": str(tmp_path / "out"), "MC": str(mc_ckpt), "HF": str(tiny_ckpt)}
+    args = [spell.get(a, a) for a in DIR_ARGS[where]]
+    line = assert_refused(args, [tiny_ckpt, mc_ckpt], tmp_path / "out", "")
+    assert line == (f"error: {given}: not a directory (a regular file); expected a checkpoint directory (it is a "
+                    f"file of the checkpoint directory {holder}: pass {holder})")
+
+
+@pytest.mark.parametrize("file", [f for f in FILES if f != "config"])
+@pytest.mark.parametrize("where", CONFIG_ARGS)
+def test_a_checkpoint_file_where_a_config_goes_says_what_is_expected(
+        where: str, file: str, tiny_ckpt: Path, mc_ckpt: Path, tmp_path: Path) -> None:
+    given, holder = _given(file, tiny_ckpt, mc_ckpt)
+    spell = {"FILE": str(given), "OUT": str(tmp_path / "out"), "MC": str(mc_ckpt), "HF": str(tiny_ckpt)}
+    args = [spell.get(a, a) for a in CONFIG_ARGS[where]]
+    line = assert_refused(args, [tiny_ckpt, mc_ckpt], tmp_path / "out", "")
+    why = "no model_type" if file == "index" else "not JSON"
+    assert line == (f"error: {given}: not a config.json ({why}); expected a config.json or a checkpoint directory "
+                    f"(it is a file of the checkpoint directory {holder}: pass {holder})")
+
+
+@pytest.mark.parametrize("file", FILES)
+def test_the_api_says_a_directory_is_expected_too(file: str, tiny_ckpt: Path, mc_ckpt: Path, tmp_path: Path) -> None:
+    import glmconv
+
+    given, holder = _given(file, tiny_ckpt, mc_ckpt)
+    expected = (f"{given}: not a directory (a regular file); expected a checkpoint directory (it is a file of the "
+                f"checkpoint directory {holder}: pass {holder})")
+    for call in (lambda: glmconv.convert(given, tmp_path / "out"), lambda: glmconv.verify(tiny_ckpt, given),
+                 lambda: glmconv.export(given, tmp_path / "out"),
+                 lambda: glmconv.relayout(given, tmp_path / "o", to="mcore"), lambda: glmconv.hf_weights(given)):
+        with pytest.raises(glmconv.GlmconvError) as err:
+            call()
+        assert str(err.value) == expected

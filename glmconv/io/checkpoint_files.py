@@ -17,6 +17,7 @@ import stat
 from pathlib import Path, PurePosixPath
 
 from glmconv.errors import CheckpointError
+from glmconv.io.file_names import CONFIG_NAME, TRACKER_NAME
 
 HF_CACHE_SNAPSHOTS = "snapshots"
 HF_CACHE_BLOBS = "blobs"
@@ -31,8 +32,42 @@ def check_checkpoint_dir(path: Path) -> Path:
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise CheckpointError(f"{path}: not a directory ({file_kind(st.st_mode)}); expected a checkpoint directory")
+        raise not_a_directory(path, st.st_mode)
     return path
+
+
+def expect_directory(path: str | Path) -> None:
+    """Refuse a file (a shard, the index, config.json, a .distcp, .metadata) given where a checkpoint directory
+    goes, naming the directory holding it; a missing path is left to the reader that names what is missing."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise not_a_directory(Path(path), st.st_mode)
+
+
+def not_a_directory(path: Path, mode: int, expected: str = "a checkpoint directory") -> CheckpointError:
+    """`path` (of stat `mode`) where a checkpoint directory goes: what it is, what goes there and, for a file of
+    a checkpoint, the directory to pass instead."""
+    return CheckpointError(f"{path}: not a directory ({file_kind(mode)}); expected {expected}"
+                           f"{holding_hint(path)}")
+
+
+def holding_hint(path: Path) -> str:
+    """` (it is a file of the checkpoint directory D: pass D)` when `path` lies in one (a shard, the index,
+    config.json, an iteration directory's .distcp or .metadata), else ``."""
+    holder = enclosing_checkpoint(path)
+    return f" (it is a file of the checkpoint directory {holder}: pass {holder})" if holder is not None else ""
+
+
+def enclosing_checkpoint(path: Path) -> Path | None:
+    """The checkpoint directory `path` is a file of: the nearest of its three parents holding an HF config.json
+    or a torch_dist tracker (the root of `release/__0_0.distcp`, not its iteration directory)."""
+    for d in list(path.parents)[:3]:
+        if (d / CONFIG_NAME).is_file() or (d / TRACKER_NAME).is_file():
+            return d
+    return None
 
 
 def allowed_roots(root: Path) -> tuple[Path, ...]:

@@ -147,7 +147,7 @@ def _check_storage(metadata: Any, iter_dir: Path) -> None:
         inside(iter_dir, rel, f"{DCP_METADATA_NAME}: data file")
         needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(needed.items()):
-        path = require_file(iter_dir, rel, f"{rel}: data file listed in {DCP_METADATA_NAME} is missing",
+        path = require_file(iter_dir, rel, f"{rel}: data file listed in {DCP_METADATA_NAME} is missing from {iter_dir}",
                             f"{DCP_METADATA_NAME}: data file")
         if os.path.getsize(path) < end:
             raise CheckpointError(f"{rel}: truncated: metadata needs {end} bytes, file has {os.path.getsize(path)}")
