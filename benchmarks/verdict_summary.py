@@ -11,6 +11,11 @@ import sys
 from pathlib import Path
 
 
+def _n(v: float | None) -> float:
+    """A report number; null (NaN or infinite, its reason in `<field>_why`) as infinity."""
+    return float("inf") if v is None else v
+
+
 def _fd(fd: dict | None) -> str:
     if fd is None:
         return "none"
@@ -22,11 +27,11 @@ def run_rows(reports: dict[str, dict]) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|"]
     for name, r in reports.items():
         recs = r["layers"]
-        excess = max(rec.get("excess", 0.0) for rec in recs)
-        ref = max(rec.get("ref_rel_err", 0.0) for rec in recs)
+        excess = max(_n(rec.get("excess", 0.0)) for rec in recs)
+        ref = max(_n(rec.get("ref_rel_err", 0.0)) for rec in recs)
         peak = r.get("peak_memory", {}).get("bytes", 0) / 1e9
         out.append(f"| {name} | {r['mode']}, {r['dtype']} | {'PASSED' if r['passed'] else 'FAILED'}: "
-                   f"{_fd(r['first_divergence'])} | {max(rec['rel_err'] for rec in recs):.3g} | {excess:.3g} | "
+                   f"{_fd(r['first_divergence'])} | {max(_n(rec['rel_err']) for rec in recs):.3g} | {excess:.3g} | "
                    f"{ref:.3g} | {r['logits']['top1_agreement']:.3f} | {r.get('wall_s', 0):.1f} | {peak:.1f} GB |")
     return out
 
@@ -47,7 +52,7 @@ def defect_rows(reports: dict[str, dict]) -> list[str]:
             planted = f"layer {p['layer']} {p['sub_block']}"
             fd = row["first_divergence"]
             cells.append("MISSED" if not row["named"] else
-                         f"yes, {fd['excess']:.3g}x, {fd['ref_rel_err']:.2e}")
+                         f"yes, {_n(fd['excess']):.3g}x, {_n(fd['ref_rel_err']):.2e}")
         out.append(f"| {defect} | {planted} | " + " | ".join(cells) + " |")
     return out
 

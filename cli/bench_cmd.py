@@ -6,7 +6,7 @@ import click
 from rich.table import Table
 
 from glmconv.errors import GlmconvError
-from glmconv.kernels.bench import run
+from glmconv.kernels.bench import Row, run
 from glmconv.text import console
 from glmconv_cli.output import echo_json
 
@@ -36,10 +36,17 @@ def kernels(tokens: int, as_json: bool) -> None:
         echo_json([r.as_dict() for r in rows], indent=2)
         return
 
-    t = Table(title=f"glmconv bench kernels ({torch.cuda.get_device_name()})")
+    console().print(table(rows, torch.cuda.get_device_name()))
+
+
+def table(rows: list[Row], device: str) -> Table:
+    """The rows as a table whose numbers are never cut: the text columns wrap to make room."""
+    t = Table(title=f"glmconv bench kernels ({device})")
     for col in ("op", "shape", "kernel ms", "reference ms", "speedup", "reference", "check"):
-        t.add_column(col, justify="right" if col.endswith(("ms", "speedup")) else "left")
+        number = col.endswith(("ms", "speedup"))
+        t.add_column(col, justify="right" if number else "left", no_wrap=number,
+                     overflow="ellipsis" if number else "fold")
     for r in rows:
         t.add_row(r.op, r.shape, f"{r.kernel_ms:.3f}", f"{r.reference_ms:.3f}", f"{r.speedup:.2f}x", r.reference,
                   r.check)
-    console().print(t)
+    return t

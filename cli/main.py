@@ -51,6 +51,8 @@ class _Group(click.Group):
             _fail("interrupted", 128 + signal.SIGINT)
         except GlmconvError as exc:
             _fail(f"error: {one_line(str(exc))}", exc.exit_code)
+        except click.exceptions.NoArgsIsHelpError:  # a group without its subcommand: its help, as `glmconv` alone
+            raise  # gives (click prints it whole on stderr, exit 2): the help is many lines, never one error line
         except click.UsageError as exc:
             _fail(f"error: {one_line(exc.format_message())}", exc.exit_code)
         except (click.exceptions.Exit, click.Abort, click.ClickException):

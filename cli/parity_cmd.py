@@ -10,12 +10,13 @@ import click
 from glmconv import api
 from glmconv import defaults as D
 from glmconv.compare.catalog import NAMES as DEFECT_NAMES
-from glmconv.compare.report import divergence_line, print_table
+from glmconv.compare.options import check_self_test
+from glmconv.compare.report import divergence_line, gate_note, measured, next_step, print_table
 from glmconv.compare.verdict import MARGIN, STREAM_FLOOR
 from glmconv.mistakes import runtime_note
 from glmconv.models.conventions import CHOICES, SERVE_ALIAS
 from glmconv.text import console as text_console
-from glmconv.text import count, printable
+from glmconv.text import count, printable, table_width
 from glmconv_cli.output import echo_json
 from glmconv_cli.sizes import SEED, SEED_HELP
 
@@ -67,8 +68,11 @@ from glmconv_cli.sizes import SEED, SEED_HELP
 
 @click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC>VALUE",
               help="Gate on these bounds instead of the verdict (repeatable; add 'divergences>0' to keep the "
-                   "verdict too): METRIC>VALUE or METRIC<VALUE, e.g. 'excess.max>4' (rel err over the measured "
-                   "noise), 'ref_rel_err.max>1e-4', 'logprob_abs_diff.max>1e-4', 'top1_agreement<0.99', 'kl>1e-6'.")
+                   "verdict too, else a note says the divergence it names is not gated): the condition that fails, "
+                   "METRIC>VALUE, METRIC>=VALUE, METRIC<VALUE or METRIC<=VALUE, e.g. 'excess.max>4' (rel err over "
+                   "the measured noise; an error over a noise of 0 is unbounded and breaks it, the failure saying "
+                   "where), 'ref_rel_err.max>1e-4', 'logprob_abs_diff.max>1e-4', 'top1_agreement<0.99', 'kl>=1e-6'. "
+                   "A metric this run does not measure (expert_excess.max without MoE layers) is refused, exit 2.")
 
 
 @click.option("--self-test", is_flag=True,
@@ -79,7 +83,8 @@ from glmconv_cli.sizes import SEED, SEED_HELP
 
 
 @click.option("--defects", default=None, metavar="NAME,...",
-              help="With --self-test: only these catalog defects (" + ", ".join(DEFECT_NAMES) + ").")
+              help="With --self-test (refused without it, exit 2): only these catalog defects ("
+                   + ", ".join(DEFECT_NAMES) + ").")
 
 
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
@@ -133,6 +138,7 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
     while they are within their bounds).
     """
 
+    check_self_test(self_test, defects)  # before anything is read
     report = api.parity(hf_dir, mcore_dir, tokens=tokens, sequences=sequences, prompt_file=prompt_file,
                         fail_on=fail_on, threshold=threshold, report_dir=report_dir, seed=seed, mode=mode,
                         dtype=dtype, device=device, train_conventions=train_conventions, overrides=overrides,
@@ -144,7 +150,8 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
         echo_json(report, indent=2)
     else:
         _print(report, paths)
-    for note in [*report.get("report_skipped", []), runtime_note(report.get("config_keys_ignored", []))]:
+    for note in [*report.get("report_skipped", []), runtime_note(report.get("config_keys_ignored", [])),
+                 gate_note(report)]:
         if note:
             click.echo(printable(f"note: {note}"), err=True)
     if not report["passed"]:
@@ -155,17 +162,19 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
 def failure(report: dict) -> str:
     """What failed the gate, in one line."""
 
-    broken = [b["bound"] for b in report["bounds"] if b["broken"]]
+    broken = [b["bound"] + (f" ({measured(b)})" if b["value"] is None else "") for b in report["bounds"]
+              if b["broken"]]
     missed = [r["defect"] for r in report.get("self_test", []) if not r["named"]]
     parts = [f"{count(len(broken), 'bound')} broken: {', '.join(broken)}"] if broken else []
     parts += [divergence_line(report)] if report["gate"] == "verdict" and report["first_divergence"] else []
+    parts += [step] if (step := next_step(report)) else []
     parts += [f"self-test missed {', '.join(missed)}"] if missed else []
     return "; ".join(parts)
 
 
 def _print(report: dict, paths: list[Path]) -> None:
     console = text_console()
-    print_table(report, console)
+    print_table(report, console, table_width(console))
     for p in paths:
         console.print(printable(f"wrote {p}"), markup=False, highlight=False, soft_wrap=True)
     console.print(f"took {report['wall_s']:.2f}s in all (loading both models, then their forward passes: "

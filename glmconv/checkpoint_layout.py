@@ -11,6 +11,7 @@ from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import MANIFEST_NAME
 from glmconv.io.jsonfile import load_json_file
+from glmconv.io.torch_dist.metadata import inspect_torch_dist, is_torch_dist
 from glmconv.plan import Plan, detect_layout
 from glmconv.rules import layouts, names
 from glmconv.rules import roles as R
@@ -44,6 +45,14 @@ def checkpoint_layout(root: Path, config: GlmConfig, keys: Iterable[str], asked:
         if value is not None and found is not None and value != found:
             raise CheckpointError(f"{root}: {what}, but its tensors are named in the {found} layout")
     return asked or recorded or found or DEFAULT_LAYOUT
+
+
+def trained_layout(path: Path, config: GlmConfig, asked: str | None = None) -> str:
+    """The layout a training run of `path` uses: a torch_dist checkpoint's own (`checkpoint_layout`, `asked`
+    checked against it), else `asked`, else the default (a config.json or an HF checkpoint has no layout)."""
+    if not is_torch_dist(Path(path)):
+        return asked or DEFAULT_LAYOUT
+    return checkpoint_layout(Path(path), config, inspect_torch_dist(path).tensors, asked)
 
 
 def homeless_counts(plan: Plan) -> dict[str, int]:

@@ -78,6 +78,19 @@ def console(**kwargs: Any) -> Any:
     return out
 
 
+PIPE_TABLE_WIDTH = 100  # columns a table of numbers is laid out in when piped: a log is read in a terminal later
+
+
+def table_width(out: Any) -> int:
+    """The columns a table of numbers (parity's) is laid out in on `out`, a `console()`: its width (a terminal's,
+    or COLUMNS'), or PIPE_TABLE_WIDTH when it is no terminal and COLUMNS is not set. A table of names keeps
+    PIPE_WIDTH there (a name stays on one line); a table of numbers drops columns to fit instead, and a log read
+    later in a terminal does not wrap it."""
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        return min(out.width, PIPE_TABLE_WIDTH)
+    return int(out.width)
+
+
 def _terminal_width(file: Any) -> int | None:
     """The width of the terminal `file` is (rich asks descriptors 0-2, and 1 is stderr's while a command runs);
     None, rich's own guess kept, where it is no terminal rich was told it is one (FORCE_COLOR)."""
@@ -91,8 +104,9 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
     """`value` as strict JSON (RFC 8259), which every parser reads; every `--json` and report.json print this.
 
     Whatever the value holds: a NaN or infinite float is the string "nan", "inf" or "-inf" (JSON has no such
-    number; a string keeps what null would lose: the parity report's "excess": "inf" is an error beyond a noise of
-    zero, not a missing one, and a gate like jq's `.x > 1e-4` does not pass a NaN the way it passes null). A value
+    number, and a bare null would lose what it was). A report that knows why a number is missing says so instead:
+    the parity report has no NaN or infinity left (glmconv.compare.report.finite_numbers: null, and the reason in
+    `<field>_why` beside it), so a reader comparing its numbers meets a number or null, never a string. A value
     JSON has no type for (a set, bytes, a path, an object unpickled from a trainer's common state) is its `repr`,
     cut as `show` cuts it; so is a container that holds itself, or one nested deeper than MAX_JSON_DEPTH. Keys
     become strings. Shown rather than refused: these values come from a run that already did its work (relayout

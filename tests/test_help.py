@@ -77,3 +77,27 @@ def test_audit_fp8_help_says_what_the_default_is_in_words() -> None:
     assert ("--fp8 / --no-fp8 Expect the FP8 release layout, or a BF16 one. Default: whatever SRC holds; with --emit "
             "(nothing to look at), BF16.") in text
     assert "emit: off" not in text
+
+
+def _groups(group: click.Group, path: list[str]) -> list[tuple[click.Group, list[str]]]:
+    out = [(group, path)]
+    for name, cmd in group.commands.items():
+        out += _groups(cmd, [*path, name]) if isinstance(cmd, click.Group) else []
+    return out
+
+
+GROUPS = _groups(cli, [])
+
+
+@pytest.mark.parametrize(("group", "path"), GROUPS, ids=[" ".join(["glmconv", *p]) for _, p in GROUPS])
+def test_a_group_without_its_subcommand_prints_its_help_whole(group: click.Group, path: list[str]) -> None:
+    """`glmconv fixture` printed its help as one `error:` line with literal `\\n`s; every group now prints the help
+    `glmconv` alone prints: many lines on stderr, exit 2 (no subcommand was run)."""
+    res = CliRunner(env={"COLUMNS": "80"}).invoke(cli, path, prog_name="glmconv")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert "\\n" not in res.stderr and not res.stderr.startswith("error:")
+    lines = res.stderr.splitlines()
+    assert lines[0] == " ".join(["Usage: glmconv", *path, "[OPTIONS] COMMAND [ARGS]..."])
+    assert "Commands:" in lines and all(any(line.startswith(f"  {name} ") for line in lines)
+                                        for name in group.commands)
+    assert res.stderr == CliRunner(env={"COLUMNS": "80"}).invoke(cli, [*path, "--help"], prog_name="glmconv").stdout

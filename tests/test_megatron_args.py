@@ -68,11 +68,91 @@ def test_megatron_lm_parses_every_printed_flag_to_the_configs_values(megatron_pa
 
 
 def test_cli_prints_one_flag_per_line_for_a_launcher(tiny_ckpt: Path) -> None:
+    """The default, --format lines: no continuation backslash, no quotes (`$(glmconv megatron-args hf)` passed a
+    literal `\\` and a quoted `'([0]*2+[1]*2)'` to the launcher)."""
     res = CliRunner().invoke(cli, ["megatron-args", str(tiny_ckpt)])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0] == "--num-layers 4" and lines[-1] == "--mtp-num-layers 1" and "--swiglu" in lines
+    assert "--moe-layer-freq ([0]*2+[1]*2)" in lines
+    assert not any("\\" in line or "'" in line for line in lines)
+
+
+def test_cli_shell_format_is_a_script_continuation(tiny_ckpt: Path) -> None:
+    res = CliRunner().invoke(cli, ["megatron-args", str(tiny_ckpt), "--format", "shell"])
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert lines[0] == "--num-layers 4 \\" and lines[-1] == "--mtp-num-layers 1"
     assert "--moe-layer-freq '([0]*2+[1]*2)' \\" in lines
+
+
+def test_a_command_substitution_passes_the_flags_as_argv(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """What a launch script does with the default output: `torchrun ... $(glmconv megatron-args CKPT)`."""
+    import shutil
+    import subprocess
+    import sys
+
+    glmconv = Path(sys.executable).with_name("glmconv")
+    script = 'set -f; for w in $("$1" megatron-args "$2"); do printf "%s\\n" "$w"; done'
+    bash = shutil.which("bash") or "/bin/bash"
+    words = subprocess.run([bash, "-c", script, "_", str(glmconv), str(tiny_ckpt)], capture_output=True, text=True,
+                           cwd=tmp_path, check=True).stdout.splitlines()
+    expected = [w for flag, value in model_args(load_config(tiny_ckpt)).items()
+                for w in ([flag] if value is True else [flag, str(value)])]
+    assert words == expected and "([0]*2+[1]*2)" in words
+
+
+def test_megatron_lm_parses_the_launcher_lines_to_the_configs_values(megatron_parser: argparse.ArgumentParser
+                                                                      ) -> None:
+    from glmconv_cli.megatron_args_cmd import launcher_lines
+
+    words = " ".join(launcher_lines(model_args(load_config(REAL_CONFIG)))).split()
+    ns, unknown = megatron_parser.parse_known_args(words)
+    assert unknown == [] and ns.moe_layer_freq == [0] * 3 + [1] * 42 and ns.num_experts == 288
+
+
+def test_a_value_with_whitespace_is_refused_in_lines_format() -> None:
+    from glmconv.errors import GlmconvError
+    from glmconv_cli.megatron_args_cmd import launcher_lines
+
+    with pytest.raises(GlmconvError) as exc:
+        launcher_lines({"--num-layers": 4, "--normalization": "RMS Norm"})
+    assert str(exc.value) == ("--normalization 'RMS Norm': a value with whitespace cannot be one word of --format "
+                              "lines; --format shell or --format json keep it whole")
+
+
+def test_json_and_another_format_are_refused(tiny_ckpt: Path) -> None:
+    for fmt in ("shell", "lines"):
+        res = CliRunner().invoke(cli, ["megatron-args", str(tiny_ckpt), "--json", "--format", fmt])
+        assert res.exit_code == 2 and res.output.strip() == (
+            f"error: --json is --format json: drop one of --json and --format {fmt}")
+    same = CliRunner().invoke(cli, ["megatron-args", str(tiny_ckpt), "--format", "json"])
+    flag = CliRunner().invoke(cli, ["megatron-args", str(tiny_ckpt), "--json"])
+    assert json.loads(same.output) == json.loads(flag.output)
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for layout in ("miles", "mcore"):
+        out[layout] = tmp_path_factory.mktemp("margs") / layout
+        res = CliRunner().invoke(cli, ["convert", str(tiny_ckpt), str(out[layout]), "--layout", layout])
+        assert res.exit_code == 0, res.output
+    return out
+
+
+def test_a_checkpoint_in_the_mcore_layout_gets_no_mtp_flag(converted: dict[str, Path]) -> None:
+    """`megatron-args MCORE_DIR` of `convert --layout mcore` printed --mtp-num-layers 1: its layout has no MTP
+    module (its stored args say mtp_num_layers None). The checkpoint's own layout is now the default."""
+    mcore = CliRunner().invoke(cli, ["megatron-args", str(converted["mcore"])])
+    assert mcore.exit_code == 0, mcore.output
+    assert not any(line.startswith("--mtp-num-layers") for line in mcore.output.splitlines())
+    miles = CliRunner().invoke(cli, ["megatron-args", str(converted["miles"])])
+    assert miles.output.splitlines()[-1] == "--mtp-num-layers 1"
+    assert mcore.output.splitlines() == miles.output.splitlines()[:-1]
+    wrong = CliRunner().invoke(cli, ["megatron-args", str(converted["mcore"]), "--layout", "miles"])
+    assert wrong.exit_code == 2 and wrong.output.strip() == (
+        f"error: {converted['mcore']}: --layout miles, but its tensors are named in the mcore layout")
 
 
 def test_cli_json_and_a_bad_cut(tiny_ckpt: Path) -> None:

@@ -234,6 +234,7 @@ def test_cli_prompt_file_packs_sequences(monkeypatch: pytest.MonkeyPatch, dirs: 
     (["--fail-on", "kl"], "expected METRIC>VALUE"),
     (["--fail-on", "nonsense>1"], "unknown metric"),
     (["--fail-on", "kl>x"], "is not a number"),
+    (["--fail-on", "kl=1"], "operator '=' is not one of <, <=, >, >="),
     (["--tokens", "8", "--prompt-file", "p.txt"], "--prompt-file sets the tokens"),
     (["--threshold", "0"], "must be positive"),
     (["--train-conventions", "serve", "--fail-on", "expert_overlap_min<1", "--tokens", "0"], "must be positive"),
@@ -247,6 +248,34 @@ def test_cli_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, dirs: tuple[Pa
     res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), *args])
     assert res.exit_code == 2, res.output
     assert "error:" in res.output and match in res.output and "Traceback" not in res.output
+
+
+def test_cli_defects_without_self_test_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                              dirs: tuple[Path, Path]) -> None:
+    """--defects alone planted nothing and said nothing: a run that looked like a self-test."""
+    from glmconv.compare.options import DEFECTS_NEED_SELF_TEST
+
+    _fake(monkeypatch, None)
+    hf, mc = dirs
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--tokens", "16", "--defects", "swapped_experts"])
+    assert res.exit_code == 2 and res.output.splitlines() == [f"error: {DEFECTS_NEED_SELF_TEST}"]
+    assert DEFECTS_NEED_SELF_TEST.startswith("--defects picks the defects --self-test plants")
+    with pytest.raises(GlmconvError, match="^--defects picks"):  # the API refuses it too
+        parity_mod.run_parity(ParityOptions(hf_dir=hf, mcore_dir=mc, defects="swapped_experts", progress=False))
+
+
+def test_cli_bounds_replacing_a_named_divergence_say_so_once(monkeypatch: pytest.MonkeyPatch,
+                                                            dirs: tuple[Path, Path]) -> None:
+    _fake(monkeypatch, (2, "mlp"))
+    hf, mc = dirs
+    res = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--tokens", "48", "--fail-on", "kl>=1"])
+    assert res.exit_code == 0, res.output
+    note = ("note: --fail-on replaces the verdict's gate: its first divergence (layer 2 mlp, cause numerics) does not "
+            "fail this run; add --fail-on 'divergences>0' to fail on it too")
+    assert [line for line in res.stderr.splitlines() if line.startswith("note:")] == [note]
+    kept = CliRunner().invoke(cli, ["parity", str(hf), str(mc), "--tokens", "48", "--fail-on", "kl>=1",
+                                    "--fail-on", "divergences>0"])
+    assert kept.exit_code == 1 and "note:" not in kept.stderr
 
 
 @pytest.mark.parametrize("tensors,match", [

@@ -105,6 +105,9 @@ def _rec(layer: int, sub: str, err: float) -> dict:
     ("top1_agreement<0.99", "top1_agreement", "<", 0.99),
     (" kl > 0.5 ", "kl", ">", 0.5),
     ("expert_overlap_min<1", "expert_overlap_min", "<", 1.0),
+    ("kl>=1", "kl", ">=", 1.0),
+    ("top1_agreement <= 0.5", "top1_agreement", "<=", 0.5),
+    ("divergences>=1", "divergences", ">=", 1.0),
 ])
 
 
@@ -113,10 +116,27 @@ def test_parse_bound(text: str, metric: str, op: str, limit: float) -> None:
     assert (b.metric, b.op, b.limit) == (metric, op, limit)
 
 
-@pytest.mark.parametrize("text", ["kl", "kl>=1", "kl>1>2", "kl<>1", "nope>1", "kl>abc", "kl>nan", ">1", "kl>"])
+@pytest.mark.parametrize("text", ["kl", "kl>1>2", "kl<>1", "nope>1", "kl>abc", "kl>nan", ">1", "kl>", "kl>=1<=2"])
 def test_parse_bound_rejects(text: str) -> None:
     with pytest.raises(GlmconvError, match="--fail-on"):
         m.parse_bound(text)
+
+
+@pytest.mark.parametrize("text,op", [("kl=1", "="), ("kl==1", "=="), ("kl=>1", "=>"), ("kl!=1", "!="), ("kl<>1", "<>")])
+def test_an_unknown_operator_is_named_with_the_ones_accepted(text: str, op: str) -> None:
+    with pytest.raises(GlmconvError) as exc:
+        m.parse_bound(text)
+    assert str(exc.value) == (f"--fail-on {text!r}: operator {op!r} is not one of <, <=, >, >= (expected METRIC>VALUE, "
+                              "METRIC>=VALUE, METRIC<VALUE or METRIC<=VALUE)")
+
+
+def test_or_equal_bounds_break_at_the_limit_itself() -> None:
+    values = {"kl": 1.0, "top1_agreement": 0.5, "max_rel_err": math.nan}
+    got = m.check_bounds([m.parse_bound(t) for t in ("kl>=1", "kl>1", "kl>=1.5", "top1_agreement<=0.5",
+                                                       "top1_agreement<0.5", "max_rel_err>=1", "max_rel_err<=1")],
+                         values)
+    assert [r["broken"] for r in got] == [True, False, False, True, False, True, True]
+    assert got[0] == {"bound": "kl>=1", "metric": "kl", "op": ">=", "limit": 1.0, "value": 1.0, "broken": True}
 
 
 def test_check_bounds() -> None:
@@ -127,6 +147,11 @@ def test_check_bounds() -> None:
     assert got[0] == {"bound": "kl>0.1", "metric": "kl", "op": ">", "limit": 0.1, "value": 0.2, "broken": True}
     with pytest.raises(GlmconvError, match="not measured"):
         m.check_bounds([m.parse_bound("expert_overlap_min<1")], values)
+    with pytest.raises(GlmconvError) as exc:
+        m.check_bounds([m.parse_bound("expert_overlap_min<1")], values,
+                       {"expert_overlap_min": "not measured in this run: no MoE layer"})
+    assert str(exc.value) == ("--fail-on expert_overlap_min<1: expert_overlap_min was not measured in this run: "
+                              "no MoE layer")
 
 
 def test_scalars() -> None:
@@ -138,3 +163,18 @@ def test_scalars() -> None:
     assert v["expert_overlap_min"] == 0.5 and v["topk_overlap_min"] == 0.75
     assert v["top1_disagreement"] == 0.25 and v["logprob_abs_diff.p99"] == 0.2
     assert set(v) == set(m.BOUND_METRICS) and v["excess.max"] is None and v["divergences"] == 0.0
+
+
+def test_the_selections_excess_maxima_are_their_records_largest() -> None:
+    """A record's selection ratios are `topk_excess` and `experts_excess` (verdict.SELECTIONS): expert_excess.max
+    was never measured, so `--fail-on expert_excess.max>4` was refused on every run."""
+    from glmconv.compare.verdict import add_noise_fields
+
+    layers = [{**_rec(0, "mlp", 1e-3), "expert_overlap": 0.75, "experts_noise": 0.05, "noise_serve": 1e-3},
+              {**_rec(1, "attention", 1e-3), "topk_overlap": 0.9, "topk_noise": 0.05, "noise_serve": 1e-3}]
+    for rec in layers:
+        add_noise_fields(rec)
+    logits = {"logprob_abs_diff": {"mean": 0.1, "p99": 0.2, "max": 0.3}, "kl": 0.01, "top1_agreement": 0.75}
+    v = m.scalars(layers, logits)
+    assert v["expert_excess.max"] == pytest.approx(5.0) and v["topk_excess.max"] == pytest.approx(2.0)
+    assert v["excess.max"] == pytest.approx(1.0)

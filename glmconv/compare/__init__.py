@@ -25,7 +25,7 @@ from glmconv.compare.catalog import select
 from glmconv.compare.fingerprint import check_same_weights
 from glmconv.compare.inputs import Batch, load_prompt_file, random_batch
 from glmconv.compare.memory import check_resident_fits, peak_memory, start_peak
-from glmconv.compare.options import ParityOptions, judge_of
+from glmconv.compare.options import ParityOptions, check_self_test, judge_of
 from glmconv.compare.replay import Replay, load_replay_file
 from glmconv.compare.report import build_report
 from glmconv.config import GlmConfig
@@ -48,6 +48,7 @@ def run_parity(opts: ParityOptions) -> dict[str, Any]:
 
     if opts.dtype not in PARITY_DTYPES:
         raise GlmconvError(f"--dtype {opts.dtype!r}: choose from {', '.join(PARITY_DTYPES)}")
+    check_self_test(opts.self_test, opts.defects)
     config = load_config(opts.hf_dir)
     _check_same_config(config, opts.mcore_dir)
     replay = Replay.parse(opts.replay)

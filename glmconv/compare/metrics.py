@@ -7,6 +7,7 @@ below the fp32 rounding it is meant to measure. "b" / "serve" is always the refe
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -112,19 +113,24 @@ BOUND_METRICS = ("logprob_abs_diff.mean", "logprob_abs_diff.p99", "logprob_abs_d
                  "divergences", "excess.max", "ref_rel_err.max", "topk_excess.max", "expert_excess.max")
 
 
+# each noise-normalised summary metric and the record field it is the largest of (a selection's field is named
+# after its aux: `experts_excess`, glmconv.compare.verdict.SELECTIONS)
+NOISE_FIELDS = {"excess.max": "excess", "ref_rel_err.max": "ref_rel_err", "topk_excess.max": "topk_excess",
+                "expert_excess.max": "experts_excess"}
+
+
 def scalars(layers: list[dict[str, Any]], logits: dict[str, Any]) -> dict[str, float | None]:
     """The report's single-number metrics, the ones `--fail-on` can bound (None: not measured in this run).
 
-    `excess.max`: the largest rel err over the run's measured noise (verdict.excess); `ref_rel_err.max`: the
-    largest difference of weights and conventions alone; `divergences`: the sub-blocks
-    the verdict names (the report adds differing embedding and head weights).
+    `excess.max`: the largest rel err over the run's measured noise (verdict.excess: inf where an error stands over
+    a noise of 0); `ref_rel_err.max`: the largest difference of weights and conventions alone; `divergences`: the
+    sub-blocks the verdict names (the report adds differing embedding and head weights).
     """
     lp = logits["logprob_abs_diff"]
     experts = [r["expert_overlap"] for r in layers if "expert_overlap" in r]
     topk = [r["topk_overlap"] for r in layers if "topk_overlap" in r]
     errs = [r["rel_err"] for r in layers]
-    noise = {f"{key}.max": _nanmax([r[key] for r in layers if key in r])
-             for key in ("excess", "ref_rel_err", "topk_excess", "expert_excess")}
+    noise = {metric: _nanmax([r[key] for r in layers if key in r]) for metric, key in NOISE_FIELDS.items()}
     return {**noise, "divergences": float(sum(bool(r.get("diverged")) for r in layers)),
             "logprob_abs_diff.mean": lp["mean"], "logprob_abs_diff.p99": lp["p99"], "logprob_abs_diff.max": lp["max"],
             "kl": logits["kl"], "top1_agreement": logits["top1_agreement"],
@@ -139,9 +145,14 @@ def _nanmax(xs: list[float]) -> float | None:
     return math.nan if any(math.isnan(x) for x in xs) else max(xs)
 
 
+OPERATORS = (">=", "<=", ">", "<")  # METRIC>VALUE fails above VALUE, >= at or above, < below, <= at or below
+_SYNTAX = "expected METRIC>VALUE, METRIC>=VALUE, METRIC<VALUE or METRIC<=VALUE"
+
+
 @dataclass(frozen=True)
 class Bound:
-    """`METRIC>VALUE` (broken when the metric is above VALUE) or `METRIC<VALUE` (broken when below)."""
+    """`METRIC>VALUE` (broken when the metric is above VALUE), `METRIC>=VALUE` (at or above), `METRIC<VALUE`
+    (below) or `METRIC<=VALUE` (at or below): the condition that fails the gate."""
 
     metric: str
     op: str
@@ -153,16 +164,25 @@ class Bound:
 
     def broken(self, value: float) -> bool:
         """NaN breaks every bound: a metric that cannot be computed never passes a gate."""
-        return not (value <= self.limit if self.op == ">" else value >= self.limit)
+        holds = {">": value <= self.limit, ">=": value < self.limit, "<": value >= self.limit,
+                 "<=": value > self.limit}[self.op]
+        return not holds
 
 
 def parse_bound(text: str) -> Bound:
-    """Parse one --fail-on; raises GlmconvError naming what is wrong."""
+    """Parse one --fail-on; raises GlmconvError naming what is wrong (an operator other than >, >=, < and <=
+    is named with the ones accepted)."""
 
-    ops = [op for op in "<>" if op in text]
-    if len(ops) != 1 or text.count(ops[0]) != 1:
-        raise GlmconvError(f"--fail-on {text!r}: expected METRIC>VALUE or METRIC<VALUE")
-    metric, value = (s.strip() for s in text.split(ops[0]))
+    found = re.search(r"[<>=!]+", text)
+    if found is None:
+        raise GlmconvError(f"--fail-on {text!r}: {_SYNTAX}")
+    op = found.group()
+    if op not in OPERATORS:
+        raise GlmconvError(f"--fail-on {text!r}: operator {op!r} is not one of {', '.join(sorted(OPERATORS))} "
+                           f"({_SYNTAX})")
+    metric, value = text[:found.start()].strip(), text[found.end():].strip()
+    if re.search(r"[<>=!]", value):
+        raise GlmconvError(f"--fail-on {text!r}: one operator only ({_SYNTAX})")
     if metric not in BOUND_METRICS:
         raise GlmconvError(f"--fail-on {text!r}: unknown metric {metric!r} (choose from {', '.join(BOUND_METRICS)})")
     try:
@@ -171,17 +191,20 @@ def parse_bound(text: str) -> Bound:
         raise GlmconvError(f"--fail-on {text!r}: {value!r} is not a number") from None
     if math.isnan(limit):
         raise GlmconvError(f"--fail-on {text!r}: the bound must be a number, not NaN")
-    return Bound(metric, ops[0], limit)
+    return Bound(metric, op, limit)
 
 
-def check_bounds(bounds: Iterable[Bound], values: dict[str, float | None]) -> list[dict[str, Any]]:
-    """Each bound with the measured value and whether it is broken."""
+def check_bounds(bounds: Iterable[Bound], values: dict[str, float | None],
+                 whys: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Each bound with the measured value and whether it is broken; a metric this run did not measure is refused,
+    with the reason `whys` gives for it (glmconv.compare.report.summary_whys)."""
 
     out = []
     for b in bounds:
         v = values.get(b.metric)
         if v is None:
-            raise GlmconvError(f"--fail-on {b.text}: {b.metric} was not measured in this run (no such layers)")
+            why = (whys or {}).get(b.metric, "not measured in this run: no such layers")
+            raise GlmconvError(f"--fail-on {b.text}: {b.metric} was {why}")
         out.append({"bound": b.text, "metric": b.metric, "op": b.op, "limit": b.limit, "value": v,
                     "broken": b.broken(v)})
     return out

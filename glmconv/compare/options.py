@@ -8,6 +8,10 @@ from pathlib import Path
 from glmconv import defaults as D
 from glmconv.compare.metrics import Bound
 from glmconv.compare.verdict import STREAM_FLOOR, Floors, Judge
+from glmconv.errors import GlmconvError
+
+DEFECTS_NEED_SELF_TEST = ("--defects picks the defects --self-test plants, and nothing is planted without it: add "
+                          "--self-test, or drop --defects")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,12 @@ class ParityOptions:
         """The stream floor: the smallest rel err a divergence needs, whatever the noise."""
 
         return STREAM_FLOOR if self.threshold is None else self.threshold
+
+
+def check_self_test(self_test: bool, defects: str | None) -> None:
+    """--defects without --self-test is refused (it would silently do nothing)."""
+    if defects is not None and not self_test:
+        raise GlmconvError(DEFECTS_NEED_SELF_TEST)
 
 
 def judge_of(opts: ParityOptions) -> Judge:

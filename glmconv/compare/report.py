@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from glmconv.compare.inputs import Batch
 from glmconv.compare.options import ParityOptions, judge_of
 from glmconv.compare.verdict import judge_records
 from glmconv.compare.weight_diff import DIFFER
+from glmconv.defaults import DEFAULT_TRAIN_CONVENTIONS
 from glmconv.io.output import claim_report_dir, replace_file
 from glmconv.models.conventions import SELECTION, acting_at
 from glmconv.rules import roles as R
@@ -26,7 +28,8 @@ from glmconv.text import count, json_text, printable
 from glmconv.version import __version__
 
 JSON_NAME, MD_NAME, PNG_NAME = "report.json", "report.md", "error_per_layer.png"
-_PLOT_FLOOR = 1e-12  # log-scale floor for exact zeros
+_PLOT_FLOOR = 1e-12  # log-scale floor for exact zeros (plot_notes says so on the plot and in report.md)
+_PLOT_TOP = 1e6  # where a NaN or infinite rel err is drawn
 
 
 def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: dict[str, Any],
@@ -44,10 +47,11 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
     values = metrics.scalars(cap.layers, cap.logits)
     first = _first(clean.judge.first, cap, opts)
     values["divergences"] = (values["divergences"] or 0.0) + len(_global_defects(cap, opts))
-    bounds = metrics.check_bounds(opts.bounds, values)
+    whys = summary_whys(values, cap.layers, cap.noise_measured)
+    bounds = metrics.check_bounds(opts.bounds, values, whys)
     self_test = [_self_test_row(side) for side in cap.sides[1:]]
     passed = not any(b["broken"] for b in bounds) if opts.bounds else first is None
-    return {
+    return finite_numbers({
         "glmconv_version": __version__, "hf_dir": str(opts.hf_dir), "mcore_dir": str(opts.mcore_dir),
         "train_layout": train_layout,
         "mode": opts.mode, "dtype": opts.dtype, "device": opts.device, "tokens": batch.tokens,
@@ -65,7 +69,95 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
         "gate": "bounds" if opts.bounds else "verdict", "bounds": bounds,
         **({"self_test": self_test, "self_test_skipped": skipped or []} if opts.self_test else {}),
         "passed": passed and all(r["named"] for r in self_test), "elapsed_s": round(cap.elapsed_s, 3),
-    }
+    }, whys, cap.noise_measured)
+
+
+# ---- numbers JSON can hold: a NaN or infinity is null, with the reason beside it -------------------------------
+
+WHY = "_why"  # `"excess": null, "excess_why": "unbounded: ..."`: the reason a number is not there
+_RATIOS = {"excess": ("rel err", "rel_err"), "topk_excess": ("top-k disagreement", "topk_overlap"),
+           "experts_excess": ("expert disagreement", "expert_overlap")}  # record field -> (what, measured from)
+NO_NOISE = ("no noise measured in this run: both sides ran fp32 on the torch references, their own references "
+            "(--dtype bf16 or a kernel path measures one; ref_rel_err.max and max_rel_err bound such a run)")
+_NOT_MEASURED = {"topk_excess.max": "no DSA layer", "topk_overlap_min": "no DSA layer",
+                 "expert_excess.max": "no MoE layer", "expert_overlap_min": "no MoE layer",
+                 "ref_rel_err.max": "no sub-block ran its fp32 references"}
+
+
+def _finite(x: Any) -> bool:
+    return not isinstance(x, float) or math.isfinite(x)
+
+
+def _ratio_of(rec: dict[str, Any], key: str) -> float | None:
+    """What a record's ratio field divides by the noise: its rel err, or a selection's disagreement."""
+    what = _RATIOS[key][1]
+    if what not in rec:
+        return rec.get("value") if key == "excess" else None  # a first divergence: its value is the rel err
+    return rec[what] if key == "excess" else 1.0 - rec[what]
+
+
+def value_why(key: str, value: float, rec: dict[str, Any], noise_measured: bool = True) -> str:
+    """Why `rec[key]` is not a finite number, in one phrase whose first word says what it is (unbounded, NaN,
+    infinite): what report.json writes beside the null."""
+    if math.isnan(value):
+        return f"NaN: {key.replace('_', ' ')} could not be computed (a side's streams or logits hold a NaN or infinity)"
+    if key in _RATIOS:
+        of = _ratio_of(rec, key)
+        measured = "" if noise_measured else " (no noise measured in this run)"
+        return f"unbounded: {_RATIOS[key][0]} {_fmt(of)} over a noise of 0{measured}"
+    if key in ("rel_err", "value", "ref_rel_err"):
+        return "infinite: the serve side's streams are zero here and the train side's are not"
+    return f"infinite: {key.replace('_', ' ')} has no finite value"
+
+
+def summary_whys(values: dict[str, float | None], layers: list[dict[str, Any]],
+                 noise_measured: bool) -> dict[str, str]:
+    """Why each summary metric that is not a finite number is not: not measured in this run (None), or the first
+    record it comes from and that record's reason (`unbounded at layer 0 attention: rel err 6.4e-02 over a noise
+    of 0 (...)`). The `--fail-on` of such a metric says the same."""
+    out = {}
+    fields = {**metrics.NOISE_FIELDS, "max_rel_err": "rel_err", "final_rel_err": "rel_err"}
+    for metric, value in values.items():
+        if value is None:
+            out[metric] = f"not measured in this run: {_NOT_MEASURED.get(metric, 'no sub-block record holds it')}"
+        elif not _finite(value):
+            key = fields.get(metric)
+            rows = layers[-1:] if metric == "final_rel_err" else layers
+            rec = next((r for r in rows if key is not None and not _finite(r.get(key))), None)
+            if rec is None or key is None:
+                out[metric] = value_why(metric, value, {})
+                continue
+            what, _, why = value_why(key, rec[key], rec, noise_measured).partition(": ")
+            advice = f"; {NO_NOISE}" if key in _RATIOS and not noise_measured else ""
+            out[metric] = f"{what} at {_site(rec)}: {why.removesuffix(' (no noise measured in this run)')}{advice}"
+    return out
+
+
+def finite_numbers(report: dict[str, Any], whys: dict[str, str], noise_measured: bool) -> dict[str, Any]:
+    """The report with every NaN or infinite number null and `<field>_why` beside it (a copy: the capture's
+    records are not touched). JSON has no such numbers, and a string in their place breaks a reader's
+    comparison (`summary["excess.max"] > 4`); null with its reason says what is there and why.
+
+    Summary metrics and the bounds' values take their reasons from `whys` (`summary_whys`)."""
+
+    def walk(x: Any, field: str | None = None) -> Any:
+        if isinstance(x, list | tuple):
+            return [walk(v, field) for v in x]
+        if not isinstance(x, dict):
+            return x
+        out: dict[str, Any] = {}
+        for k, v in x.items():
+            if field == "summary" and (v is None or not _finite(v)) and k in whys:
+                out[k], out[k + WHY] = None, whys[k]
+            elif field == "bounds" and k == "value" and not _finite(v):
+                out[k], out[k + WHY] = None, whys.get(x["metric"], value_why(x["metric"], v, x))
+            elif isinstance(v, float) and not math.isfinite(v):
+                out[k], out[k + WHY] = None, value_why(k, v, x, noise_measured)
+            else:
+                out[k] = walk(v, k if isinstance(k, str) else None)
+        return out
+
+    return walk(report)
 
 
 def _judged(cap: Capture, opts: ParityOptions, conventions: dict[str, Any]) -> Side:
@@ -175,7 +267,7 @@ def _kernel(rec: dict[str, Any]) -> str:
     checks = rec.get("kernels")
     if not checks:
         return "-"
-    worst = max(checks, key=lambda c: c["ratio"])
+    worst = max(checks, key=lambda c: _num(c["ratio"]))
     return f"{worst['op']} {_fmt(worst[worst['metric']])} {_fmt(worst['ratio'], '.2g')}x"
 
 
@@ -194,7 +286,7 @@ def kernel_line(report: dict[str, Any]) -> list[str]:
     worst: dict[str, dict[str, Any]] = {}
     for rec in report["layers"]:
         for c in rec.get("kernels", ()):
-            if c["op"] not in worst or c["ratio"] > worst[c["op"]]["ratio"]:
+            if c["op"] not in worst or _num(c["ratio"]) > _num(worst[c["op"]]["ratio"]):
                 worst[c["op"]] = {**c, "layer": rec["layer"]}
     parts = [f"{c['kernel']} {_fmt(c[c['metric']])} ({_fmt(c['ratio'], '.2g')}x its bound, layer {c['layer']})"
              for c in worst.values()]
@@ -249,6 +341,19 @@ def _fmt(v: Any, spec: str = ".3e") -> str:
     return str(v)
 
 
+def _num(v: Any) -> float:
+    """A number to compare: a null (NaN or infinite, glmconv.compare.report.finite_numbers) as infinity."""
+    return math.inf if v is None else float(v)
+
+
+def _field(rec: dict[str, Any], key: str, spec: str = ".3e") -> str:
+    """A record's number as text; a null one as what it stands for (`inf`, `nan`) from its reason."""
+    v = rec.get(key)
+    if v is None and rec.get(key + WHY):
+        return "nan" if rec[key + WHY].startswith("NaN") else "inf"
+    return _fmt(v, spec)
+
+
 def _overlap(rec: dict[str, Any]) -> str:
     parts = [f"experts {rec['expert_overlap']:.3f}" if "expert_overlap" in rec else "",
              f"top-k {rec['topk_overlap']:.3f}" if "topk_overlap" in rec else ""]
@@ -264,11 +369,11 @@ def divergence_line(report: dict[str, Any]) -> str:
         return (f"no divergence: every sub-block within {noise}rel err {report['threshold']:g} on the references"
                 f"{weights}")
     where = (f"layer {fd['layer']} {fd['sub_block']}" if fd.get("layer") is not None else fd["sub_block"])
-    if fd.get("value") is None:
+    if fd.get("value") is None and not fd.get("value" + WHY):
         return f"first divergence: {where}: {_cause_text(fd)}"
-    beyond = (f", {_fmt(fd['excess'], '.3g')}x the noise {_fmt(fd['noise'])}" if fd.get("noise") else "")
-    return (f"first divergence: {where} (rel err {_fmt(fd['value'])}{beyond}; on the fp32 references "
-            f"{_fmt(fd.get('ref_rel_err'))}): {_cause_text(fd)}")
+    beyond = (f", {_field(fd, 'excess', '.3g')}x the noise {_fmt(fd['noise'])}" if fd.get("noise") else "")
+    return (f"first divergence: {where} (rel err {_field(fd, 'value')}{beyond}; on the fp32 references "
+            f"{_field(fd, 'ref_rel_err')}): {_cause_text(fd)}")
 
 
 _CAUSES = {"upstream": "carried from an earlier divergence",
@@ -351,23 +456,28 @@ def logits_lines(report: dict[str, Any]) -> list[str]:
             f"top-1 agreement: {lg['top1_agreement']:.4f}   KL(serve||train): {_fmt(lg['kl'])} per token"]
 
 
-_HOLDS = {">": "<=", "<": ">="}  # a bound METRIC>VALUE fails on `>`; when it passes, `<=` holds
+_HOLDS = {">": "<=", ">=": "<", "<": ">=", "<=": ">"}  # METRIC>VALUE fails on `>`; when it passes, `<=` holds
 
 
 def bound_lines(report: dict[str, Any]) -> list[str]:
     """`FAILED: kl>1e-06 (measured 2e-05)` (the failing condition, which holds) or, for a bound that passes, the
     condition that holds: `ok: logprob_abs_diff.max <= 0.0001 (measured 0)`."""
-    return [f"FAILED: {b['bound']} (measured {_fmt(b['value'])})" if b["broken"] else
-            f"ok: {b['metric']} {_HOLDS[b['op']]} {b['limit']:g} (measured {_fmt(b['value'])})"
+    return [f"FAILED: {b['bound']} (measured {measured(b)})" if b["broken"] else
+            f"ok: {b['metric']} {_HOLDS[b['op']]} {b['limit']:g} (measured {measured(b)})"
             for b in report["bounds"]]
+
+
+def measured(bound: dict[str, Any]) -> str:
+    """A bound's measured value, or why there is no number (`unbounded at layer 0 attention: ...`)."""
+    return bound.get("value" + WHY) or _fmt(bound["value"])
 
 
 def _cells(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
     kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
     noise = report.get("noise_measured")
-    cells = [str(rec["layer"]), rec["sub_block"], kind, _fmt(rec["rel_err"])]
-    cells += [_fmt(rec.get("noise")), _fmt(rec.get("excess"), ".3g")] if noise else []
-    cells += [_fmt(rec.get("ref_rel_err")), rec.get("weights", "-"), _overlap(rec)]
+    cells = [str(rec["layer"]), rec["sub_block"], kind, _field(rec, "rel_err")]
+    cells += [_field(rec, "noise"), _field(rec, "excess", ".3g")] if noise else []
+    cells += [_field(rec, "ref_rel_err"), rec.get("weights", "-"), _overlap(rec)]
     cells += [_kernel(rec)] if report.get("kernels") == "kernels" else []
     return cells
 
@@ -384,6 +494,32 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     return (replay_line(report) + logits_lines(report) + [divergence_line(report)] + attribution_lines(report)
             + indexer_line(report) + weight_lines(report) + kernel_line(report) + bound_lines(report)
             + self_test_lines(report) + [gate_line(report)])
+
+
+def next_step(report: dict[str, Any]) -> str | None:
+    """For a verdict failed on a divergence the train conventions cause: whether the weights are equal (the
+    conversion exact), and the flag that compares the conversion alone; None otherwise."""
+    fd = report["first_divergence"]
+    if report["passed"] or report.get("gate") != "verdict" or fd is None or fd.get("cause") != "conventions":
+        return None
+    equal = report.get("weights_checked") and not any(d["kind"] == DIFFER for d in report.get("weight_diffs", []))
+    weights = "the weights are equal bit for bit (the conversion is exact) and " if equal else ""
+    switches = ", ".join(fd.get("switches", []))
+    if report.get("train_conventions_base") == DEFAULT_TRAIN_CONVENTIONS:
+        return (f"{weights}the cause is the train conventions: by default they imitate a Megatron port ({switches} "
+                "act here); rerun with --train-conventions serve to check the conversion alone")
+    return (f"{weights}the cause is the --train-convention overrides ({switches} act here); without them, "
+            "--train-conventions serve checks the conversion alone")
+
+
+def gate_note(report: dict[str, Any]) -> str | None:
+    """One line when --fail-on bounds replaced the verdict's gate while the verdict names a divergence (and no
+    `divergences` bound keeps it); None otherwise."""
+    fd = report["first_divergence"]
+    if report.get("gate") != "bounds" or fd is None or any(b["metric"] == "divergences" for b in report["bounds"]):
+        return None
+    return (f"--fail-on replaces the verdict's gate: its first divergence ({_site(fd)}, cause {fd.get('cause')}) "
+            "does not fail this run; add --fail-on 'divergences>0' to fail on it too")
 
 
 def gate_line(report: dict[str, Any]) -> str:
@@ -419,33 +555,99 @@ def _planted(r: dict[str, Any]) -> str:
 def _found(fd: dict[str, Any] | None) -> str:
     if fd is None:
         return "no divergence named"
-    excess = f", {_fmt(fd['excess'], '.3g')}x noise" if fd.get("noise") else ""
+    excess = f", {_field(fd, 'excess', '.3g')}x noise" if fd.get("noise") else ""
     kernel = f": {kernel_text(fd['kernel'])}" if fd.get("kernel") else ""
-    return (f"first divergence layer {fd['layer']} {fd['sub_block']} (rel err {_fmt(fd['value'])}{excess}, "
+    return (f"first divergence layer {fd['layer']} {fd['sub_block']} (rel err {_field(fd, 'value')}{excess}, "
             f"reference {_fmt(fd.get('ref_rel_err'))}, {fd.get('cause')}{kernel})")
 
 
-def print_table(report: dict[str, Any], console: Console) -> None:
-    """The per-sub-block table, then the verdict and everything that explains it."""
+FIRST_MARK = " <-"  # after the sub-block of the first divergence, in the terminal table
+DROP_ORDER = ("kernel", "type", "noise", "weights", "overlap", "ref err")  # left out first to last, to fit a width
+_LEFT = ("sub-block", "type", "weights", "overlap", "kernel")
+_STACKED = {"type": "{}", "rel err": "rel err {}", "noise": "noise {}", "x noise": "{}x noise", "ref err": "ref err {}",
+            "weights": "weights {}", "overlap": "{}", "kernel": "kernel {}"}  # a record as one line of these
 
-    replay = report.get("replay", "none")
-    t = Table(title=Text(printable(f"glmconv parity: {report['mode']}, {report['dtype']}, "
-                                   f"{count(report['tokens'], 'token')} in {count(report['sequences'], 'sequence')}"
-                                   + ("" if replay == "none" else f", replay {replay}"))))
-    for col in _columns(report):
-        t.add_column(col, justify="left" if col in ("sub-block", "type", "weights", "overlap", "kernel")
-                     else "right")
+
+def print_table(report: dict[str, Any], console: Console, width: int | None = None) -> None:
+    """The per-sub-block table, then the verdict and everything that explains it.
+
+    Laid out for `width` columns (default: the console's): a number is never cut. Columns are left out in
+    DROP_ORDER until the table fits (a note says which, and the width that shows them all); narrower than the
+    table of the essential columns, each record is one line of its fields, wrapped between them."""
+
+    width = width or console.width
+    cols = _columns(report)
     fd = report["first_divergence"]
+    rows = []
     for rec in report["layers"]:
         first = fd is not None and (fd.get("layer"), fd["sub_block"]) == (rec["layer"], rec["sub_block"])
         cells = _cells(rec, report)
-        cells[1] += " <- first" if first else ""
-        t.add_row(*cells, style="bold red" if first else "red" if rec.get("diverged") else None)
-    console.print(t)
+        cells[1] += FIRST_MARK if first else ""
+        rows.append((cells, "bold red" if first else "red" if rec.get("diverged") else None))
+    shown = list(cols)
+    table = _table(report, cols, shown, rows)
+    full = _natural_width(console, table)
+    for drop in DROP_ORDER:
+        if _natural_width(console, table) <= width:
+            break
+        if drop in shown:
+            shown.remove(drop)
+            table = _table(report, cols, shown, rows)
+    if _natural_width(console, table) <= width:
+        console.print(table)
+    else:
+        shown = []
+        _print_stacked(report, cols, rows, console, width)
+    left_out = [c for c in cols if c not in shown]
+    if shown and left_out:
+        console.print(f"(left out to fit {width} columns: {', '.join(left_out)}; COLUMNS={full} or a terminal that "
+                      f"wide shows them; --json and --report-dir's report.md have every field)", markup=False,
+                      highlight=False, soft_wrap=True)
     for line in verdict_lines(report):
         bad = line.startswith(("FAILED", "  MISSED", "first divergence", "weights differ"))
         console.print(printable(line), style="bold red" if bad else None, markup=False, highlight=False,
                       soft_wrap=True)
+
+
+def _title(report: dict[str, Any]) -> str:
+    replay = report.get("replay", "none")
+    return printable(f"glmconv parity: {report['mode']}, {report['dtype']}, {count(report['tokens'], 'token')} in "
+                     f"{count(report['sequences'], 'sequence')}" + ("" if replay == "none" else f", replay {replay}"))
+
+
+def _table(report: dict[str, Any], cols: list[str], shown: list[str],
+           rows: list[tuple[list[str], str | None]]) -> Table:
+    t = Table(title=Text(_title(report)))
+    for col in shown:
+        t.add_column(col, justify="left" if col in _LEFT else "right", no_wrap=True)
+    keep = [cols.index(c) for c in shown]
+    for cells, style in rows:
+        t.add_row(*(cells[i] for i in keep), style=style)
+    return t
+
+
+def _natural_width(console: Console, table: Table) -> int:
+    """The columns `table` takes when nothing in it is wrapped or cut."""
+    return console.measure(table, options=console.options.update_width(10_000)).maximum
+
+
+def _print_stacked(report: dict[str, Any], cols: list[str], rows: list[tuple[list[str], str | None]],
+                   console: Console, width: int) -> None:
+    """The table as lines of fields, a record at a time (`layer 0 attention <-: kda, rel err 6.450e-02, ...`),
+    packed into `width` columns and broken only between fields: for a width under the narrowest table."""
+    console.print(_title(report), markup=False, highlight=False, soft_wrap=True)
+    for cells, style in rows:
+        fields = [_STACKED[c].format(v) for c, v in zip(cols[2:], cells[2:]) if v != "-"]
+        lines = [f"layer {cells[0]} {cells[1]}:"]
+        for i, field in enumerate(fields):
+            item = field + ("," if i < len(fields) - 1 else "")
+            if len(lines[-1]) + 1 + len(item) <= width:
+                lines[-1] += f" {item}"
+            else:  # a field wider than a line is broken between its words, never inside a number
+                lines += [f"  {part}" for part in textwrap.wrap(item, max(width - 2, 1), break_long_words=False,
+                                                                  break_on_hyphens=False)]
+        for line in lines:
+            console.print(printable(line), style=style, markup=False, highlight=False, soft_wrap=True)
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -474,11 +676,42 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"(plot {PLOT_HINT})", ""]
     else:
         lines += ["", f"![relative error per layer]({PNG_NAME})", ""]
+        lines += [f"Plot note: {note}." for note in plot_notes(report)] + ([""] if plot_notes(report) else [])
     return "\n".join(lines)
+
+
+def plot_notes(report: dict[str, Any]) -> list[str]:
+    """What the plot draws other than it is: an exact 0 at the log scale's floor, a NaN or infinity at its top."""
+    values = [r.get("rel_err") for r in report["layers"]]
+    values += [None if r["noise"] is None else 2 * r["noise"] for r in report["layers"]
+               if report.get("noise_measured") and "noise" in r]
+    notes = []
+    if any(v == 0 for v in values):
+        notes.append(f"an exact 0 is drawn at {_PLOT_FLOOR:g} (a log scale has no 0)")
+    if any(v is None or not math.isfinite(v) for v in values):
+        notes.append(f"a NaN or infinite rel err is drawn at {_PLOT_TOP:g}")
+    return notes
 
 
 def plot(report: dict[str, Any]) -> bytes:
     """PNG bytes: log-scale rel err per layer, one series per sub-block, the threshold as a line."""
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    try:
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        return png.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def figure(report: dict[str, Any]) -> Any:
+    """The plot's matplotlib figure (close it with `matplotlib.pyplot.close`): what `plot` renders."""
 
     import matplotlib
 
@@ -490,9 +723,9 @@ def plot(report: dict[str, Any]) -> bytes:
     try:
         for sub, marker in (("attention", "o"), ("mlp", "s")):
             recs = [r for r in report["layers"] if r["sub_block"] == sub]
-            ys = [max(r["rel_err"], _PLOT_FLOOR) if math.isfinite(r["rel_err"]) else 1e6 for r in recs]
+            ys = [_plotted(r.get("rel_err")) for r in recs]
             ax.plot([r["layer"] for r in recs], ys, marker=marker, label=sub)
-            noise = [max(2 * r["noise"], _PLOT_FLOOR) for r in recs if "noise" in r]
+            noise = [_plotted(None if r["noise"] is None else 2 * r["noise"]) for r in recs if "noise" in r]
             if report.get("noise_measured") and len(noise) == len(recs):
                 ax.plot([r["layer"] for r in recs], noise, linestyle=":", label=f"{sub}: 2 x measured noise")
         ax.axhline(report["threshold"], color="red", linestyle="--", label=f"floor {report['threshold']:g}")
@@ -503,17 +736,26 @@ def plot(report: dict[str, Any]) -> bytes:
         ax.set_ylabel("relative error of hc streams (train vs serve)")
         ax.set_title(f"parity: {report['mode']}, {report['dtype']}, {count(report['tokens'], 'token')}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        notes = plot_notes(report)
+        if notes:  # in the legend, under the series: what a reader would otherwise take for a measured value
+            ax.plot([], [], " ", label="\n".join(notes))
+        ax.legend(fontsize="small")
         fig.tight_layout()
-        png = io.BytesIO()
-        fig.savefig(png, format="png")
-        return png.getvalue()
-    finally:
+    except BaseException:
         plt.close(fig)
+        raise
+    return fig
+
+
+def _plotted(v: float | None) -> float:
+    """Where a value is drawn on the log scale: an exact 0 at the floor, a NaN or infinity (null) at the top."""
+    if v is None or not math.isfinite(v):
+        return _PLOT_TOP
+    return max(v, _PLOT_FLOOR)
 
 
 def _mark_first(ax: Any, report: dict[str, Any]) -> None:
     fd = report["first_divergence"]
-    if fd is not None and fd.get("layer") is not None and math.isfinite(fd["value"]):
-        ax.annotate(f"first: {fd['layer']} {fd['sub_block']}", (fd["layer"], fd["value"]),
+    if fd is not None and fd.get("layer") is not None and fd.get("value") is not None and math.isfinite(fd["value"]):
+        ax.annotate(f"first: {fd['layer']} {fd['sub_block']}", (fd["layer"], _plotted(fd["value"])),
                     textcoords="offset points", xytext=(8, 8), color="red")
