@@ -26,7 +26,7 @@ def _drawn(label: str, total: int, items: int, steps: list[tuple[int, int]]) -> 
 
 
 def test_the_bar_of_a_large_multi_worker_run_fits_80_columns() -> None:
-    lines, _ = _drawn("relayout [3/8]", 756_000_000_000, 123_456, [(123_456_000_000, 23_456)])
+    lines, _ = _drawn("relayout [3/8]", 756_000_000_000, 123_456, [(61_728_000_000, 11_728)] * 2)
     assert max(len(line) for line in lines) <= 80, lines
     assert re.fullmatch(r"relayout \[3/8\]: copy \S+ 123\.46/756\.00 GB 23,456/123,456 \d+ MB/s ETA \d+s",
                         lines[-1].strip()), lines[-1]

@@ -23,16 +23,11 @@ stay the train side's OWN selections against the serve side's (the selection dis
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from glmconv.compare import metrics, weight_diff
 from glmconv.compare.attribution import shapley
@@ -44,7 +39,7 @@ from glmconv.errors import GlmconvError
 from glmconv.kernels.check import KernelCheck
 from glmconv.models.conventions import Conventions, acting_at_sub_block
 from glmconv.models.weights import AttentionWeights, MlpWeights, WeightSource
-from glmconv.text import printable
+from glmconv.progress import StepProgress as StepProgress  # parity's bar, re-exported (glmconv.compare imports it)
 
 if TYPE_CHECKING:
     import torch
@@ -417,36 +412,3 @@ def _kernel_fields(checks: list[KernelCheck], t: Result, k: Result) -> dict[str,
 
 def _has(aux_s: dict | None, aux_t: dict | None, key: str) -> bool:
     return bool(aux_s and aux_t and aux_s.get(key) is not None and aux_t.get(key) is not None)
-
-
-class StepProgress:
-    """Counts parity steps: a rich bar on a terminal, a plain line every few seconds otherwise, or nothing."""
-
-    def __init__(self, label: str, total: int, *, enabled: bool = True, every_s: float = 5.0) -> None:
-        self.label, self.total, self.enabled, self.every_s = label, total, enabled, every_s
-        self.done = 0
-        self._rich: Any = None
-        self._task: Any = None
-        self._last = time.monotonic()
-
-    def __enter__(self) -> StepProgress:
-        if self.enabled and sys.stderr.isatty():
-            self._rich = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[step]}", markup=False), TimeElapsedColumn(),
-                                  console=Console(stderr=True), transient=True)
-            self._rich.__enter__()
-            self._task = self._rich.add_task(self.label, total=self.total, step="")
-        return self
-
-    def __call__(self, step: str) -> None:
-        self.done += 1
-        if self._rich is not None:
-            self._rich.update(self._task, advance=1, step=printable(step))
-        elif self.enabled and time.monotonic() - self._last >= self.every_s:
-            self._last = time.monotonic()
-            print(printable(f"{self.label}: {self.done}/{self.total} steps ({step})"), file=sys.stderr, flush=True)
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if self._rich is not None:
-            self._rich.__exit__(exc_type, exc, tb)

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.jsonfile import JsonObject
 from glmconv.plan import Mapping
-from glmconv.progress import COPY, FLUSH, PUBLISH, VERIFY, Progress, say
+from glmconv.progress import COPY, FLUSH, PUBLISH, VERIFY, Progress, say, workers_bar
 from glmconv.runners.ranks import Group, broadcast, gather, progress, run_on_output, try_, try_none
 
 R = TypeVar("R")  # what one rank's share comes back as, gathered on rank 0 (each direction has its own)
@@ -64,7 +64,7 @@ def run_plan(run: PlanRun[R], stage: Path, rank: int, world: int, group: Group) 
                   run.noun) as prog:
         prog.phase(COPY, f"{prog.total_bytes / 1e9:.3f} GB in {prog.total_items:,} {run.noun}")
         outcome = try_(lambda: run.run_share(share, rank, stage, prog, group))
-        prog.phase(FLUSH, f"(copy done: {prog.summary_line()})")
+        prog.phase(FLUSH, prog.copy_done())
         gathered = gather(group, outcome, world)
         results = [r for r in gathered if not isinstance(r, str)]
         error = None
@@ -81,8 +81,9 @@ def publish_run(run: PlanRun[R], out: Path, inputs: dict[str, Path | None], forc
                 space_check: Callable[[], object] | None) -> JsonObject:
     """`run` staged beside `out`, run on `workers` ranks, verified and published: how every command writes."""
 
-    return run_on_output(out, inputs, force, run_plan, (run,), workers, run.verb, space_check=space_check,
-                         on_publish=lambda: say(run.verb, PUBLISH, str(out), enabled=run.show_progress))
+    with workers_bar(workers, run.show_progress):  # a worker killed with its bar up: erased before the message
+        return run_on_output(out, inputs, force, run_plan, (run,), workers, run.verb, space_check=space_check,
+                             on_publish=lambda: say(run.verb, PUBLISH, str(out), enabled=run.show_progress))
 
 
 def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:

@@ -28,7 +28,7 @@ from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import check_pair, check_same_model
 from glmconv.numerics.dequant import require_device, share_dequantizer
 from glmconv.plan import Mapping, Plan
-from glmconv.progress import Progress
+from glmconv.progress import Progress, workers_bar
 from glmconv.rules.table import BF16, F32
 from glmconv.runners import convert, export_job
 from glmconv.runners.backward import ThreadReaders
@@ -105,7 +105,8 @@ def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> JsonObject:
 
     require_device(opts.device)  # no GPU: refused now
     start = time.monotonic()
-    found = run_ranks(verify_rank, (job, opts), opts.workers, "verify")["found"]
+    with workers_bar(opts.workers, opts.progress):  # a worker killed with its bar up: erased before the message
+        found = run_ranks(verify_rank, (job, opts), opts.workers, "verify")["found"]
     return summary(job, found, time.monotonic() - start)
 
 
@@ -116,7 +117,8 @@ def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int,
     mine = pair_share(job, rank, world)
     label = f"verify [{rank}/{world}]" if world > 1 else "verify"
     total = sum(job.pairs[i][1].mcore_bytes for i in mine)
-    with progress(label, total, len(mine), opts.progress and rank == 0, "mappings") as prog:
+    tensors = sum(len(job.pairs[i][1].mcore) for i in mine)  # what the summary counts: Megatron tensors, not pairs
+    with progress(label, total, tensors, opts.progress and rank == 0, "Megatron tensors") as prog:
         outcome = try_(lambda: compare_share(job, mine, prog, opts, rank, world))
     gathered = gather(group, outcome, world)
     error = next((r for r in gathered if isinstance(r, str)), None)
@@ -151,7 +153,7 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Progress, opts: VerifyO
             closing(run_ahead(steps(source), opts.threads)) as made:  # its threads end before the files
         for i, nbytes, last, mismatches in made:
             found.extend((i, m) for m in mismatches)
-            prog.advance(nbytes, int(last))
+            prog.advance(nbytes, len(job.pairs[i][1].mcore) if last else 0)
     return found
 
 

@@ -220,9 +220,12 @@ class DcpWriter:
         """Write chunks as they come, one group per `group_bytes`: memory stays at one group plus one chunk."""
         pending: list[Chunk] = []
         size, groups = 0, 0
+        queued = getattr(self._progress, "queued", None)  # the bar's ETA learns how long a group takes to fill
         for c in chunks:
             pending.append(c)
             size += c.nbytes
+            if queued is not None:
+                queued(c.nbytes)
             if size >= group_bytes:
                 self.write_chunks(pending)
                 pending, size, groups = [], 0, groups + 1
