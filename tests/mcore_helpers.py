@@ -105,6 +105,27 @@ def routed_experts(config: Any) -> Any:
     return SequentialMLP(local, config, sub, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
+def te_norm(local: Any) -> type:
+    """The local norm as TE's TENorm saves it: with an `_extra_state` (`torch.empty(0, dtype=torch.uint8)` when no
+    FP8 recipe is set, transformer_engine/pytorch/ops/op.py `get_extra_state`)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    class TENormStandIn(torch.nn.Module):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__()
+            norm = build_module(local, *args, **kw)
+            for name, p in list(norm.named_parameters(recurse=False)):  # its weights as this module's own
+                self.register_parameter(name, p)
+
+        def get_extra_state(self) -> torch.Tensor:
+            return torch.empty(0, dtype=torch.uint8)
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+    return TENormStandIn
+
+
 def replicated(key: str, like: torch.Tensor) -> Any:
     """A replicated ShardedTensor (norms, biases, routers) the way megatron's layers make one."""
     from megatron.core.utils import make_sharded_tensor_for_checkpoint

@@ -14,7 +14,8 @@ What megatron-core cannot build, and what stands in:
 - KDA attention, the DSA indexer (`wq_b`, `wk`, `k_norm`, `weights_proj`, `index_kpool_compress_*`), the
   hyper-connections and the vision tower are miles modules, not megatron-core ones (megatron-core's own DSA
   indexer is named `linear_wq_b`/`linear_wk`/...): their names are left to the load proofs.
-- Transformer Engine is not installed (CPU), so the local spec is built. It keeps q/kv layernorms and the dense
+- Transformer Engine is not installed (CPU), so the local spec is built, its norms wrapped to save an
+  `_extra_state` as TE's TENorm does (`mcore_helpers.te_norm`). It keeps q/kv layernorms and the dense
   MLP's pre-MLP norm as separate modules where the TE spec fuses them into `linear_q_up_proj`,
   `linear_kv_up_proj` and `linear_fc1` (`layer_norm_weight`): the layer specs get the
   `sharded_state_dict_keys_map` that says so, as megatron-core's own local GPT spec does for its fused norms.
@@ -94,11 +95,19 @@ def _megatron_model(text: dict[str, Any]) -> Any:
     specs = []
     for spec, is_dense in zip(block.layer_specs, dense):
         spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = IdentityOp
-        spec.submodules.sharded_state_dict_keys_map = {**FUSED_NORMS, **(DENSE_FUSED_NORM if is_dense else {})}
+        sub = spec.submodules
+        sub.self_attention.submodules.core_attention = IdentityOp
+        sub.sharded_state_dict_keys_map = {**FUSED_NORMS, **(DENSE_FUSED_NORM if is_dense else {})}
+        sub.input_layernorm = mh.te_norm(sub.input_layernorm)  # TE's TENorm: the norms a TE spec keeps apart
+        if not is_dense:  # a dense layer's pre-MLP norm is fused into TE's linear_fc1, whose extra state it shares
+            sub.pre_mlp_layernorm = mh.te_norm(sub.pre_mlp_layernorm)
         specs.append(spec)
     block.layer_specs = specs
+    block.layer_norm = mh.te_norm(block.layer_norm)
     mtp = get_gpt_mtp_block_spec(cfg, specs[-1], use_transformer_engine=False)
+    for layer in mtp.layer_specs:
+        for name in ("enorm", "hnorm", "layer_norm"):
+            setattr(layer.submodules, name, mh.te_norm(getattr(layer.submodules, name)))
     return GPTModel(cfg, block, vocab_size=text["vocab_size"], max_sequence_length=64,
                     position_embedding_type="none", share_embeddings_and_output_weights=False, mtp_block_spec=mtp)
 

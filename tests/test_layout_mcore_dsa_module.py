@@ -45,7 +45,7 @@ def _dsa_module(text: dict[str, Any]) -> Any:
             return Duplicated
 
         def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
-            return te_norm(super().layer_norm(rms_norm=rms_norm, for_qk=for_qk))
+            return mh.te_norm(super().layer_norm(rms_norm=rms_norm, for_qk=for_qk))
 
     cfg = MLATransformerConfig(
         num_layers=1, hidden_size=text["hidden_size"], num_attention_heads=text["num_attention_heads"],
@@ -59,27 +59,6 @@ def _dsa_module(text: dict[str, Any]) -> Any:
     spec = get_dsa_module_spec_for_backend(cfg, Backend())
     spec.submodules.linear_q_down_proj = spec.submodules.linear_kv_down_proj = ColumnParallelLinear  # local MLA
     return build_module(spec, config=cfg, layer_number=1)
-
-
-def te_norm(local: Any) -> type:
-    """The local norm as TE's TENorm saves it: with an `_extra_state` (`torch.empty(0, dtype=torch.uint8)` when no
-    FP8 recipe is set, transformer_engine/pytorch/ops/op.py `get_extra_state`)."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    class TENormStandIn(torch.nn.Module):
-        def __init__(self, *args: Any, **kw: Any) -> None:
-            super().__init__()
-            norm = build_module(local, *args, **kw)
-            for name, p in list(norm.named_parameters(recurse=False)):  # its weights as this module's own
-                self.register_parameter(name, p)
-
-        def get_extra_state(self) -> torch.Tensor:
-            return torch.empty(0, dtype=torch.uint8)
-
-        def set_extra_state(self, state: Any) -> None:
-            pass
-
-    return TENormStandIn
 
 
 def _inventory_worker(rank: int, text: dict[str, Any], layer: int, out: str) -> None:
