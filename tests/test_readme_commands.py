@@ -84,7 +84,7 @@ def test_the_quick_start_transcript_prints_what_the_readme_shows_twice_in_a_row(
 
 def test_the_commands_section_runs_twice_in_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert len(command_lines()) == 11
+    assert len(command_lines()) == 13
     for _ in range(2):
         gates = []
         for command in command_lines():
@@ -107,6 +107,26 @@ def test_the_quick_start_transformers_example_runs_on_a_cpu(tmp_path: Path, monk
         got = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, env=env, timeout=300)
         assert got.returncode == 0, got.stderr[-2000:]
         assert got.stdout.strip().splitlines()[-1] == shown
+        assert got.stderr == ""  # was: a 26-row UNEXPECTED table and "flash-linear-attention is not installed"
+
+
+def test_what_the_transformers_example_keeps_quiet_is_what_the_readme_says(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """At transformers' default verbosity the example reports the MTP weights as UNEXPECTED (the README's count of
+    rows) and the torch KDA fallback, and nothing else."""
+    monkeypatch.chdir(tmp_path)
+    for command, _ in transcript()[:4]:
+        assert _run_glmconv(command)[0] == 0, command
+    example = _blocks(_section("Quick start"), "python")[0]
+    loud = "\n".join(line for line in example.splitlines() if not line.startswith("transformers.logging."))
+    env = {k: v for k, v in os.environ.items() if k not in (fla_guard.ENV, "TRITON_INTERPRET")}
+    got = subprocess.run([sys.executable, "-c", loud], capture_output=True, text=True, env=env, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    rows = [line.split("|")[0].strip() for line in got.stderr.splitlines() if "| UNEXPECTED |" in line]
+    assert rows and all(row.startswith("model.language_model.layers.4.") for row in rows)  # tiny: 4 layers + MTP
+    assert f"every\nMTP weight as `UNEXPECTED` ({len(rows)} rows on `tiny`)" in _section("Quick start")
+    assert "MISSING" not in got.stderr
+    assert "because `flash-linear-attention` is not installed" in got.stderr
 
 
 def test_the_readme_shell_completion_line_for_bash_runs(tmp_path: Path) -> None:
