@@ -8,21 +8,18 @@ from typing import Any
 import click
 
 from glmconv.checkpoint_layout import trained_layout
-from glmconv.defaults import DEFAULT_LAYOUT, LAYOUT_CHOICES
+from glmconv.defaults import ARGS_FORMAT_CHOICES, DEFAULT_ARGS_FORMAT, DEFAULT_LAYOUT, LAYOUT_CHOICES
 from glmconv.errors import GlmconvError
 from glmconv.io.config_file import load_config
 from glmconv.megatron_args import command_line, model_args
 from glmconv.text import printable, show
 from glmconv_cli.output import echo, echo_json
 
-FORMATS = ("lines", "shell", "json")
-DEFAULT_FORMAT = "lines"
-
 
 @click.command("megatron-args")
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--layers", type=int, default=None, help="Only the first N decoder layers (a training cut, e.g. 8).")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=DEFAULT_FORMAT, show_default=True,
+@click.option("--format", "fmt", type=click.Choice(ARGS_FORMAT_CHOICES), default=DEFAULT_ARGS_FORMAT, show_default=True,
               help="lines: one '--flag value' per line, unquoted, for a launcher (`$(glmconv megatron-args C)` "
                    "word-splits into the argv); shell: quoted, each line but the last ending in ' \\' (paste into a "
                    "script); json: {flag: value} (true for a bare switch).")

@@ -26,6 +26,8 @@ MILES, MCORE = "miles", "mcore"
 DEFAULT_LAYOUT = MILES
 LAYOUT_CHOICES = (MILES, MCORE)  # the Megatron layouts (glmconv.rules.layouts describes each)
 EMIT_CHOICES = ("hf", "mcore")  # audit-names --emit: the side whose expected tensor list is printed
+ARGS_FORMAT_CHOICES = ("lines", "shell", "json")  # megatron-args --format: for a launcher, a script, a program
+DEFAULT_ARGS_FORMAT = ARGS_FORMAT_CHOICES[0]
 ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
 
 # ---- parity -----------------------------------------------------------------------------------------

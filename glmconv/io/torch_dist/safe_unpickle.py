@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,6 @@ _VALUE, _TUPLE, _SAME, _CALL, _PUT, _MEMOIZE, _GET, _MARK, _POP, _DUP = range(10
 
 def _actions() -> dict[int, tuple[int, bool, int, int]]:
     """Opcode byte -> (action, pops to a mark, items it pops below the mark or from the stack, items it pushes)."""
-    import pickletools
 
     named = {"EMPTY_TUPLE": _TUPLE, "TUPLE": _TUPLE, "TUPLE1": _TUPLE, "TUPLE2": _TUPLE, "TUPLE3": _TUPLE,
              **dict.fromkeys(("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD", "READONLY_BUFFER"),
@@ -196,7 +196,6 @@ def check_pickle_bounds(pkl: bytes, nesting: int = MAX_TUPLE_NESTING) -> None:
     frozenset caches its hash); a call (REDUCE, NEWOBJ, ...) is given the deepest of its inputs. Malformed
     opcodes, stack underflow and a missing memo entry are `pickle.UnpicklingError`, as the unpickler would say.
     Linear in the pickle's size: about 1 s a million opcodes."""
-    import pickletools
 
     if not _ACTIONS:
         _ACTIONS.update(_actions())
