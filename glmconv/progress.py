@@ -1,11 +1,12 @@
-"""Progress for long jobs: rich bars on a terminal, nothing else anywhere else.
+"""Progress for long jobs: rich bars on a terminal, a plain line each LOG_EVERY_S in a log.
 
 Bytes are counted once written (a write or copy_file_range returned), never when queued; tensors once their last
 byte is written. On a terminal each phase of a run (plan, copy, flush, verify, publish) gets a line when it
 starts (`say`), the first at once, before torch is imported, and the bar shows what is known: `starting` until
 anything is read, the bytes read while a writer fills its first group, then the written bytes, the rate and an
 ETA. Every line fits BAR_COLUMNS (80) and none wraps. A stderr that is not a terminal (a pipe, a log file) gets no
-bar and no progress line at all: only what the command prints anyway (its summary, its errors).
+bar and no phase line; a data-moving command (`Progress`) writes one plain line each LOG_EVERY_S there, so that a
+cluster job's log shows a long run moving; parity's steps (`StepProgress`) write none.
 
 The ETA follows the writer's own timeline: the time it spends waiting for input (`queued`: a DCP writer filling a
 group) and the time it spends writing (`advance`), each measured from the first event on (what comes before, torch's
@@ -32,6 +33,7 @@ from glmconv.text import printable
 PLAN, COPY, FLUSH, VERIFY, PUBLISH = "plan", "copy", "flush", "verify", "publish"
 BAR_COLUMNS = 80  # the bar's line fits a terminal this wide: the bar itself takes what the text leaves
 STEP_SHOWN = 24  # characters of a parity step's name on its bar
+LOG_EVERY_S = 30.0  # a log (stderr no terminal) gets a plain progress line of a data-moving command this often
 
 
 def on_terminal() -> bool:
@@ -59,7 +61,8 @@ class Progress:
         self._rich: RichProgress | None = None
         self._task: TaskID | None = None
         self._clock = clock or time.monotonic  # tests pass their own
-        self._start = self._last_byte = self._clock()
+        self._start = self._last_byte = self._last_line = self._clock()
+        self._log = False  # stderr is a log, not a terminal: plain lines every LOG_EVERY_S instead of a bar
         self._t_prev: float | None = None  # the writer's last event (a queued chunk or a write); None: none yet
         self._wait_s = self._write_s = 0.0  # the writer's time waiting for input, and writing, since its first event
         self._wait_bytes = self._write_bytes = 0  # the bytes those times measure
@@ -73,6 +76,8 @@ class Progress:
                                              transient=True, expand=True)
             rich.__enter__()
             self._task = rich.add_task(self._description(), total=self.total_bytes, counts=self._counts())
+        else:
+            self._log = self.enabled and self._console is None
         return self
 
     def queued(self, nbytes: int) -> None:
@@ -92,6 +97,9 @@ class Progress:
             self._last_byte = self._clock()
         if self._rich is not None and self._task is not None:
             self._rich.update(self._task, advance=nbytes, counts=self._counts())
+        elif self._log and self._clock() - self._last_line >= LOG_EVERY_S:  # a long job's log shows it moving
+            self._last_line = self._clock()
+            print(self.line(), file=sys.stderr, flush=True)
 
     def phase(self, name: str, detail: str = "", *, quiet: bool = False) -> None:
         """A new phase starts: the bar names it and, unless `quiet` (a brief flush between writes), a line says it."""

@@ -185,9 +185,9 @@ def test_paritys_bar_has_an_eta_and_fits_80_columns() -> None:
 
 # ---- a stderr that is not a terminal: nothing ------------------------------------------------------------------
 
-def test_a_log_file_gets_no_progress_line_from_convert_or_parity(monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """Was: a plain `parity: 1/17 steps (layer 0 attention)` (and convert's percent line) every 5 s into logs."""
+def test_a_log_file_gets_no_progress_line_from_parity(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Was: a plain `parity: 1/17 steps (layer 0 attention)` every 5 s into logs."""
     now = [0.0]
 
     def late() -> float:
@@ -198,11 +198,20 @@ def test_a_log_file_gets_no_progress_line_from_convert_or_parity(monkeypatch: py
     with StepProgress("parity", 3) as steps:
         for step in ("layer 0 attention", "layer 0 mlp", "logits"):
             steps(step)
-    with Progress("convert", 100, 2) as prog:
-        prog.phase("copy", "100 bytes")
-        prog.advance(50)
-        prog.advance(50)
     assert capsys.readouterr().err == ""
+
+
+def test_a_log_file_gets_a_long_conversions_line_every_30_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    """A conversion of minutes logged to a file (a cluster job) shows it moving: one plain line each 30 s, not
+    one per write."""
+    clock = Clock()
+    with Progress("convert", 100, 4, clock=clock) as prog:
+        for _ in range(4):
+            clock.now += 20.0
+            prog.advance(25)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["convert:  50.0% 0.00/0.00 GB", "convert: 100.0% 0.00/0.00 GB"]
+    assert [line.split(", ")[1] for line in lines] == ["2/4 tensors", "4/4 tensors"]
 
 
 @pytest.mark.parametrize("command", ["convert", "verify", "parity"])
