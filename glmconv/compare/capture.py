@@ -60,8 +60,9 @@ class Model(Protocol):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
     # `replay` (the ids to use instead of the own selection) is passed only when replaying
     def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor,
-                  replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]: ...
-    def mlp(self, layer: int, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]: ...
+                  replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def mlp(self, layer: int, x: torch.Tensor,
+            replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
     def head(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -124,7 +125,7 @@ class Capture:
 
 
 Step = Callable[[str], None]
-Result = tuple["torch.Tensor", dict]  # a sub-block's streams and its aux (selections)
+Result = tuple["torch.Tensor", dict[str, "torch.Tensor"]]  # a sub-block's streams and its aux (selections)
 SelectionState = tuple["torch.Tensor | None", "torch.Tensor | None"] | None  # GlmModel.selection_state()
 
 
@@ -308,9 +309,9 @@ class _Out:
     """The serve side's results for one sub-block: run dtype, fp32 reference, and their inputs."""
 
     y: torch.Tensor
-    aux: dict
+    aux: dict[str, torch.Tensor]
     y_ref: torch.Tensor
-    aux_ref: dict
+    aux_ref: dict[str, torch.Tensor]
     x_ref: torch.Tensor  # the fp32 reference's input (the attribution reruns on it)
     x: torch.Tensor  # the serve side's input
 
@@ -363,7 +364,8 @@ def _timed(out: Capture, *models: Model) -> Iterator[None]:
 
 def _load_s(models: tuple[Model, ...]) -> float:
     caches = {id(c): c for c in (getattr(m, "cache", None) for m in models) if c is not None}
-    return sum(c.load_s for c in caches.values())
+    total: float = sum(c.load_s for c in caches.values())  # WeightCache.load_s (the models' `cache`, untyped here)
+    return total
 
 
 def steps(model: Model) -> int:
@@ -380,7 +382,7 @@ def _check_same_shape(serve: Model, train: Model) -> None:
 
 
 def _call(model: Model, sub_block: str, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor,
-          replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+          replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     kw = {} if replay is None else {"replay": replay}
     if sub_block == ATTENTION:
         return model.attention(layer, x, cu_seqlens, **kw)
@@ -410,5 +412,5 @@ def _kernel_fields(checks: list[KernelCheck], t: Result, k: Result) -> dict[str,
     return rec
 
 
-def _has(aux_s: dict | None, aux_t: dict | None, key: str) -> bool:
+def _has(aux_s: dict[str, torch.Tensor] | None, aux_t: dict[str, torch.Tensor] | None, key: str) -> bool:
     return bool(aux_s and aux_t and aux_s.get(key) is not None and aux_t.get(key) is not None)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from glmconv.compare.weight_diff import DIFFER, tensor_diff
+from glmconv.compare.verdict import DIFFER
+from glmconv.compare.weight_diff import tensor_diff
 from glmconv.errors import GlmconvError
 from glmconv.models.weights import WeightSource
 from glmconv.rules import roles as R

@@ -47,20 +47,21 @@ class Replay:
         return {(False, False): "none", (True, False): "routing", (False, True): "indexer"}.get(
             (self.routing, self.indexer), "both")
 
-    def expert_ids(self, layer: int, serve_aux: dict) -> torch.Tensor | None:
+    def expert_ids(self, layer: int, serve_aux: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The ids the train side's MoE layer `layer` runs (None: its own choice)."""
         return _given(self.experts, layer, serve_aux, "experts") if self.routing else None
 
-    def token_ids(self, layer: int, serve_aux: dict) -> torch.Tensor | None:
+    def token_ids(self, layer: int, serve_aux: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The ids the train side's DSA layer `layer` attends over (None: its own selection)."""
         return _given(self.topk, layer, serve_aux, "topk") if self.indexer else None
 
-    def ids(self, sub_block: str, layer: int, serve_aux: dict) -> torch.Tensor | None:
+    def ids(self, sub_block: str, layer: int, serve_aux: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """What the train side's `sub_block` of `layer` replays: token ids (attention) or expert ids (mlp)."""
         return self.token_ids(layer, serve_aux) if sub_block == "attention" else self.expert_ids(layer, serve_aux)
 
 
-def _given(payload: dict[int, torch.Tensor], layer: int, serve_aux: dict, key: str) -> torch.Tensor | None:
+def _given(payload: dict[int, torch.Tensor], layer: int, serve_aux: dict[str, torch.Tensor],
+           key: str) -> torch.Tensor | None:
     """The payload's ids for `layer` when a payload was given, else the serve side's own (aux `key`)."""
     return payload.get(layer) if payload else serve_aux.get(key)
 

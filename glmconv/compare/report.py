@@ -18,8 +18,7 @@ from glmconv.compare.capture import Capture, Side
 from glmconv.compare.catalog import CATALOG
 from glmconv.compare.inputs import Batch
 from glmconv.compare.options import ParityOptions, judge_of
-from glmconv.compare.verdict import judge_records
-from glmconv.compare.weight_diff import DIFFER
+from glmconv.compare.verdict import DIFFER, judge_records
 from glmconv.defaults import DEFAULT_TRAIN_CONVENTIONS
 from glmconv.io.output import claim_report_dir, replace_file
 from glmconv.models.conventions import SELECTION, acting_at
@@ -92,8 +91,10 @@ def _ratio_of(rec: dict[str, Any], key: str) -> float | None:
     """What a record's ratio field divides by the noise: its rel err, or a selection's disagreement."""
     what = _RATIOS[key][1]
     if what not in rec:
-        return rec.get("value") if key == "excess" else None  # a first divergence: its value is the rel err
-    return rec[what] if key == "excess" else 1.0 - rec[what]
+        value: float | None = rec.get("value") if key == "excess" else None  # a first divergence: its rel err
+        return value
+    ratio: float = rec[what] if key == "excess" else 1.0 - rec[what]
+    return ratio
 
 
 def value_why(key: str, value: float, rec: dict[str, Any], noise_measured: bool = True) -> str:
@@ -157,7 +158,8 @@ def finite_numbers(report: dict[str, Any], whys: dict[str, str], noise_measured:
                 out[k] = walk(v, k if isinstance(k, str) else None)
         return out
 
-    return walk(report)
+    finite: dict[str, Any] = walk(report)
+    return finite
 
 
 def _judged(cap: Capture, opts: ParityOptions, conventions: dict[str, Any]) -> Side:
@@ -391,7 +393,8 @@ def _cause_text(fd: dict[str, Any]) -> str:
         return "train switches acting there: " + ", ".join(fd.get("switches", []))
     if fd.get("cause") == "kernel" and fd.get("kernel"):
         return "kernel " + kernel_text(fd["kernel"])
-    return _CAUSES.get(fd.get("cause", ""), fd.get("cause", ""))
+    cause: str = _CAUSES.get(fd.get("cause", ""), fd.get("cause", ""))
+    return cause
 
 
 def weight_text(d: dict[str, Any]) -> str:

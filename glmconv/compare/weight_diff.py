@@ -20,6 +20,8 @@ from glmconv.rules import roles as R
 if TYPE_CHECKING:
     import torch
 
+    from glmconv.plan import TensorSpec
+
 
 _BITS = {2: "int16", 4: "int32", 8: "int64"}  # a float compared bit for bit as the int of its size
 
@@ -143,7 +145,7 @@ def tensor_names(src: FieldSource, layer: int | None, d: TensorDiff, serve: Any,
     return out
 
 
-def _side_names(specs: tuple, mapping: Any, src: FieldSource, d: TensorDiff, hf: bool) -> list[str]:
+def _side_names(specs: tuple[TensorSpec, ...], mapping: Any, src: FieldSource, d: TensorDiff, hf: bool) -> list[str]:
     """Names of `specs` holding `d.rows` of the field, `name[rows]` where the field is part of a tensor."""
     if d.expert is not None:
         if hf:
@@ -162,7 +164,7 @@ def _half(part: int) -> str:
     return ("first", "second")[part]
 
 
-def _covering(specs: tuple, rows: list[int]) -> list[str]:
+def _covering(specs: tuple[TensorSpec, ...], rows: list[int]) -> list[str]:
     """The specs whose rows (stacked along dim 0 in order, as the field concatenates them) hold `rows`."""
     out, start = [], 0
     for spec in specs:

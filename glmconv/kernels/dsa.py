@@ -51,6 +51,7 @@ def attend_latent(q_abs: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
         sparse_mla_fwd_interface,
     )
 
+    out: torch.Tensor  # megatron-core's tilelang op has no types
     out, _ = sparse_mla_fwd_interface(q_abs, kv.unsqueeze(1), indices.unsqueeze(1), sm_scale=scale, d_v=V_DIM)
     return out
 

@@ -23,6 +23,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
     """Causal depthwise conv + SiLU of packed sequences: x [T, C], weight [C, 1, W] -> [T, C] in x.dtype."""
     from fla.modules.causal_conv1d import causal_conv1d
 
+    y: torch.Tensor  # fla ships no types
     y, _ = causal_conv1d(x.unsqueeze(0), weight.reshape(weight.shape[0], -1), activation=activation,
                          cu_seqlens=cu_seqlens.long())
     return y.squeeze(0)
@@ -37,6 +38,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     from fla.ops.kda import chunk_kda
 
     t, h, d = q.shape
+    o: torch.Tensor  # fla ships no types
     o, _ = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), f.reshape(1, t, h, d), b.unsqueeze(0),
                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                      safe_gate=True, lower_bound=p.lower_bound, A_log=a_log.float(), dt_bias=dt_bias.float(),

@@ -13,6 +13,7 @@ Pools are numbered globally over the packed batch; each query's visible pools ar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,10 @@ import triton.language as tl
 from glmconv.ops.kpool import K_NORM_EPS, IndexerTensors, KpoolParams
 
 SCORE_PRECISION = "tf32x3"
+
+# The kernels' pointer and scalar arguments are typed `Any`: triton reads a parameter's annotation (a dtype name
+# such as `int` would pin its type and drop triton's specialisation on its value), and an unknown name like `Any`
+# leaves it as unannotated. `triton.jit` is untyped for mypy: triton ships no py.typed.
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,9 @@ def layout(cu_seqlens: torch.Tensor, tokens: int, kpool: int, pools_per_row: int
                   n_pools[tseq].clamp(max=pools_per_row).int(), (local % kpool).int())
 
 
-@triton.jit
-def _pool_kernel(ik, gate, ape, pool_tok, keys, n_pools, D: tl.constexpr, KP: tl.constexpr,
-                 BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no py.typed
+def _pool_kernel(ik: Any, gate: Any, ape: Any, pool_tok: Any, keys: Any, n_pools: Any, D: tl.constexpr,
+                 KP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr) -> None:
     """keys[p, :] = per-channel softmax over the pool's KP tokens of (gate + ape), weighting ik."""
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
@@ -78,10 +83,10 @@ def _pool_kernel(ik, gate, ape, pool_tok, keys, n_pools, D: tl.constexpr, KP: tl
     tl.store(keys + p[:, None] * D + d[None, :], out, mask=(p < n_pools)[:, None] & (d < D)[None, :])
 
 
-@triton.jit
-def _score_kernel(iq, keys, head_w, lo, hi, scores, T, n_pools, scale, H: tl.constexpr, D: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PRECISION: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no py.typed
+def _score_kernel(iq: Any, keys: Any, head_w: Any, lo: Any, hi: Any, scores: Any, T: Any, n_pools: Any,
+                  scale: Any, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr) -> None:
     """scores[t, p] = sum_h w[t, h] relu(iq[t, h] . keys[p] * scale) for lo[t] <= p < hi[t], else -inf."""
     t = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -105,9 +110,10 @@ def _score_kernel(iq, keys, head_w, lo, hi, scores, T, n_pools, scale, H: tl.con
     tl.store(scores + t[:, None] * n_pools + p[None, :], out, mask=t_ok[:, None] & (p < n_pools)[None, :])
 
 
-@triton.jit
-def _expand_kernel(chosen, pool_tok, lo, hi, krow, tail, out, K, width, KP: tl.constexpr,
-                   TAIL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no py.typed
+def _expand_kernel(chosen: Any, pool_tok: Any, lo: Any, hi: Any, krow: Any, tail: Any, out: Any, K: Any,
+                   width: Any, KP: tl.constexpr, TAIL: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_C: tl.constexpr) -> None:
     """Row t: its visible chosen pools as token ids (best first), -1 up to krow * KP, then the tail."""
     t = tl.program_id(0)
     j = tl.arange(0, BLOCK_K)

@@ -129,7 +129,7 @@ class GlmModel:
         return x.unsqueeze(1).expand(-1, self.hc.hc_mult, -1).contiguous()
 
     def attention(self, layer: int, x: torch.Tensor, cu_seqlens: torch.Tensor,
-                  replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                  replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Streams after layer `layer`'s attention sub-block; aux `topk` [T, W] on DSA layers.
 
         `replay` [T, W] (indexer replay, DSA layers): attend over these token ids; aux `topk` stays the own selection.
@@ -144,7 +144,8 @@ class GlmModel:
             y, aux["topk"] = self._dsa(layer, a, w, cu_seqlens, replay)
         return hc_post(y, x, post, comb, self.conventions.hc_mix), aux
 
-    def mlp(self, layer: int, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def mlp(self, layer: int, x: torch.Tensor,
+            replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Streams after layer `layer`'s MLP sub-block; aux `experts` [T, k] on MoE layers.
 
         `replay` [T, k] (routing replay, MoE layers): route to these experts, gate weights from this router's own
@@ -290,11 +291,15 @@ class GlmModel:
     def _attention_weights(self, layer: int) -> AttentionWeights:
         self._check_layer(layer)
         key = ("attention" if self._kpool else "attention-token-indexer", layer)
-        return self._patched(ATTN, layer, self.cache.get(key, lambda: self._prepare(self._read(layer, ATTN))))
+        w: AttentionWeights = self._patched(ATTN, layer,
+                                            self.cache.get(key, lambda: self._prepare(self._read(layer, ATTN))))
+        return w
 
     def _mlp_weights(self, layer: int) -> MlpWeights:
         self._check_layer(layer)
-        return self._patched(MLP, layer, self.cache.get((MLP, layer), lambda: self._prepare(self._read(layer, MLP))))
+        w: MlpWeights = self._patched(MLP, layer,
+                                      self.cache.get((MLP, layer), lambda: self._prepare(self._read(layer, MLP))))
+        return w
 
     def _read(self, layer: int, sub_block: str) -> Any:
         """A sub-block's weights: from the checkpoint, or the source model's prepared ones (cast by `_prepare`)."""
@@ -321,7 +326,8 @@ class GlmModel:
             hc_head = self.weights.hc_head()
             return self._cast(self.weights.final_norm()), self._prepare(hc_head) if hc_head is not None else None
 
-        return self.cache.get(("head", -1), load)
+        head: tuple[torch.Tensor, HcSite | None] = self.cache.get(("head", -1), load)
+        return head
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:

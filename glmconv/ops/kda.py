@@ -200,7 +200,7 @@ def kda_layer(x: torch.Tensor, w: KdaTensors, p: KdaParams, cu_seqlens: torch.Te
 
     t, c = x.shape[0], p.heads * p.head_dim
     qkv = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
-    q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in conv(qkv, w.conv, cu_seqlens).split(c, dim=-1))
+    q, k, v = (z.reshape(t, p.heads, p.head_dim) for z in torch.split(conv(qkv, w.conv, cu_seqlens), c, dim=-1))
     f = F.linear(F.linear(x, w.f_a), w.f_b)
     run = core if core is not None else partial(kda_core, chunked=chunked)
     o = run(q, k, v, f, F.linear(x, w.b_proj), w.a_log, w.dt_bias, p, cu_seqlens).to(x.dtype)

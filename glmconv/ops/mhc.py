@@ -68,8 +68,8 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     n = p.hc_mult
     flat = flat_rms(x.reshape(x.shape[0], -1).float(), form, p.rms_eps)
     mixes = F.linear(flat, fn.float())
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_w, post_w, comb_w = torch.split(mixes, [n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = torch.split(base.float(), [n, n, n * n])
     s = scale.float()
     pre = torch.sigmoid(pre_w * s[0] + pre_b) + p.hc_eps
     post = 2 * torch.sigmoid(post_w * s[1] + post_b)

@@ -113,7 +113,7 @@ def routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert: Ex
     import torch
 
     out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
+    for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
         y = mlp(x[tok], *expert(int(e)), limit) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
