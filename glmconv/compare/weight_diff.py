@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.compare.verdict import DIFFER, EQUAL, ROUNDED
 from glmconv.models.weights import ExpertBank, FieldSource, WeightSource, field_source
+from glmconv.plan import TensorSpec
 from glmconv.rules import roles as R
 
 if TYPE_CHECKING:
     import torch
-
-    from glmconv.plan import TensorSpec
 
 
 _BITS = {2: "int16", 4: "int32", 8: "int64"}  # a float compared bit for bit as the int of its size
