@@ -40,6 +40,20 @@ class Run:
         return [line for line in re.split(r"[\r\n]", CSI.sub("", self.raw)) if line.strip()]
 
 
+def drain(main: int) -> bytes:
+    """Everything written to the terminal whose controlling side is `main`, until the process closes it."""
+    seen = b""
+    while True:
+        try:
+            data = os.read(main, 1 << 16)
+        except OSError:  # the terminal closed with the process
+            break
+        if not data:
+            break
+        seen += data
+    return seen
+
+
 def on_a_terminal(args: list[str], columns: int = 80, *, interrupt_when: str | None = None,
                   env: dict[str, str] | None = None, timeout: float = 300) -> Run:
     """`glmconv ARGS` with stderr on a `columns`-wide pty; SIGINT the moment a frame matches `interrupt_when`."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from terminal import drain
 
 from glmconv_cli.main import cli
 
@@ -36,15 +37,7 @@ def on_a_terminal(args: list[str], columns: int = 80) -> tuple[str, str, int]:
     proc = subprocess.Popen([str(GLMCONV), *args], stdout=sub, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             env=_env())
     os.close(sub)
-    seen = b""
-    while True:
-        try:
-            data = os.read(main, 1 << 16)
-        except OSError:  # the terminal closed with the process
-            break
-        if not data:
-            break
-        seen += data
+    seen = drain(main)
     err = proc.communicate(timeout=300)[1].decode()
     os.close(main)
     return ANSI.sub("", seen.decode()).replace("\r", ""), err, proc.returncode

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from terminal import drain
 
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter
 from glmconv.progress import Progress
@@ -26,15 +27,7 @@ def _on_a_terminal(args: list[str]) -> tuple[str, str]:
     main, sub = pty.openpty()
     proc = subprocess.Popen([str(GLMCONV), *args], stdout=subprocess.PIPE, stderr=sub, stdin=subprocess.DEVNULL)
     os.close(sub)
-    seen = b""
-    while True:
-        try:
-            data = os.read(main, 1 << 16)
-        except OSError:  # the terminal closed with the process
-            break
-        if not data:
-            break
-        seen += data
+    seen = drain(main)
     out = proc.communicate(timeout=120)[0].decode()
     os.close(main)
     assert proc.returncode == 0, seen.decode(errors="replace")
