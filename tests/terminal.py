@@ -40,16 +40,18 @@ class Run:
         return [line for line in re.split(r"[\r\n]", CSI.sub("", self.raw)) if line.strip()]
 
 
+def read_some(main: int) -> bytes:
+    """What the terminal whose controlling side is `main` has to read now; b"" once the process closed it."""
+    try:
+        return os.read(main, 1 << 16)
+    except OSError:  # the terminal closed with the process
+        return b""
+
+
 def drain(main: int) -> bytes:
-    """Everything written to the terminal whose controlling side is `main`, until the process closes it."""
+    """Everything written to that terminal, until the process closes it."""
     seen = b""
-    while True:
-        try:
-            data = os.read(main, 1 << 16)
-        except OSError:  # the terminal closed with the process
-            break
-        if not data:
-            break
+    while data := read_some(main):
         seen += data
     return seen
 
@@ -72,10 +74,7 @@ def on_a_terminal(args: list[str], columns: int = 80, *, interrupt_when: str | N
             if proc.poll() is not None:
                 break
             continue
-        try:
-            data = os.read(main, 1 << 16)
-        except OSError:  # the terminal closed with the process
-            break
+        data = read_some(main)
         if not data:
             break
         frames.append((time.monotonic() - start, data.decode(errors="replace")))
