@@ -388,11 +388,8 @@ def _metadata(md: Mapping[str, _Entry], keys: Iterable[str]) -> Metadata:
 
 
 def _in_kept(relative_path: str) -> str:
-    """A sidecar data file's name relative to the sidecar (written relative to the iteration directory)."""
-    head, _, name = relative_path.partition("/")
-    if head != KEPT_DIR or not name or "/" in name:
-        raise CheckpointError(f"{relative_path}: a tensor of the {KEPT_DIR} sidecar outside it")
-    return name
+    """A sidecar data file's name relative to the sidecar (`_save_file` names it relative to the iteration dir)."""
+    return relative_path.removeprefix(f"{KEPT_DIR}/")
 
 
 def _why(exc: BaseException, where: Path, need: int) -> str:
