@@ -34,7 +34,8 @@ from glmconv_cli.sizes import SEED, SEED_HELP
               help="Split the random tokens into K packed sequences (default 1).")
 
 
-@click.option("--seed", type=SEED, default=0, show_default=True, help=f"Seed of the random tokens ({SEED_HELP}).")
+@click.option("--seed", type=SEED, default=D.DEFAULT_SEED, show_default=True,
+              help=f"Seed of the random tokens ({SEED_HELP}).")
 @click.option("--mode", type=click.Choice(D.PARITY_MODES), default=D.DEFAULT_MODE, show_default=True,
               help="propagated: each side runs on its own; isolated: every sub-block (and the head, so the logit "
                    "metrics then compare heads only) gets the serve side's input.")

@@ -9,10 +9,9 @@ by its keyword (`glmconv.convert(): group_bytes='1GB': expected a number of byte
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -246,7 +245,12 @@ def _audit(src: str | Path, against: str | Path | None, *, fp8: bool | None, mtp
 @keywords_checked
 def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = None, sequences: int | None = None,
            prompt_file: str | Path | None = None, fail_on: str | Sequence[str] = (), threshold: float | None = None,
-           report_dir: str | Path | None = None, **options: Any) -> dict[str, Any]:
+           report_dir: str | Path | None = None, seed: int = D.DEFAULT_SEED, mode: str = D.DEFAULT_MODE,
+           dtype: str = D.DEFAULT_PARITY_DTYPE, device: str = D.DEFAULT_PARITY_DEVICE,
+           train_conventions: str = D.DEFAULT_TRAIN_CONVENTIONS, overrides: list[str] | tuple[str, ...] = (),
+           kernels: str = D.DEFAULT_KERNELS, stream_layers: bool = False, replay: str = D.DEFAULT_REPLAY,
+           replay_file: str | Path | None = None, self_test: bool = False, defects: str | None = None,
+           allow_different_weights: bool = False, progress: bool = False) -> dict[str, Any]:
     """Layerwise train-vs-serve report of `hf_dir` and its conversion `mcore_dir`; `report["passed"]` is the verdict.
 
     `report["wall_s"]` is the whole call (reading, building both models, the passes); `report["elapsed_s"]` the
@@ -254,32 +258,35 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
 
     `fail_on`: one bound such as "logprob_abs_diff.max>1e-4", or a sequence of them; `report_dir`: also write
     report.json, report.md and error_per_layer.png there (listed in `report["report_files"]`; without matplotlib
-    the PNG is skipped and `report["report_skipped"]` says so); `options`: the other
-    `glmconv.compare.ParityOptions` fields (seed, mode, dtype, device, train_conventions, overrides, kernels,
-    ...); any other keyword is refused.
+    the PNG is skipped and `report["report_skipped"]` says so). The other keywords are the CLI's flags of the same
+    name (`overrides`: its `--train-convention KEY=VALUE`s; `progress`: print progress, off by default).
     """
 
     start = time.monotonic()
-    ignored = _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, threshold, report_dir, options)
+    _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, threshold, report_dir, replay_file)
+    A.int_in("seed", seed, *A.SEED_RANGE), A.choice("mode", mode, D.PARITY_MODES)
+    A.choice("dtype", dtype, D.PARITY_DTYPES), A.text("device", device), A.optional(A.text, "defects", defects)
+    A.choice("train_conventions", train_conventions, D.TRAIN_CONVENTIONS), A.texts("overrides", overrides)
+    A.choice("kernels", kernels, D.KERNEL_CHOICES), A.choice("replay", replay, D.REPLAY_CHOICES)
+    _flags(stream_layers=stream_layers, self_test=self_test, allow_different_weights=allow_different_weights,
+           progress=progress)
     bounds = tuple(parse_bound(b) for b in A.fail_on(fail_on, "fail_on"))  # bad syntax: before any model is built
-    # the command line reaches these two through here: each names the keyword and the flag
-    if prompt_file is not None and (tokens is not None or sequences is not None):
-        raise GlmconvError("--prompt-file sets the tokens and sequences (prompt_file, in Python); drop --tokens and "
-                           "--sequences (tokens, sequences)")
-    if threshold is not None and not threshold > 0:
-        raise GlmconvError(f"--threshold {threshold} (threshold, in Python): must be positive")
-    replay_file = options.get("replay_file")
+    check_pair("parity", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
+    ignored = check_same_model(hf_dir, mcore_dir)
     inputs = {"HF checkpoint": Path(hf_dir), "torch_dist checkpoint": Path(mcore_dir),
               "prompt file": Path(prompt_file) if prompt_file else None,
               "replay file": Path(replay_file) if replay_file else None}  # the report never lands on an input
+    opts = ParityOptions(
+        hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=D.DEFAULT_TOKENS if tokens is None else tokens,
+        sequences=1 if sequences is None else sequences, seed=seed, prompt_file=inputs["prompt file"], mode=mode,
+        dtype=dtype, device=device, train_conventions=train_conventions, overrides=tuple(overrides),
+        threshold=threshold, bounds=bounds, progress=progress, allow_different_weights=allow_different_weights,
+        kernels=kernels, stream_layers=stream_layers, replay=replay, replay_file=inputs["replay file"],
+        self_test=self_test, defects=defects)
     # before the run: a directory that cannot take it fails now; a run that fails leaves nothing of it
     claim = claim_report_dir(Path(report_dir), inputs) if report_dir is not None else ReportClaim()
-    options.setdefault("progress", False)
     try:
-        report = run_parity(ParityOptions(
-            hf_dir=Path(hf_dir), mcore_dir=Path(mcore_dir), tokens=D.DEFAULT_TOKENS if tokens is None else tokens,
-            sequences=1 if sequences is None else sequences, prompt_file=Path(prompt_file) if prompt_file else None,
-            bounds=bounds, threshold=threshold, **options))
+        report = run_parity(opts)
         report["wall_s"] = round(time.monotonic() - start, 3)  # the whole run; `elapsed_s`: the forward passes
         report["config_keys_ignored"] = ignored  # differ between the two configs, change neither model nor numerics
         if report_dir is not None:
@@ -290,40 +297,19 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     return report
 
 
-def _parity_arguments(hf_dir: str | Path, mcore_dir: str | Path, tokens: object, sequences: object, prompt_file: object,
-                      threshold: object, report_dir: object, options: dict[str, Any]) -> list[str]:
-    """parity's paths, counts and option names, checked before anything is read; the config keys to note."""
+def _parity_arguments(hf_dir: object, mcore_dir: object, tokens: object, sequences: object, prompt_file: object,
+                      threshold: object, report_dir: object, replay_file: object) -> None:
+    """parity's paths and counts, checked before anything is read; the two the CLI reaches through here name both
+    the keyword and the flag."""
 
-    A.path("hf_dir", hf_dir), A.path("mcore_dir", mcore_dir)
-    A.optional(A.path, "prompt_file", prompt_file), A.optional(A.path, "report_dir", report_dir)
+    A.path("hf_dir", hf_dir), A.path("mcore_dir", mcore_dir), A.optional(A.path, "prompt_file", prompt_file)
+    A.optional(A.path, "report_dir", report_dir), A.optional(A.path, "replay_file", replay_file)
     A.optional(A.int_in, "tokens", tokens), A.optional(A.int_in, "sequences", sequences)  # ranges: inputs.py
-    if threshold is not None and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)):
-        raise A.ArgumentError("threshold", threshold, "expected a positive number (an int or a float)")
-    known = {f.name for f in dataclasses.fields(ParityOptions)} - set(_PARITY_OWN)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise GlmconvError(f"glmconv.parity(): unknown keyword {unknown[0]!r} (the options are: "
-                           f"{', '.join(sorted(known))})")
-    for name, value in options.items():
-        check = _PARITY_CHECKS.get(name)
-        if check is not None:
-            check(name, value)
-    check_pair("parity", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
-    return check_same_model(hf_dir, mcore_dir)
-
-
-_PARITY_OWN = ("hf_dir", "mcore_dir", "tokens", "sequences", "prompt_file", "bounds", "threshold")
-# parity's other options (ParityOptions' fields), each checked as the CLI's flag of the same name is
-_PARITY_CHECKS: dict[str, Callable[[str, Any], object]] = {
-    "seed": lambda n, v: A.int_in(n, v, *A.SEED_RANGE),
-    "mode": lambda n, v: A.choice(n, v, D.PARITY_MODES),
-    "dtype": lambda n, v: A.choice(n, v, D.PARITY_DTYPES),
-    "device": A.text,
-    "train_conventions": lambda n, v: A.choice(n, v, D.TRAIN_CONVENTIONS),
-    "overrides": A.texts,
-    "kernels": lambda n, v: A.choice(n, v, D.KERNEL_CHOICES),
-    "replay": lambda n, v: A.choice(n, v, D.REPLAY_CHOICES),
-    "replay_file": lambda n, v: A.optional(A.path, n, v),
-    "defects": lambda n, v: A.optional(A.text, n, v),
-    **{flag: A.flag for flag in ("progress", "allow_different_weights", "stream_layers", "self_test")},
-}
+    if prompt_file is not None and (tokens is not None or sequences is not None):
+        raise GlmconvError("--prompt-file sets the tokens and sequences (prompt_file, in Python); drop --tokens and "
+                           "--sequences (tokens, sequences)")
+    if threshold is not None:
+        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool):
+            raise A.ArgumentError("threshold", threshold, "expected a positive number (an int or a float)")
+        if not threshold > 0:
+            raise GlmconvError(f"--threshold {threshold} (threshold, in Python): must be positive")

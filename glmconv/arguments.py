@@ -126,9 +126,15 @@ def keywords_checked(fn: F) -> F:
     """`fn` raising GlmconvError, not TypeError, for an unknown keyword or a missing or extra argument; a value
     refused by the checks here is named with the function (`glmconv.convert(): group_bytes='1GB': ...`)."""
     signature = inspect.signature(fn)
+    keywords = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        unknown = [k for k in kwargs if k not in keywords and not open_ended]
+        if unknown:
+            raise GlmconvError(f"glmconv.{fn.__name__}(): unknown keyword {unknown[0]!r} (the keywords are: "
+                               f"{', '.join(keywords)})")
         try:
             signature.bind(*args, **kwargs)
         except TypeError as exc:

@@ -32,6 +32,7 @@ ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, alway
 
 # ---- parity -----------------------------------------------------------------------------------------
 DEFAULT_TOKENS = 128
+DEFAULT_SEED = 0  # of the random tokens
 DEFAULT_MODE = "propagated"
 PARITY_MODES = (DEFAULT_MODE, "isolated")
 DEFAULT_PARITY_DTYPE = "fp32"
