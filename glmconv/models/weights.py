@@ -29,7 +29,7 @@ from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.ops.dsa import DsaTensors
 from glmconv.ops.kda import KdaTensors
 from glmconv.ops.kpool import IndexerTensors
-from glmconv.plan import FP8, Mapping, build_plan
+from glmconv.plan import FP8, Mapping, TensorSpec, build_plan
 from glmconv.rules import names
 from glmconv.rules import roles as R
 
@@ -180,16 +180,29 @@ class WeightSource(ABC):
         return (layer, role) in self._roles
 
     @abstractmethod
+    def read(self, name: str) -> torch.Tensor:
+        """This side's tensor `name`, whole."""
+
+    @abstractmethod
+    def specs(self, m: Mapping) -> tuple[TensorSpec, ...]:
+        """This side's tensors of `m`: its HF ones or its Megatron ones."""
+
     def tensor(self, layer: int | None, role: str) -> torch.Tensor:
         """The single tensor (HF side) or the Megatron tensor of a 1:1 role."""
+        (t,) = self._tensors(layer, role)
+        return t
+
+    def _tensors(self, layer: int | None, role: str) -> list[torch.Tensor]:
+        return [self.read(s.name) for s in self.specs(self.mapping(layer, role))]
 
     @abstractmethod
     def row_range(self, role: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of a model-wide 1:1 role (embedding, head), read without the rest."""
 
-    @abstractmethod
     def num_rows(self, role: str) -> int:
         """Rows of a model-wide 1:1 role (the vocabulary, for the embedding and the head)."""
+        (spec,) = self.specs(self.mapping(None, role))
+        return spec.shape[0]
 
     @abstractmethod
     def hc_site(self, layer: int, site: str) -> HcSite:
@@ -349,16 +362,8 @@ class HfWeights(WeightSource):
             return self.read(spec.name)[start:stop]
         return self._src.raw(spec.name, (start, stop))
 
-    def num_rows(self, role: str) -> int:
-        (spec,) = self.mapping(None, role).hf
-        return spec.shape[0]
-
-    def _hf(self, layer: int | None, role: str) -> list[torch.Tensor]:
-        return [self.read(s.name) for s in self.mapping(layer, role).hf]
-
-    def tensor(self, layer: int | None, role: str) -> torch.Tensor:
-        (t,) = self._hf(layer, role)
-        return t
+    def specs(self, m: Mapping) -> tuple[TensorSpec, ...]:
+        return m.hf
 
     def hc_site(self, layer: int, site: str) -> HcSite:
         return HcSite(*(self.tensor(layer, role) for role in R.HC[site]))
@@ -366,10 +371,10 @@ class HfWeights(WeightSource):
     def kda_conv(self, layer: int) -> torch.Tensor:
         import torch
 
-        return torch.cat(self._hf(layer, R.KDA_CONV), dim=0)  # transformers' conv1d runs over cat(q, k, v)
+        return torch.cat(self._tensors(layer, R.KDA_CONV), dim=0)  # transformers' conv1d runs over cat(q, k, v)
 
     def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
-        gate, up = self._hf(layer, fc1)
+        gate, up = self._tensors(layer, fc1)
         return Swiglu(gate, up, self.tensor(layer, fc2))
 
     def experts(self, layer: int) -> ExpertBank:
@@ -424,29 +429,21 @@ class MegatronWeights(WeightSource):
         (spec,) = self.mapping(None, role).mcore
         return self.read(spec.name, (start, stop))
 
-    def num_rows(self, role: str) -> int:
-        (spec,) = self.mapping(None, role).mcore
-        return spec.shape[0]
-
-    def _mc(self, layer: int | None, role: str) -> list[torch.Tensor]:
-        return [self.read(s.name) for s in self.mapping(layer, role).mcore]
-
-    def tensor(self, layer: int | None, role: str) -> torch.Tensor:
-        (t,) = self._mc(layer, role)
-        return t
+    def specs(self, m: Mapping) -> tuple[TensorSpec, ...]:
+        return m.mcore
 
     def hc_site(self, layer: int, site: str) -> HcSite:
         import torch
 
         fn_role, base_role, scale_role = R.HC[site]
         fn, base = self.tensor(layer, fn_role), self.tensor(layer, base_role)
-        alpha_pre, alpha_post, alpha_res = self._mc(layer, scale_role)
+        alpha_pre, alpha_post, alpha_res = self._tensors(layer, scale_role)
         return HcSite(fn, base, torch.cat([alpha_pre, alpha_post, alpha_res]))
 
     def kda_conv(self, layer: int) -> torch.Tensor:
         import torch
 
-        return torch.cat(self._mc(layer, R.KDA_CONV), dim=0)  # miles: already fused; mcore: q, k, v convs
+        return torch.cat(self._tensors(layer, R.KDA_CONV), dim=0)  # miles: already fused; mcore: q, k, v convs
 
     def swiglu(self, layer: int, fc1: str, fc2: str) -> Swiglu:
         gate, up = self.tensor(layer, fc1).chunk(2, dim=0)  # Megatron's gated fc1: gate rows, then up rows
