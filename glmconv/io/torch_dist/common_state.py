@@ -111,9 +111,7 @@ def check_bounded(state: Any, source: str) -> None:
                                       f"{short_repr(name)} at {_path(path)}, expected string names in {EXPECTED}")
         text += _text(value)
         if text > MAX_TEXT:
-            raise CheckpointError(f"{source}: common state reaches more than {MAX_TEXT:,} characters of text (a "
-                                  f"shared value counted each time it is reached; {_path(path)} is one), expected "
-                                  f"at most {MAX_TEXT:,} in {EXPECTED}")
+            raise _reaches_more(source, MAX_TEXT, "characters of text (a shared value", path)
         children = _children(value)
         if not children:
             continue
@@ -122,9 +120,7 @@ def check_bounded(state: Any, source: str) -> None:
                                   f"{_path(path)}, expected at most {MAX_DEPTH} in {EXPECTED}")
         reached += len(children)
         if reached > MAX_VALUES:
-            raise CheckpointError(f"{source}: common state reaches more than {MAX_VALUES:,} values (a shared one "
-                                  f"counted each time it is reached; {_path(path)} is one), expected at most "
-                                  f"{MAX_VALUES:,} in {EXPECTED}")
+            raise _reaches_more(source, MAX_VALUES, "values (a shared one", path)
         todo.extend((child, depth + 1, (path, step)) for step, child in children)
 
 
@@ -137,6 +133,12 @@ def _text(value: Any) -> int:
     if isinstance(value, PurePath):
         return len(str(value))
     return 1
+
+
+def _reaches_more(source: str, bound: int, what: str, path: Any) -> CheckpointError:
+    """The refusal of a walk that reaches more than `bound` of `what`, naming one path on the way."""
+    return CheckpointError(f"{source}: common state reaches more than {bound:,} {what} counted each time it is "
+                           f"reached; {_path(path)} is one), expected at most {bound:,} in {EXPECTED}")
 
 
 def _path(path: Any) -> str:
