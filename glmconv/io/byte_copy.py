@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glmconv.errors import CheckpointError
+from glmconv.io.closing import Closing
 
 _FALLBACK_ERRNOS = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 _BUFFER = 16 << 20  # pread/write fallback: bytes per step
@@ -44,7 +45,7 @@ def merge(extents: Iterable[Extent]) -> list[Extent]:
     return out
 
 
-class FileCopier:
+class FileCopier(Closing):
     """Copies extents to an open file or into memory; keeps each source file open once for the copier's life.
 
     Reads may come from several threads at once (convert's readers share one source): opening is locked.
@@ -55,12 +56,6 @@ class FileCopier:
         self._fds: dict[Path, int] = {}
         self._opening = threading.Lock()
         self._kernel_copy = hasattr(os, "copy_file_range")
-
-    def __enter__(self) -> FileCopier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         self._stack.close()

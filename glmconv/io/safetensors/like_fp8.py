@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from glmconv.io.closing import Closing
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.rules import names
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class LikeFp8:
+class LikeFp8(Closing):
     """The --like checkpoint's FP8 codes and scales, read one weight at a time (bounded memory)."""
 
     def __init__(self, like: Path) -> None:
@@ -23,10 +24,7 @@ class LikeFp8:
         self._stored = {n: t.dtype for n, t in ck.tensors.items()}
         self._source: HfTensorSource = HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
 
-    def __enter__(self) -> LikeFp8:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self._source.close()
 
     def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

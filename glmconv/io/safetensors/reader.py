@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
+from glmconv.io.closing import Closing
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.header import HeaderEntry, SafetensorsHeader, read_header
 from glmconv.numerics.finite import require_finite
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 Dequantize = Callable[["torch.Tensor", "torch.Tensor", "torch.dtype"], "torch.Tensor"]  # (codes, scales, dtype)
 
 
-class HfTensorSource:
+class HfTensorSource(Closing):
     """Reads named tensors from safetensors shards on demand with pread (no mmap: RSS is what is held).
 
     Shard headers are read (and validated) once per shard, and each shard is opened once; `entry` tells
@@ -38,12 +39,6 @@ class HfTensorSource:
         self._dequantize = dequantize
         self._headers: dict[Path, SafetensorsHeader] = {}
         self._shards = FileCopier()
-
-    def __enter__(self) -> HfTensorSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         self._headers.clear()
