@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from glmconv import interrupt
+from glmconv import interrupt, phases
 from glmconv.errors import GlmconvError
 from glmconv.io.file_names import MANIFEST_NAME
 from glmconv.lock import LOCK_SUFFIX, not_a_directory
@@ -512,14 +512,17 @@ def publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
     if the new one cannot be moved in, the old one is moved back. SIGINT/SIGTERM from here on are too late
     (`interrupt.completing`): the run either publishes and succeeds or fails with the previous OUT intact.
     """
+    fsync, start = phases.peek("fsync"), time.monotonic()
     with interrupt.completing():
         _publish(stage, out, real, force)
+    phases.add("publish", time.monotonic() - start - (phases.peek("fsync") - fsync))  # fsync apart
 
 
 def _publish(stage: Stage, out: Path, real: Path, force: bool) -> None:
     check_target(out, real, force)
     try:
-        sync_tree(stage.path)  # on disk before the name says so: a crash never leaves a complete-looking OUT torn
+        with phases.timed("fsync"):
+            sync_tree(stage.path)  # on disk before the name says so: a crash never leaves a complete-looking OUT torn
         old = _set_aside(real, stage.run) if real.is_dir() and _not_empty(real) else None
         try:
             os.rename(stage.path, real)

@@ -90,10 +90,8 @@ class CpuDequantizer:
             self._pool.shutdown(wait=True)
 
 
-class CudaDequantizer:
-    """Codes and scales to the GPU on the calling thread's stream, dequantised and cast there, back to pinned memory."""
-
-    pinned = True
+class ThreadStreams:
+    """One CUDA stream per calling thread on `device`: reader threads copy and compute side by side."""
 
     def __init__(self, device: str = "cuda") -> None:
         import torch
@@ -108,6 +106,12 @@ class CudaDequantizer:
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         return stream
+
+
+class CudaDequantizer(ThreadStreams):
+    """Codes and scales to the GPU on the calling thread's stream, dequantised and cast there, back to pinned memory."""
+
+    pinned = True
 
     def __call__(self, fp8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         import torch

@@ -40,7 +40,8 @@ def scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, in
 
 
 def quantize_fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 e4m3 weight, F32 scale_inv) with scale_inv = block amax / 448 (1 for all-zero blocks)."""
+    """(fp8 e4m3 weight, F32 scale_inv) with scale_inv = block amax / 448 (1 for all-zero blocks), on `w`'s device:
+    fp32 reductions, IEEE divisions and the round-to-nearest-even cast only, so every device gives the same bytes."""
     import torch
 
     if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -56,7 +57,9 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
         padded[:rows, :cols] = w.float()
     blocks = padded.view(sr, block, sc, block)
     amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())  # = abs().amax(), no |w| copy
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # by a tensor, never a Python number: CUDA divides by a number as a multiply by its fp32 reciprocal (one bit
+    # off half the time); tensor / tensor is IEEE division, the same bits on every device (tests/gpu)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     scaled = (blocks / scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
     q = scaled.view(sr * block, sc * block)[:rows, :cols].to(torch.float8_e4m3fn)
     return q.contiguous(), scale.contiguous()

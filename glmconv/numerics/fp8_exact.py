@@ -32,7 +32,7 @@ def quantize_fp8_exact_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     w = w.contiguous()
     q, s = quantize_fp8_blocks(w)
     if w.dtype != torch.bfloat16:
-        none = torch.zeros(s.shape, dtype=torch.bool)
+        none = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
         return q, s, none, none.clone()
     lo, hi = _scale_bounds(q, w)
     moved = torch.where(lo <= hi, torch.minimum(torch.maximum(s, lo), hi), s)
@@ -56,8 +56,10 @@ def _scale_bounds(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch
     down = (bits - 1).clamp_min(0).view(torch.bfloat16).float()
     af, qa = a.float(), q.float().abs()
     nz = qa > 0
-    lo = torch.where(nz, (af + down) / 2 / qa * (1 + _SHRINK), 0.0)
-    hi = torch.where(nz, (af + up) / 2 / qa * (1 - _SHRINK), float("inf"))
+    # halving and the shrink factors are exact in fp32; the one rounding division is tensor / tensor (IEEE on
+    # every device: glmconv/numerics/fp8.py)
+    lo = torch.where(nz, (af + down) * 0.5 / qa * (1 + _SHRINK), 0.0)
+    hi = torch.where(nz, (af + up) * 0.5 / qa * (1 - _SHRINK), float("inf"))
     return _blocks(lo, 0.0, "amax"), _blocks(hi, float("inf"), "amin")
 
 
@@ -67,7 +69,7 @@ def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tens
 
     rows, cols = x.shape
     sr, sc = scale_shape((rows, cols), B)
-    padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype)
+    padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype, device=x.device)
     padded[:rows, :cols] = x
     view = padded.view(sr, B, sc, B)
     if how == "any":

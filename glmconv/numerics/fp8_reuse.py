@@ -52,15 +52,23 @@ def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     """Per block: do --like's codes and scale give back `w` exactly (and is the scale valid)? None: not comparable."""
     import torch
 
-    if (w.dim() != 2 or w.element_size() not in _INT_VIEW_BYTES or codes.dtype != torch.float8_e4m3fn
-            or tuple(codes.shape) != tuple(w.shape) or scales.dtype != torch.float32
-            or tuple(scales.shape) != scale_shape(tuple(w.shape))):
+    if not comparable(w, codes, scales):
         return None
     bits = torch.int16 if w.element_size() == 2 else torch.int32
     got = dequantize_fp8_blocks(codes, scales, out_dtype=w.dtype)
     same = block_any(got.view(bits) != w.contiguous().view(bits)).logical_not()
     valid = torch.isfinite(scales) & (scales >= torch.finfo(torch.float32).tiny)
     return same & valid
+
+
+def comparable(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether --like's codes and scales can stand for `w` block by block: FP8 codes of its shape, F32 scales of its
+    block grid, `w` a 2-D weight compared by its bits."""
+    import torch
+
+    return (w.dim() == 2 and w.element_size() in _INT_VIEW_BYTES and codes.dtype == torch.float8_e4m3fn
+            and tuple(codes.shape) == tuple(w.shape) and scales.dtype == torch.float32
+            and tuple(scales.shape) == scale_shape(tuple(w.shape)))
 
 
 def _elements(blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

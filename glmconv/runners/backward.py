@@ -19,6 +19,7 @@ from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.numerics.finite import require_finite
+from glmconv.numerics.fp8_reuse import Fp8Blocks
 from glmconv.numerics.fp8_reuse import encode as encode_fp8
 from glmconv.plan import FP8, Mapping, TensorSpec
 from glmconv.rules import names
@@ -32,6 +33,9 @@ Rows = tuple[int, int] | None
 Read = Callable[[str, Rows], "torch.Tensor"]  # a Megatron tensor of the mapping, whole or rows [start, stop)
 
 Named = tuple[str, "torch.Tensor"]
+
+# a weight (and --like's codes and scales of it) as FP8: `fp8_reuse.encode` here, or export's device encoder
+EncodeFp8 = Callable[["torch.Tensor", "tuple[torch.Tensor, torch.Tensor] | None"], Fp8Blocks]
 
 _STATS_LOCK = threading.Lock()
 
@@ -62,14 +66,15 @@ def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int,
 
 
 def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
-                     like: LikeFp8 | None = None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
+                     like: LikeFp8 | None = None,
+                     fp8: EncodeFp8 = encode_fp8) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
     """`mapping_hf` step by step: the Megatron bytes each step reads and what makes its HF tensors, so that
-    export can run steps ahead on threads (`stats` is added to under a lock)."""
+    export can run steps ahead on threads (`stats` is added to under a lock; `fp8` encodes FP8 weights)."""
     steps = m.row_steps(chunk_bytes)
     if steps is None:
         def whole() -> list[Named]:
             hf = m.rule.transform.backward([read(t.name, None) for t in m.mcore], [t.shape for t in m.hf])
-            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like)
+            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like, fp8)
 
         yield m.mcore_bytes, whole
         return
@@ -77,19 +82,19 @@ def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes
     for rows, picks in steps:
         def part(rows: range = rows, picks: list[int] = picks) -> list[Named]:
             hf = m.rule.transform.backward([read(m.mcore[0].name, (rows.start, rows.stop))], [])
-            return _encoded(m, picks, hf, dtypes, stats, like)
+            return _encoded(m, picks, hf, dtypes, stats, like, fp8)
 
         yield len(rows) * row_bytes, part
 
 
 def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
-             stats: Fp8Stats, like: LikeFp8 | None) -> list[Named]:
+             stats: Fp8Stats, like: LikeFp8 | None, fp8: EncodeFp8) -> list[Named]:
     return [out for i, tensor in zip(picks, tensors, strict=True)
-            for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like)]
+            for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like, fp8)]
 
 
 def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
-           stats: Fp8Stats, like: LikeFp8 | None = None) -> Iterator[Named]:
+           stats: Fp8Stats, like: LikeFp8 | None = None, fp8: EncodeFp8 = encode_fp8) -> Iterator[Named]:
     """One HF tensor in the dtype it is written as; an FP8 one as codes and then its block scales."""
 
     if tuple(t.shape) != spec.shape:
@@ -102,12 +107,12 @@ def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: 
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
 
     require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
-    fp8 = encode_fp8(t, like.pair(spec.name) if like is not None else None)
+    got = fp8(t, like.pair(spec.name) if like is not None else None)
     with _STATS_LOCK:  # export encodes on reader threads
-        stats.add(Fp8Stats(1, fp8.scales.numel(), fp8.scale_adjusted, fp8.inexact, int(fp8.requantized > 0),
-                           fp8.requantized))
-    yield spec.name, fp8.codes
-    yield scale.name, fp8.scales
+        stats.add(Fp8Stats(1, got.scales.numel(), got.scale_adjusted, got.inexact, int(got.requantized > 0),
+                           got.requantized))
+    yield spec.name, got.codes
+    yield scale.name, got.scales
 
 
 def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str, str] | None = None, *,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv import source_dtypes, space
+from glmconv import phases, source_dtypes, space
 from glmconv.ahead import Step, run_ahead
 from glmconv.checkpoint_layout import LAYOUT_KEY, homeless_counts, homeless_line
 from glmconv.defaults import (
@@ -37,7 +37,6 @@ from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
 from glmconv.megatron_args import build_common_state
 from glmconv.mistakes import expect_hf
-from glmconv.numerics import dequant
 from glmconv.numerics.dequant import require_device, share_dequantizer
 from glmconv.plan import Mapping, Plan, build_plan
 from glmconv.progress import Progress
@@ -46,7 +45,8 @@ from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import BF16, F32, FP8
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.flow import PlanRun, check_once, publish_run, shares
-from glmconv.runners.ranks import Group
+from glmconv.runners.ranks import Group, cores_per_rank
+from glmconv.runners.workers import capped
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +83,12 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
     `dtype` (`keep`, `bf16`, `fp32`): what the Megatron tensors become (the rules' dtype policies); `layout`:
     whose names the Megatron side has (glmconv.rules.layouts).
     """
+    phases.started()
+    with phases.timed("plan"):
+        return _prepare(src, out, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
+
+
+def _prepare(src: str | Path, out: str | Path, *, mtp: bool, vision: bool, dtype: str, layout: str) -> ConvertJob:
     if dtype not in DTYPE_CHOICES:
         raise GlmconvError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     layouts.layout(layout)  # an unknown layout: one line, before anything is read
@@ -140,7 +146,7 @@ def fp8_bytes(mappings: list[Mapping]) -> int:
 def fp8_thread_count(workers: int) -> int:
     """CPU dequantisation threads of one worker: its share of this machine's cores."""
 
-    return max(1, dequant.cpu_count() // max(1, workers))
+    return cores_per_rank(workers)
 
 
 def moves_bytes(m: Mapping) -> bool:
@@ -271,7 +277,7 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: DcpWriter, progress
 
     with HfTensorSource(job.files, check_finite=check_finite, dequantize=dequantize) as source, \
             closing(run_ahead(steps(source), threads, ahead_bytes)) as chunks:  # its threads end before the files
-        writer.write_stream(chunks, group_bytes)
+        writer.write_stream(phases.timed_iter(chunks, "read"), group_bytes)  # the writer waiting for its input
     return ShareResult(consumed=consumed, written=state["written"], bytes_in=state["bytes"])
 
 
@@ -358,8 +364,11 @@ def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[s
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
 
     require_device(opts.device)  # no GPU: refused before anything is written
-    return publish_run(ConvertRun(job, opts), job.out, {"input": job.src}, force, opts.workers,
-                       (lambda: space_plan(job, True)) if opts.space_check else None)
+    workers, why = capped(opts.workers, len(job.plan.mappings), "mapping", "mappings")
+    phases.import_torch()
+    summary = publish_run(ConvertRun(job, dataclasses.replace(opts, workers=workers)), job.out, {"input": job.src},
+                          force, workers, (lambda: space_plan(job, True)) if opts.space_check else None)
+    return {**summary, "workers_requested": opts.workers, "workers_capped": why}
 
 
 class ConvertRun(PlanRun[ShareResult]):

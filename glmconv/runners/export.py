@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmconv import space
+from glmconv import phases, space
 from glmconv.ahead import Step, run_ahead
 from glmconv.defaults import (
     DEFAULT_AHEAD_BYTES,
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_DEVICE,
     DEFAULT_SHARD_BYTES,
     DEFAULT_THREADS,
     DEFAULT_WORKERS,
@@ -57,15 +58,18 @@ from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.like_files import LikeFiles, fit
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.safetensors.reader import HfTensorSource
-from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, Shard
+from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, Shard, size_shards
 from glmconv.io.torch_dist.byte_route import Span, locate, scanned_extents
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import expect_torch_dist
+from glmconv.numerics.dequant import require_device
+from glmconv.numerics.fp8_encode import share_encoder
 from glmconv.plan import FP8, Mapping
 from glmconv.progress import Progress
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.backward import (
+    EncodeFp8,
     Fp8Stats,
     ThreadReaders,
     mapping_hf_steps,
@@ -81,8 +85,9 @@ from glmconv.runners.export_job import (
     like_tensors,
     source_job,
 )
-from glmconv.runners.flow import PlanRun, balanced, check_once, publish_run, shares
-from glmconv.runners.ranks import Group
+from glmconv.runners.flow import PlanRun, balanced, check_once, publish_run
+from glmconv.runners.ranks import Group, cores_per_rank
+from glmconv.runners.workers import capped
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +106,8 @@ class ExportOptions:
     space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/encoder threads per worker, ahead of its writer (0: none)
     ahead_bytes: int = DEFAULT_AHEAD_BYTES  # steps made ahead of the writer hold at most this, per worker
+    device: str = DEFAULT_DEVICE  # where FP8 weights are encoded: cpu, cuda, auto (numerics.dequant.resolve_device)
+    fp8_threads: int = 0  # CPU encoding threads per worker (0: this worker's share of the cores)
 
 
 # ---- deciding the plan -------------------------------------------------------------------------------
@@ -111,6 +118,13 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
 
     Shards: `max_shard_bytes` when given; else --like's own files (`glmconv.io.safetensors.like_files`) where
     they hold every tensor; else DEFAULT_SHARD_BYTES."""
+    phases.started()
+    with phases.timed("plan"):
+        return _prepare(src, out, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes, layout=layout)
+
+
+def _prepare(src: str | Path, out: str | Path, *, like: str | Path | None, config: str | Path | None, fp8: bool,
+             max_shard_bytes: int | None, layout: str | None) -> ExportJob:
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise GlmconvError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     expect_torch_dist(src, "export")  # an HF directory: convert was meant
@@ -130,6 +144,20 @@ def with_like_files(job: ExportJob) -> ExportJob:
     if isinstance(got, str):
         return dataclasses.replace(job, like_files_unfit=got)
     return dataclasses.replace(job, like_files=got)
+
+
+def output_files(job: ExportJob) -> LikeFiles:
+    """The files export writes, decided by the data alone (never by the count of workers or ranks): --like's where
+    they fit, else the plan's HF tensors in plan order cut at `max_shard_bytes` as safetensors would, named
+    `model-i-of-N`, with their index."""
+    if job.like_files is not None:
+        return job.like_files
+    planned = [t for m in job.plan.mappings for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES)]
+    cut = size_shards(planned, job.max_shard_bytes)
+    shards = [dataclasses.replace(s, name=SHARD_NAME.format(i, len(cut))) for i, s in enumerate(cut, 1)]
+    weight_map = {t.name: str(s.name) for s in shards for t in s.tensors}
+    index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(weight_map.items()))}
+    return LikeFiles(shards, (json.dumps(index, indent=2) + "\n").encode("utf-8"))
 
 
 def _inputs(src: Path, like: str | Path | None, config: str | Path | None) -> dict[str, Path | None]:
@@ -182,6 +210,7 @@ class ShareResult:
     consumed: list[str]
     bytes_read: int
     fp8: Fp8Stats
+    device: str = "cpu"  # where this share's FP8 weights were encoded
 
 
 def like_fp8(job: ExportJob) -> AbstractContextManager[LikeFp8 | None]:
@@ -196,9 +225,11 @@ def rank_dir(stage: Path, rank: int) -> Path:
 
 def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Progress,
               chunk_bytes: int, check_finite: bool = False, zero_copy: bool = True, threads: int = DEFAULT_THREADS,
-              ahead_bytes: int = DEFAULT_AHEAD_BYTES) -> ShareResult:
-    """Export one worker's mappings into its own shards, reading, transforming and FP8-encoding on `threads`
-    threads ahead of the writer (at most `ahead_bytes` made ahead); the shards are those of the serial path."""
+              ahead_bytes: int = DEFAULT_AHEAD_BYTES, files: LikeFiles | None = None,
+              fp8: EncodeFp8 | None = None) -> ShareResult:
+    """Export one worker's mappings into its own files (`files`, `output_files`: whole files per worker), reading,
+    transforming and FP8-encoding (`fp8`; None: `fp8_reuse.encode`) on `threads` threads ahead of the writer (at
+    most `ahead_bytes` made ahead); the files are those of one process, byte for byte."""
 
     readers = ThreadReaders(job.src, check_finite)
     stats, consumed, copied = Fp8Stats(), list[str](), 0
@@ -206,18 +237,18 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
         return ShareResult(rank, {}, 0, [], 0, stats)
     outputs = [planned_outputs(m, job.dtypes, chunk_bytes) for m in share]
     arrival = [t for ts in outputs for t in ts]
-    writer = PlannedShardWriter(rank_dir(stage, rank), arrival, own_shards(job, arrival) or job.max_shard_bytes)
+    writer = PlannedShardWriter(rank_dir(stage, rank), arrival, own_shards(files or output_files(job), arrival))
 
     def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step[Made]]:
         for m, planned in zip(share, outputs):
             yield from export_steps(m, planned, readers, job, chunk_bytes, stats, like,
-                                    zero_copy=zero_copy, like_src=like_src)
+                                    zero_copy=zero_copy, like_src=like_src, fp8=fp8)
             consumed.extend(t.name for t in m.mcore)  # from --like: accounted for, as the audit says
 
     try:
         with FileCopier() as copier, like_fp8(job) as like, like_tensors(job.like, share, job.from_like) as like_src, \
                 closing(run_ahead(steps(like, like_src), threads, ahead_bytes)) as made:  # threads end first
-            for name, data in made:
+            for name, data in phases.timed_iter(made, "read"):  # the writer waiting for its input
                 if isinstance(data, list):  # extents in the .distcp files: copied file to file
                     n = writer.copy(name, data, copier)
                     copied += n
@@ -234,7 +265,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
 
 def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReaders, job: ExportJob, chunk_bytes: int,
                  stats: Fp8Stats, like: LikeFp8 | None, *, zero_copy: bool,
-                 like_src: HfTensorSource | None = None) -> Iterator[Step[Made]]:
+                 like_src: HfTensorSource | None = None, fp8: EncodeFp8 | None = None) -> Iterator[Step[Made]]:
     """One mapping's work for `run_ahead`: its byte route (extents, no memory), else its read-and-encode steps,
     each on its thread's own DcpReader (which keeps the one stored chunk it last loaded: steps of a mapping that
     share a chunk on one thread read it once); a mapping SRC lacks (`job.from_like`) is made from --like's."""
@@ -246,68 +277,57 @@ def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReader
         return
     else:
         read = stored_read(m, readers.get, job.stored_rows)
-    for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like):
+    steps = mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like, **({"fp8": fp8} if fp8 else {}))
+    for nbytes, make in steps:
         yield Step(nbytes, make)
 
 
-def own_shards(job: ExportJob, arrival: list[PlannedTensor]) -> list[Shard] | None:
-    """The --like files this worker writes (`file_shares` gives each file's tensors to one worker); None: none."""
-    if job.like_files is None:
-        return None
+def own_shards(files: LikeFiles, arrival: list[PlannedTensor]) -> list[Shard]:
+    """The files this worker writes (`file_shares` gives each file's tensors to one worker)."""
     mine = {t.name for t in arrival}
-    return [s for s in job.like_files.shards if s.tensors[0].name in mine]
+    return [s for s in files.shards if s.tensors[0].name in mine]
 
 
-def file_shares(job: ExportJob, n: int) -> list[list[Mapping]]:
-    """The plan split across `n` ranks so that each of --like's files is written by one of them: the mappings
-    whose HF tensors share files stay together; those groups are balanced by bytes (`balanced`)."""
-    assert job.like_files is not None
-    file_of = {t.name: i for i, s in enumerate(job.like_files.shards) for t in s.tensors}
-    group = list(range(len(job.like_files.shards)))
+def file_shares(job: ExportJob, n: int, files: LikeFiles | None = None) -> list[list[Mapping]]:
+    """The plan split across `n` ranks so that each output file is written by one of them: the groups of mappings
+    whose HF tensors share files (`file_groups`) balanced by bytes (`balanced`)."""
+    return balanced(file_groups(job, files or output_files(job)), n)
+
+
+def file_groups(job: ExportJob, files: LikeFiles) -> list[list[Mapping]]:
+    """The plan's mappings in groups that share no output file: each group is one worker's at most, so their count
+    is the most workers an export can use."""
+    file_of = {t.name: i for i, s in enumerate(files.shards) for t in s.tensors}
+    group = list(range(len(files.shards)))
 
     def root(i: int) -> int:
         while group[i] != i:
             i = group[i]
         return i
 
-    files = [[file_of[t.name] for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES)] for m in job.plan.mappings]
-    for fs in files:
+    tensor_files = [[file_of[t.name] for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES)]
+                    for m in job.plan.mappings]
+    for fs in tensor_files:
         for f in fs[1:]:
             group[root(f)] = root(fs[0])
     together: dict[int, list[Mapping]] = {}
-    for m, fs in zip(job.plan.mappings, files):
+    for m, fs in zip(job.plan.mappings, tensor_files):
         together.setdefault(root(fs[0]), []).append(m)
-    return balanced(list(together.values()), n)
+    return list(together.values())
 
 
 # ---- assembling, verifying, publishing (rank 0) ------------------------------------------------------
 
-def merge_shards(stage: Path, results: list[ShareResult], like_files: LikeFiles | None = None) -> tuple[int, int]:
-    """Move every rank's shards into the stage under their final names -- --like's, or `model-i-of-N` -- and write
-    one index (--like's, which a single `model.safetensors` has none of); (shards, total_size)."""
-    if like_files is not None:
-        return _merge_like(stage, results, like_files)
-    files = [(r.rank, f) for r in sorted(results, key=lambda r: r.rank) for f in sorted(set(r.weight_map.values()))]
-    final = {key: SHARD_NAME.format(i, len(files)) for i, key in enumerate(files, 1)}
-    for (rank, f), name in final.items():
-        os.replace(rank_dir(stage, rank) / f, stage / name)
-    for r in results:
-        shutil.rmtree(rank_dir(stage, r.rank), ignore_errors=True)
-    weight_map = {t: final[(r.rank, f)] for r in results for t, f in r.weight_map.items()}
-    total = sum(r.total_size for r in results)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_new(stage / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    return len(files), total
-
-
-def _merge_like(stage: Path, results: list[ShareResult], like_files: LikeFiles) -> tuple[int, int]:
+def merge_shards(stage: Path, results: list[ShareResult], files: LikeFiles) -> tuple[int, int]:
+    """Move every rank's files into the stage under their final names (`output_files`') and write the index (none
+    for a single `model.safetensors` --like); (files, total_size)."""
     for r in results:
         for f in sorted(set(r.weight_map.values())):
             os.replace(rank_dir(stage, r.rank) / f, stage / f)
         shutil.rmtree(rank_dir(stage, r.rank), ignore_errors=True)
-    if like_files.index is not None:
-        write_new(stage / INDEX_NAME, like_files.index)
-    return len(like_files.shards), sum(r.total_size for r in results)
+    if files.index is not None:
+        write_new(stage / INDEX_NAME, files.index)
+    return len(files.shards), sum(r.total_size for r in results)
 
 
 def write_sidecars(job: ExportJob, stage: Path, fp8: Fp8Stats | None = None) -> None:
@@ -371,27 +391,36 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
 def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[str, Any]:
     """Run the export; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
     start = time.monotonic()
+    require_device(opts.device)  # no GPU: refused before anything is written
+    phases.import_torch()
     check_loadable(job.src)
     inputs = _inputs(job.src, job.like, job.config_path)
-
-    summary = publish_run(ExportRun(job, opts), job.out, inputs, force, opts.workers,
+    run = ExportRun(job, opts)
+    workers, why = capped(opts.workers, len(run.groups), "group of output files", "groups of output files")
+    run.opts = dataclasses.replace(opts, workers=workers)
+    summary = publish_run(run, job.out, inputs, force, workers,
                           (lambda: space_plan(job, True)) if opts.space_check else None)
-    return {**summary, "elapsed_s": round(time.monotonic() - start, 3)}
+    return {**summary, "workers_requested": opts.workers, "workers_capped": why,
+            "elapsed_s": round(time.monotonic() - start, 3)}
 
 
 class ExportRun(PlanRun[ShareResult]):
-    """Export's steps of the shared flow: each rank writes shards into its own folder; rank 0 names them."""
+    """Export's steps of the shared flow: each rank writes whole output files into its own folder; rank 0 moves
+    them into place."""
 
     verb = "export"
     noun = "HF tensors"
 
     def __init__(self, job: ExportJob, opts: ExportOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
+        self.files = output_files(job)  # decided here, once: every rank writes its part of the same files
+        self.groups = file_groups(job, self.files)
+        self.world = 1
 
     def share_of(self, rank: int, world: int) -> list[Mapping]:
+        self.world = world
         order = {id(m): i for i, m in enumerate(self.job.plan.mappings)}
-        split = shares(self.job.plan.mappings, world) if self.job.like_files is None else file_shares(self.job, world)
-        return sorted(split[rank], key=lambda m: order[id(m)])
+        return sorted(balanced(self.groups, world)[rank], key=lambda m: order[id(m)])
 
     def share_bytes(self, share: list[Mapping]) -> int:
         return sum(t.nbytes for m in share for t in planned_outputs(m, self.job.dtypes, self.opts.chunk_bytes))
@@ -401,8 +430,11 @@ class ExportRun(PlanRun[ShareResult]):
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> ShareResult:
         o = self.opts
-        return run_share(self.job, share, rank, stage, prog, o.chunk_bytes, o.check_finite, o.zero_copy, o.threads,
-                         o.ahead_bytes)
+        threads = o.fp8_threads or cores_per_rank(self.world)
+        with share_encoder(o.device, fp8_code_bytes(share, self.job.dtypes), threads, rank) as (device, encoder):
+            got = run_share(self.job, share, rank, stage, prog, o.chunk_bytes, o.check_finite, o.zero_copy,
+                            o.threads, o.ahead_bytes, self.files, encoder)
+        return dataclasses.replace(got, device=device)
 
     def check(self, results: list[ShareResult]) -> None:
         """Every Megatron tensor consumed once and every HF tensor written once, across all ranks."""
@@ -411,12 +443,17 @@ class ExportRun(PlanRun[ShareResult]):
 
     def finish(self, stage: Path, results: list[ShareResult], world: int) -> JsonObject:
         try:
-            shards, total = merge_shards(stage, results, self.job.like_files)
+            shards, total = merge_shards(stage, results, self.files)
             write_sidecars(self.job, stage, fp8_stats(results))
             verify_staged(self.job, stage)
         except OSError as exc:
             raise CheckpointError(f"{self.job.out}: cannot write the export ({exc.strerror or exc})") from None
         return summary(self.job, results, shards, total, world)
+
+
+def fp8_code_bytes(share: list[Mapping], dtypes: dict[str, str]) -> int:
+    """Bytes of FP8 codes `share` encodes: what decides `--device auto` (as convert's dequantisation bytes)."""
+    return sum(t.nbytes for m in share for t in planned_outputs(m, dtypes, DEFAULT_CHUNK_BYTES) if t.dtype == FP8)
 
 
 def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int, world: int) -> dict[str, Any]:
@@ -432,6 +469,7 @@ def summary(job: ExportJob, results: list[ShareResult], shards: int, total: int,
             "vocab_padding_stripped": {n: {"stored_rows": rows, "vocab_size": plan.mcore_index[n].shape[0]}
                                        for n, rows in sorted(job.stored_rows.items())},
             "fp8_requantized": vars(fp8) if plan.fp8 else None, **origins(job), **_from_like(job),
+            "device": ",".join(sorted({r.device for r in results if r.weight_map})) or "cpu",
             "published": str(job.out)}
 
 

@@ -6,16 +6,28 @@ hangs in a collective). A direction says only what is particular to it, as a `Pl
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from glmconv import phases
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.jsonfile import JsonObject
 from glmconv.plan import Mapping
 from glmconv.progress import COPY, FLUSH, PUBLISH, VERIFY, Progress, say, workers_bar
-from glmconv.runners.ranks import Group, broadcast, gather, progress, run_on_output, try_, try_none
+from glmconv.runners.ranks import (
+    Group,
+    broadcast,
+    gather,
+    progress,
+    progress_here,
+    rank_label,
+    run_on_output,
+    try_,
+    try_none,
+)
 
 R = TypeVar("R")  # what one rank's share comes back as, gathered on rank 0 (each direction has its own)
 
@@ -59,11 +71,12 @@ class PlanRun(ABC, Generic[R]):
 def run_plan(run: PlanRun[R], stage: Path, rank: int, world: int, group: Group) -> JsonObject:
     """One rank's part of `run` (the `fn` that `ranks.run_on_output` calls); rank 0's summary on every rank."""
     share = run.share_of(rank, world)
-    label = f"{run.verb} [{rank}/{world}]" if world > 1 else run.verb
-    with progress(label, run.share_bytes(share), run.share_items(share), run.show_progress and rank == 0,
-                  run.noun) as prog:
+    with progress(rank_label(run.verb, rank, world), run.share_bytes(share), run.share_items(share),
+                  run.show_progress and progress_here(rank), run.noun) as prog:
         prog.phase(COPY, f"{prog.total_bytes / 1e9:.3f} GB in {prog.total_items:,} {run.noun}")
+        read, start = phases.peek("read"), time.monotonic()
         outcome = try_(lambda: run.run_share(share, rank, stage, prog, group))
+        phases.add("write", time.monotonic() - start - (phases.peek("read") - read))  # the rest: writing
         prog.phase(FLUSH, prog.copy_done())
         gathered = gather(group, outcome, world)
         results = [r for r in gathered if not isinstance(r, str)]
@@ -71,9 +84,13 @@ def run_plan(run: PlanRun[R], stage: Path, rank: int, world: int, group: Group) 
         if rank == 0:
             error = next((r for r in gathered if isinstance(r, str)), None) or try_none(lambda: run.check(results))
         _raise(broadcast(group, error))
-        run.after_check(rank, stage, group)
+        with phases.timed("flush"):
+            run.after_check(rank, stage, group)
         prog.phase(VERIFY)
-        verdict = try_(lambda: run.finish(stage, results, world)) if rank == 0 else None
+        with phases.timed("verify"):
+            verdict = try_(lambda: run.finish(stage, results, world)) if rank == 0 else None
+    if isinstance(verdict, dict):  # rank 0's own phases travel with its summary (from a worker process too)
+        verdict = {**verdict, "phases": phases.take()}
     return _summary(broadcast(group, verdict))
 
 
@@ -82,8 +99,9 @@ def publish_run(run: PlanRun[R], out: Path, inputs: dict[str, Path | None], forc
     """`run` staged beside `out`, run on `workers` ranks, verified and published: how every command writes."""
 
     with workers_bar(workers, run.show_progress):  # a worker killed with its bar up: erased before the message
-        return run_on_output(out, inputs, force, run_plan, (run,), workers, run.verb, space_check=space_check,
-                             on_publish=lambda: say(run.verb, PUBLISH, str(out), enabled=run.show_progress))
+        summary = run_on_output(out, inputs, force, run_plan, (run,), workers, run.verb, space_check=space_check,
+                                on_publish=lambda: say(run.verb, PUBLISH, str(out), enabled=run.show_progress))
+    return {**summary, "phases": phases.merged(summary.get("phases"), phases.take())}
 
 
 def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:

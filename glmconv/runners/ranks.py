@@ -33,6 +33,7 @@ from glmconv.errors import GlmconvError
 from glmconv.io import output
 from glmconv.io.output import STAGING_SUFFIX
 from glmconv.lock import OutputLock
+from glmconv.numerics.dequant import cpu_count
 from glmconv.progress import Progress
 
 if TYPE_CHECKING:
@@ -105,6 +106,30 @@ def progress(label: str, total: int, items: int, enabled: bool, noun: str = "ten
 
 
 # ---- running: one process, --workers N, or torchrun ranks ---------------------------------------------
+
+def rank_label(verb: str, rank: int, world: int) -> str:
+    """A progress line's label: the verb, with the node and rank where there are several (`export [node 1, rank
+    3/4]`: torchrun's GROUP_RANK; `export [2/4]` for --workers)."""
+    if world <= 1:
+        return verb
+    node = os.environ.get("GROUP_RANK") if torchrun_env() is not None else None
+    return f"{verb} [node {node}, rank {rank}/{world}]" if node is not None else f"{verb} [{rank}/{world}]"
+
+
+def progress_here(rank: int) -> bool:
+    """Whether this rank shows progress: rank 0 of --workers, and under torchrun the first rank of each node
+    (LOCAL_RANK 0), so that every node's log has its own line."""
+    if torchrun_env() is not None:
+        return os.environ.get("LOCAL_RANK", str(rank)) == "0"
+    return rank == 0
+
+
+def cores_per_rank(world: int) -> int:
+    """This rank's share of its machine's cores: those of the process over the ranks on this machine (torchrun's
+    LOCAL_WORLD_SIZE, else the `world` of --workers)."""
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun_env() is not None else world
+    return max(1, cpu_count() // max(1, here))
+
 
 def torchrun_env() -> tuple[int, int] | None:
     """(rank, world size) when launched by torchrun with more than one process."""
@@ -191,8 +216,10 @@ def _torchrun_rank(fn: RankFn[S], args: tuple[object, ...], rank: int, world: in
     own down aborts a rank now and then ("terminate called without an active exception"): once every rank is
     past its last collective (counted on torchrun's store, which outlives the ranks), the command line's
     process leaves with `os._exit` and no teardown; a Python caller's group is destroyed as before."""
+    import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(cores_per_rank(world))  # torchrun sets OMP_NUM_THREADS=1: the node's cores shared out
     dist.init_process_group("gloo")
     try:
         result = _then_barrier(fn(*args, rank, world, dist.group.WORLD))
@@ -489,7 +516,7 @@ def _worker(fn: RankFn[S], args: tuple[object, ...], rank: int, world: int, stor
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(cores_per_rank(world))  # the cores shared out: no rank oversubscribes them
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     ok = False
     try:

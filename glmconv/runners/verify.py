@@ -11,13 +11,15 @@ stored args).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from glmconv import phases
 from glmconv.ahead import Step, run_ahead
 from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE, DEFAULT_THREADS, DEFAULT_WORKERS
 from glmconv.errors import CheckpointError, GlmconvError
@@ -33,7 +35,8 @@ from glmconv.rules.table import BF16, F32
 from glmconv.runners import convert, export_job
 from glmconv.runners.backward import ThreadReaders
 from glmconv.runners.flow import shares
-from glmconv.runners.ranks import Group, gather, progress, run_ranks, try_
+from glmconv.runners.ranks import Group, gather, progress, progress_here, rank_label, run_ranks, try_
+from glmconv.runners.workers import capped
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +76,12 @@ class Mismatch:
 
 def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     """Check both checkpoints (the Megatron one, stored args included, against the HF config) and pair mappings."""
+    phases.started()
+    with phases.timed("plan"):
+        return _prepare(hf_dir, mcore_dir)
+
+
+def _prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     check_pair("verify", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
     ignored = check_same_model(hf_dir, mcore_dir)  # a checkpoint of another model: before its args are read
     mc = export_job.source_job(mcore_dir, config=hf_dir)
@@ -105,20 +114,22 @@ def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> JsonObject:
 
     require_device(opts.device)  # no GPU: refused now
     start = time.monotonic()
-    with workers_bar(opts.workers, opts.progress):  # a worker killed with its bar up: erased before the message
-        found = run_ranks(verify_rank, (job, opts), opts.workers, "verify")["found"]
-    return summary(job, found, time.monotonic() - start)
+    workers, why = capped(opts.workers, len(job.pairs), "mapping", "mappings")
+    phases.import_torch()
+    with workers_bar(workers, opts.progress):  # a worker killed with its bar up: erased before the message
+        got = run_ranks(verify_rank, (job, dataclasses.replace(opts, workers=workers)), workers, "verify")
+    return {**summary(job, got["found"], time.monotonic() - start), "workers_requested": opts.workers,
+            "workers_capped": why, "phases": phases.merged(got.get("phases"), phases.take())}
 
 
-def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int,
-                group: Group) -> dict[str, list[Mismatch]]:
+def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int, group: Group) -> dict[str, Any]:
     """One rank's share of the pairs; every rank returns all mismatches, in the pairs' order."""
 
     mine = pair_share(job, rank, world)
-    label = f"verify [{rank}/{world}]" if world > 1 else "verify"
     total = sum(job.pairs[i][1].mcore_bytes for i in mine)
     tensors = sum(len(job.pairs[i][1].mcore) for i in mine)  # what the summary counts: Megatron tensors, not pairs
-    with progress(label, total, tensors, opts.progress and rank == 0, "Megatron tensors") as prog:
+    with progress(rank_label("verify", rank, world), total, tensors, opts.progress and progress_here(rank),
+                  "Megatron tensors") as prog, phases.timed("compare"):
         outcome = try_(lambda: compare_share(job, mine, prog, opts, rank, world))
     gathered = gather(group, outcome, world)
     error = next((r for r in gathered if isinstance(r, str)), None)
@@ -126,7 +137,7 @@ def verify_rank(job: VerifyJob, opts: VerifyOptions, rank: int, world: int,
         raise GlmconvError(error)
     results = [r for r in gathered if not isinstance(r, str)]
     tagged = sorted((t for r in results for t in r), key=lambda t: t[0])  # stable: steps keep their order
-    return {"found": [m for _, m in tagged]}
+    return {"found": [m for _, m in tagged], "phases": phases.take() if rank == 0 else {}}
 
 
 def pair_share(job: VerifyJob, rank: int, world: int) -> list[int]:

@@ -1,0 +1,108 @@
+"""Where `export --fp8` encodes its weights: CPU slabs on threads, or the GPU; the same bytes either way.
+
+`fp8_reuse.encode` is block-local (a 128x128 block's codes and scale depend on that block of the weight and of
+--like alone), so a weight cut into slabs of whole 128-row blocks, each encoded alone on a pool thread, gives the
+whole weight's bytes, and the cores share the work (torch's own intra-op threads then stay at one, as for
+dequantisation). On the GPU the same torch code runs on device copies: fp32 reductions, IEEE divisions by tensors
+and round-to-nearest-even casts only (glmconv/numerics/fp8.py), so the bytes are the CPU's (tests/gpu).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Protocol
+
+from glmconv.numerics.dequant import SLAB_ROWS, ThreadStreams, resolve_device, torch_threads
+from glmconv.numerics.fp8 import FP8_BLOCK
+from glmconv.numerics.fp8_reuse import Fp8Blocks, comparable, encode
+
+if TYPE_CHECKING:
+    import torch
+
+
+
+class Fp8Encoder(Protocol):
+    """`fp8_reuse.encode` somewhere: a weight (and --like's pair) in, its FP8 bytes and counts out, on the CPU."""
+
+    def __call__(self, w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> Fp8Blocks: ...
+
+    def close(self) -> None: ...
+
+
+class CpuEncoder:
+    """`encode`, slab by slab of whole 128-row blocks on `threads` threads (1: the reference call itself)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="glmconv-fp8") if self.threads > 1 else None
+
+    def __call__(self, w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> Fp8Blocks:
+        rows = w.shape[0] if w.dim() == 2 else 0
+        if self._pool is None or rows <= SLAB_ROWS:
+            return encode(w, like)
+        if like is not None and not comparable(w, *like):
+            like = None  # what `encode` does with it: every block re-quantised
+        w = w.contiguous()
+
+        def slab(start: int) -> Fp8Blocks:
+            stop = min(rows, start + SLAB_ROWS)
+            pair = None if like is None else (like[0][start:stop], like[1][start // FP8_BLOCK:-(-stop // FP8_BLOCK)])
+            return encode(w[start:stop], pair)
+
+        return joined(list(self._pool.map(slab, range(0, rows, SLAB_ROWS))))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def joined(parts: list[Fp8Blocks]) -> Fp8Blocks:
+    """Slabs of consecutive rows as one weight: codes and scales stacked, counts summed."""
+    import torch
+
+    codes = torch.cat([p.codes.view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn)
+    return Fp8Blocks(codes, torch.cat([p.scales for p in parts]), sum(p.requantized for p in parts),
+                     sum(p.scale_adjusted for p in parts), sum(p.inexact for p in parts))
+
+
+class CudaEncoder(ThreadStreams):
+    """The weight (and --like's pair) to the GPU on the calling thread's stream, encoded there, the bytes back."""
+
+    def __call__(self, w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> Fp8Blocks:
+        import torch
+
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            pair = None if like is None else (like[0].to(self.device), like[1].to(self.device))
+            got = encode(w.to(self.device), pair)  # its counts are read back (synchronised) inside
+            codes, scales = got.codes.view(torch.uint8).to("cpu"), got.scales.to("cpu")
+        stream.synchronize()
+        return Fp8Blocks(codes.view(torch.float8_e4m3fn), scales, got.requantized, got.scale_adjusted, got.inexact)
+
+    def close(self) -> None:
+        pass
+
+
+def make_encoder(device: str, threads: int, rank: int = 0) -> CpuEncoder | CudaEncoder:
+    """The encoder of a resolved device; worker `rank` takes GPU rank % visible GPUs."""
+    if device != "cuda":
+        return CpuEncoder(threads)
+    import torch
+
+    return CudaEncoder(f"cuda:{rank % torch.cuda.device_count()}")
+
+
+@contextmanager
+def share_encoder(requested: str, fp8_bytes: int, threads: int,
+                  rank: int = 0) -> Iterator[tuple[str, CpuEncoder | CudaEncoder]]:
+    """One export worker's encoder: the device its `fp8_bytes` of FP8 codes call for (`resolve_device`, as
+    convert's dequantiser), CPU slabs on `threads` threads (torch's own kernels then on one), closed after."""
+    device = resolve_device(requested, fp8_bytes)
+    encoder = make_encoder(device, threads, rank)
+    try:
+        with torch_threads(1 if device == "cpu" and threads > 1 else None):
+            yield device, encoder
+    finally:
+        encoder.close()
