@@ -120,6 +120,14 @@ from glmconv_cli.sizes import SEED, SEED_HELP
                    "captured for the same tokens), checked before use.")
 
 
+@click.option("--train-backend", type=click.Choice(D.TRAIN_BACKENDS), default=D.DEFAULT_TRAIN_BACKEND,
+              show_default=True,
+              help="The train side's DSA attention and MoE sub-blocks: glmconv = glmconv's model with the train "
+                   "conventions; megatron = megatron-core's own AbsorbedMLASelfAttention+DSAttention and MoELayer, "
+                   "built from the config as a trainer builds them and loaded from MCORE_DIR (mcore layout) through "
+                   "megatron-core's dist_checkpointing (KDA, mHC, norms, embedding and head stay glmconv's).")
+
+
 @click.option("--allow-different-weights", is_flag=True,
               help="Compare even when MCORE_DIR is not a conversion of HF_DIR (e.g. a checkpoint trained further).")
 
@@ -128,7 +136,7 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
            seed: int, mode: str, dtype: str, device: str, train_conventions: str, overrides: tuple[str, ...],
            threshold: float | None, fail_on: tuple[str, ...], report_dir: Path | None, as_json: bool,
            allow_different_weights: bool, kernels: str, stream_layers: bool, replay: str,
-           replay_file: Path | None, self_test: bool, defects: str | None) -> None:
+           replay_file: Path | None, self_test: bool, defects: str | None, train_backend: str) -> None:
     """Run the serve model (HF_DIR) and the train model (MCORE_DIR) side by side and compare every sub-block.
 
     Exit 0 when the verdict names no divergence (or, with --fail-on, no bound breaks), 1 when it does, 2 on a
@@ -145,7 +153,7 @@ def parity(hf_dir: Path, mcore_dir: Path, tokens: int | None, prompt_file: Path 
                         dtype=dtype, device=device, train_conventions=train_conventions, overrides=overrides,
                         progress=not as_json, allow_different_weights=allow_different_weights, kernels=kernels,
                         stream_layers=stream_layers, replay=replay, replay_file=replay_file, self_test=self_test,
-                        defects=defects)
+                        defects=defects, train_backend=train_backend)
     paths = [Path(p) for p in report.get("report_files", [])]
     if as_json:
         echo_json(report, indent=2)

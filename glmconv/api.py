@@ -250,7 +250,8 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
            train_conventions: str = D.DEFAULT_TRAIN_CONVENTIONS, overrides: list[str] | tuple[str, ...] = (),
            kernels: str = D.DEFAULT_KERNELS, stream_layers: bool = False, replay: str = D.DEFAULT_REPLAY,
            replay_file: str | Path | None = None, self_test: bool = False, defects: str | None = None,
-           allow_different_weights: bool = False, progress: bool = False) -> dict[str, Any]:
+           allow_different_weights: bool = False, progress: bool = False,
+           train_backend: str = D.DEFAULT_TRAIN_BACKEND) -> dict[str, Any]:
     """Layerwise train-vs-serve report of `hf_dir` and its conversion `mcore_dir`; `report["passed"]` is the verdict.
 
     `report["wall_s"]` is the whole call (reading, building both models, the passes); `report["elapsed_s"]` the
@@ -268,6 +269,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     A.choice("dtype", dtype, D.PARITY_DTYPES), A.text("device", device), A.optional(A.text, "defects", defects)
     A.choice("train_conventions", train_conventions, D.TRAIN_CONVENTIONS), A.texts("overrides", overrides)
     A.choice("kernels", kernels, D.KERNEL_CHOICES), A.choice("replay", replay, D.REPLAY_CHOICES)
+    A.choice("train_backend", train_backend, D.TRAIN_BACKENDS)
     _flags(stream_layers=stream_layers, self_test=self_test, allow_different_weights=allow_different_weights,
            progress=progress)
     bounds = tuple(parse_bound(b) for b in A.fail_on(fail_on, "fail_on"))  # bad syntax: before any model is built
@@ -282,7 +284,7 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
         dtype=dtype, device=device, train_conventions=train_conventions, overrides=tuple(overrides),
         threshold=threshold, bounds=bounds, progress=progress, allow_different_weights=allow_different_weights,
         kernels=kernels, stream_layers=stream_layers, replay=replay, replay_file=inputs["replay file"],
-        self_test=self_test, defects=defects)
+        self_test=self_test, defects=defects, train_backend=train_backend)
     # before the run: a directory that cannot take it fails now; a run that fails leaves nothing of it
     claim = claim_report_dir(Path(report_dir), inputs) if report_dir is not None else ReportClaim()
     try:

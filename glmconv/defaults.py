@@ -47,6 +47,10 @@ DEFAULT_KERNELS = AUTO
 KERNEL_CHOICES = (AUTO, REFERENCE, EMULATED)
 DEFAULT_REPLAY = "none"
 REPLAY_CHOICES = (DEFAULT_REPLAY, "routing", "indexer", "both")
+GLMCONV_BACKEND, MEGATRON_BACKEND = "glmconv", "megatron"
+DEFAULT_TRAIN_BACKEND = GLMCONV_BACKEND
+# parity's train side: glmconv's own model, or megatron-core's own DSA attention and MoE modules within it
+TRAIN_BACKENDS = (DEFAULT_TRAIN_BACKEND, MEGATRON_BACKEND)
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------

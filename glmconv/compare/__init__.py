@@ -29,13 +29,14 @@ from glmconv.compare.options import ParityOptions, check_self_test, judge_of
 from glmconv.compare.replay import Replay, load_replay_file
 from glmconv.compare.report import build_report
 from glmconv.config import GlmConfig
-from glmconv.defaults import DEFAULT_LAYOUT, DEFAULT_TOKENS, PARITY_DTYPES, TRAIN_CONVENTIONS
+from glmconv.defaults import DEFAULT_LAYOUT, DEFAULT_TOKENS, MEGATRON_BACKEND, PARITY_DTYPES, TRAIN_CONVENTIONS
 from glmconv.errors import GlmconvError
 from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME
 from glmconv.mistakes import check_same_config
 from glmconv.models.conventions import Conventions
+from glmconv.models.megatron import megatron_model
 from glmconv.models.model import GlmModel
 from glmconv.models.weights import HfWeights, MegatronWeights
 
@@ -141,6 +142,8 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[GlmModel, GlmM
     stream = opts.stream_layers
     serve = GlmModel(config, serve_w, serve_conv, dtype=dtype, device=device, stream=stream)
     train = GlmModel(config, train_w, train_conv, dtype=dtype, device=device, kernels=opts.kernels, stream=stream)
+    if opts.train_backend == MEGATRON_BACKEND:  # its DSA attention and MoE: megatron-core's own modules
+        train = megatron_model(config, train_w, opts.mcore_dir, train_conv, dtype, device, opts.kernels, stream)
     return serve, train, {"serve": serve_conv.as_dict(), "train": train_conv.as_dict()}
 
 

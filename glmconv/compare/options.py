@@ -39,6 +39,7 @@ class ParityOptions:
     replay_file: Path | None = None  # ... or those of a payload file instead (replay.load_replay_file)
     self_test: bool = False  # also run the planted-defect catalog (glmconv.compare.defects) in the same pass
     defects: str | None = None  # comma-separated catalog names for the self-test (None: all)
+    train_backend: str = D.DEFAULT_TRAIN_BACKEND  # megatron: megatron-core's DSA attention and MoE modules
 
     @property
     def effective_threshold(self) -> float:

@@ -1,0 +1,174 @@
+"""The train side on megatron-core's own modules: glmconv's GlmModel for everything megatron-core has no module
+for (KDA, mHC, norms, dense MLPs, embedding, head), megatron-core's AbsorbedMLASelfAttention+DSAttention for each
+DSA attention core and its MoELayer for each MoE core, fed the very tensors glmconv's own core would get.
+
+Between glmconv and a module the streams are converted exactly (glmconv.models.megatron.streams): the input-normed
+[T, hidden] goes in as [T, 1, hidden] with the packing in a PackedSeqParams (the DSA attention masks by it; the
+MoE layer is token-wise and takes none), the module's [T, 1, hidden] comes back. The selections parity compares
+are observed, not recomputed: the DSA top-k as megatron-core's `fused_qk_topk_naive` returns it, the experts from
+the TopKRouter's routing map (a forward hook).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from glmconv.config import GlmConfig
+from glmconv.errors import GlmconvError
+from glmconv.kernels import OpSet
+from glmconv.models.conventions import Conventions
+from glmconv.models.megatron import standins, streams
+from glmconv.models.megatron.load import MegatronModules, load_modules, quiet
+from glmconv.models.model import ATTN, MLP, GlmModel, WeightPatch
+from glmconv.models.weights import AttentionWeights, MlpWeights, WeightSource
+
+if TYPE_CHECKING:
+    import torch
+
+GLMCONV = "glmconv"
+MEGATRON_CORE = "megatron-core"
+NO_REPLAY = ("--replay {what} with --train-backend megatron: megatron-core's {module} has no way to take "
+             "selections from outside; drop --replay or use --train-backend glmconv")
+
+
+class MegatronModel(GlmModel):
+    """A GlmModel whose DSA attention and MoE cores are megatron-core's modules (`modules`, already loaded)."""
+
+    def __init__(self, config: GlmConfig, weights: WeightSource, conventions: Conventions, modules: MegatronModules,
+                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu", kernels: str = "reference",
+                 stream: bool = False, ops: OpSet | None = None) -> None:
+        super().__init__(config, weights, conventions, dtype, device, kernels=kernels, stream=stream, ops=ops)
+        if modules.dtype != self.dtype:
+            raise GlmconvError(f"megatron-core's modules are {modules.dtype}, the model {self.dtype}")
+        self.modules = modules
+        self._layer = -1  # the MLP sub-block running (`_moe` is handed its weights, not its layer)
+
+    # ---- which code runs ----------------------------------------------------------------------------------
+
+    def impl(self, layer: int, sub_block: str) -> str:
+        """The code that computes (`layer`, `sub_block`)'s core: a megatron-core module's name, or "glmconv"."""
+        if sub_block == ATTN and layer in self.modules.attention:
+            att = self.modules.attention[layer]
+            return f"{MEGATRON_CORE} {type(att).__name__}+{type(att.core_attention).__name__}"
+        if sub_block == MLP and layer in self.modules.moe:
+            return f"{MEGATRON_CORE} {type(self.modules.moe[layer]).__name__}"
+        return GLMCONV
+
+    def impls(self) -> dict[str, str]:
+        """Each implementation and the sub-blocks it runs ("layer 3 attention", ...), for a report's header."""
+        out: dict[str, list[str]] = {}
+        for layer in range(self.num_layers):
+            for sub_block in (ATTN, MLP):
+                out.setdefault(self.impl(layer, sub_block), []).append(f"{layer}.{sub_block}")
+        return {name: ", ".join(sites) for name, sites in out.items()}
+
+    # ---- the cores ----------------------------------------------------------------------------------------
+
+    def _dsa(self, layer: int, a: torch.Tensor, w: AttentionWeights, cu_seqlens: torch.Tensor,
+             replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        from megatron.core.transformer.experimental_attention_variant import dsa
+
+        if replay is not None:
+            raise GlmconvError(NO_REPLAY.format(what="indexer", module="DSAttention"))
+        module = self.modules.attention[layer]
+        seen: list[Any] = []
+        with self._running(), _spied(dsa, "fused_qk_topk_naive", seen):
+            y, _ = module(streams.to_module(a), None, packed_seq_params=streams.packed(cu_seqlens, a.device))
+        topk = _token_ids(seen[-1][1], a.shape[0], self.kpool_p.topk) if seen else None
+        if topk is None:
+            raise GlmconvError(f"layer {layer}: megatron-core's DSAttention computed no top-k through its torch path")
+        self._last_topk = self._last_used = topk
+        return streams.from_module(y), topk
+
+    def _moe(self, h: torch.Tensor, w: MlpWeights,
+             replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if replay is not None:
+            raise GlmconvError(NO_REPLAY.format(what="routing", module="MoELayer"))
+        module = self.modules.moe[self._layer]
+        maps: list[Any] = []
+        handle = module.router.register_forward_hook(lambda mod, inp, out: maps.append(out[1]))
+        try:
+            with self._running():
+                y, _ = module(streams.to_module(h))
+        finally:
+            handle.remove()
+        ids = _expert_ids(streams.gather_rows(maps[-1]), self.router_p.top_k)
+        return streams.from_module(y), ids
+
+    def mlp(self, layer: int, x: torch.Tensor,
+            replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self._layer = layer  # `_moe` is handed the weights only; the module is the layer's
+        return super().mlp(layer, x, replay)
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        import torch
+
+        with torch.no_grad(), standins.cuda_device_query(self.device), quiet():
+            yield
+
+    # ---- twins: the same modules (fp32 copies for the precise twin) ---------------------------------------
+
+    def variant(self, conventions: Conventions | None = None, patch: WeightPatch | None = None,
+                kernels: str = "reference", ops: OpSet | None = None) -> MegatronModel:
+        twin = MegatronModel(self.config, self.weights, conventions or self.conventions, self.modules, self.dtype,
+                             self.device, kernels=kernels, ops=ops)
+        twin.cache, twin._source, twin.weight_patch = self.cache, self._source, patch
+        return twin
+
+    def precise_twin(self) -> MegatronModel | None:
+        import torch
+
+        if self.dtype == torch.float32 and self.ops.is_reference:
+            return None
+        twin = MegatronModel(self.config, self.weights, self.conventions, self.modules.precise(), torch.float32,
+                             self.device, kernels="reference", stream=self.stream)
+        twin._source, twin.weight_patch = self, self.weight_patch
+        return twin
+
+
+@contextmanager
+def _spied(owner: Any, name: str, seen: list[Any]) -> Iterator[None]:
+    """Record what `owner.name` returns while the block runs (the function itself runs unchanged)."""
+    real: Callable[..., Any] = getattr(owner, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    setattr(owner, name, spy)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def _token_ids(topk: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
+    """megatron-core's top-k [B=1, T, min(topk, T)] (packed token ids, -1 = none) as glmconv's [T, width]."""
+    import torch.nn.functional as F
+
+    ids = streams.gather_rows(topk.squeeze(0)) if topk.shape[1] != tokens else topk.squeeze(0)
+    return F.pad(ids.long(), (0, max(0, width - ids.shape[-1])), value=-1)[:, :width]
+
+
+def _expert_ids(routing_map: torch.Tensor, k: int) -> torch.Tensor:
+    """The router's routing map [T, E] (True where routed) as expert ids [T, k], ascending."""
+    import torch
+
+    ids = torch.nonzero(routing_map, as_tuple=True)[1]
+    return ids.view(routing_map.shape[0], k)
+
+
+def megatron_model(config: GlmConfig, weights: WeightSource, mcore_dir: str | Path, conventions: Conventions,
+                   dtype: torch.dtype, device: str | torch.device, kernels: str = "reference",
+                   stream: bool = False) -> MegatronModel:
+    """The train side of `--train-backend megatron`: megatron-core's modules loaded from `mcore_dir` (refused
+    unless in the mcore layout), within glmconv's model of the same checkpoint (`weights`)."""
+    import torch
+
+    modules = load_modules(config, mcore_dir, weights.layout, dtype, torch.device(device))
+    return MegatronModel(config, weights, conventions, modules, dtype, device, kernels=kernels, stream=stream)
