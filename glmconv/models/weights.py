@@ -90,21 +90,25 @@ class MoeWeights:
 
 
 @dataclass(frozen=True)
-class AttentionWeights:
-    """Everything the attention sub-block of one layer needs."""
+class SubBlockWeights:
+    """What every sub-block starts with: its hyper-connection site (None: no mHC) and its pre-norm."""
 
     hc: HcSite | None
     norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionWeights(SubBlockWeights):
+    """Everything the attention sub-block of one layer needs."""
+
     kda: KdaTensors | None = None
     dsa: DsaTensors | None = None
 
 
 @dataclass(frozen=True)
-class MlpWeights:
+class MlpWeights(SubBlockWeights):
     """Everything the MLP sub-block of one layer needs."""
 
-    hc: HcSite | None
-    norm: torch.Tensor
     dense: Swiglu | None = None
     moe: MoeWeights | None = None
 
