@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from report_schema import every_report_follows_the_schema as every_report_follows_the_schema  # autouse
 
 # Hypothesis profiles (see tests/fuzzing.py): `ci` by default, so a run never depends on the clock or on a
 # local example database; `make fuzz` passes --hypothesis-profile=fuzz for many fresh random examples.

@@ -11,6 +11,7 @@ import torch
 
 from glmconv.errors import GlmconvError
 from glmconv.kernels import op_set
+from glmconv.models.conventions import Conventions, Sides
 
 
 def _model(hf: Path, kernels: str = "auto"):  # type: ignore[no-untyped-def]
@@ -43,15 +44,15 @@ def test_kernel_check_rows_in_capture_and_report(tiny_ckpt: Path) -> None:
     twin = kernel_path(train)
     batch = random_batch(512, 64, 2, 0)
     cap = capture(serve, train, batch, "propagated", twin=twin)
-    attn = [r for r in cap.layers if r["sub_block"] == "attention"]
-    ops = [[c["op"] for c in r["kernels"]] for r in attn]
-    assert ops == [["short_conv", "kda_core"]] * 3 + [["indexer", "sparse_mla"]]
-    assert all(c["rel_err"] == 0.0 and c["bias"] == 0.0 for r in attn for c in r["kernels"] if c["op"] != "indexer")
-    assert [c["mismatch"] for r in attn for c in r["kernels"] if c["op"] == "indexer"] == [0.0]
-    assert all(r["kernel_rel_err"] == 0.0 and r["kernels_within"] for r in attn)
-    assert not any("kernels" in r for r in cap.layers if r["sub_block"] == "mlp")
+    attn = [r for r in cap.layers if r.sub_block == "attention"]
+    checks = [list(r.kernels or ()) for r in attn]
+    assert [[c.op for c in row] for row in checks] == [["short_conv", "kda_core"]] * 3 + [["indexer", "sparse_mla"]]
+    assert all(c.rel_err == 0.0 and c.bias == 0.0 for row in checks for c in row if c.op != "indexer")
+    assert [c.mismatch for row in checks for c in row if c.op == "indexer"] == [0.0]
+    assert all(r.kernel_rel_err == 0.0 and r.kernels_within for r in attn)
+    assert not any(r.kernels is not None for r in cap.layers if r.sub_block == "mlp")
     opts = ParityOptions(hf_dir=tiny_ckpt, mcore_dir=tiny_ckpt, tokens=64, sequences=2)
-    report = build_report(cap, opts, batch, {"serve": {}, "train": {}})
+    report = build_report(cap, opts, batch, Sides(Conventions.serve(), Conventions.serve()))
     assert report["kernels"] == "kernels"
     buf = io.StringIO()
     print_table(report, Console(file=buf, width=200))
@@ -86,10 +87,10 @@ def test_one_forward_code_with_a_kernel_op_set(tiny_ckpt: Path, monkeypatch: pyt
     assert train.ops is fake and twin is not None and twin.ops is ref
     batch = random_batch(512, 96, 2, 0)
     cap = capture(serve, train, batch, "isolated", twin=twin)
-    dsa = [r for r in cap.layers if r.get("attn_type") == "dsa" and r["sub_block"] == "attention"]
+    dsa = [r for r in cap.layers if r.attn_type == "dsa" and r.sub_block == "attention"]
     # 4 index heads: a pool whose 4 relu terms are all 0 scores exactly 0, so exact ties at the top-k boundary are
     # common here and torch.topk breaks them its own way on each side: the set overlap shows them, the tie-aware
     # mismatch does not count them
-    checks = [c for r in dsa for c in r["kernels"] if c["op"] == "indexer"]
-    assert checks and all(c["overlap"] > 0.98 and c["mismatch"] == 0.0 and c["within"] for c in checks)
-    assert all(r["kernels_within"] for r in cap.layers if "kernels" in r)
+    checks = [c for r in dsa for c in r.kernels or () if c.op == "indexer"]
+    assert checks and all((c.overlap or 0) > 0.98 and c.mismatch == 0.0 and c.within for c in checks)
+    assert all(r.kernels_within for r in cap.layers if r.kernels is not None)

@@ -23,6 +23,7 @@ from glmconv.compare import ParityOptions
 from glmconv.compare.capture import capture
 from glmconv.compare.inputs import load_prompt_file, random_batch
 from glmconv.errors import GlmconvError
+from glmconv.models.conventions import Conventions, Sides
 from glmconv_cli.main import cli
 
 VOCAB = 512  # the tiny preset's vocabulary (the driver reads HF_DIR's config.json)
@@ -86,7 +87,7 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _fake(monkeypatch: pytest.MonkeyPatch, error_at: tuple[int, str] | None, error: float = 0.01) -> None:
-    conv = {"serve": {"proj_rms": "reference"}, "train": {"proj_rms": "reference"}}
+    conv = Sides(Conventions.serve(), Conventions.serve())
     monkeypatch.setattr(parity_mod, "build_models",
                         lambda config, opts: (FakeModel(), FakeModel(error_at, error), conv))
 
@@ -143,12 +144,13 @@ def test_a_prompt_file_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
 def test_capture_localises_the_planted_error(mode: str) -> None:
     batch = random_batch(VOCAB, 32, 2, 0)
     cap = capture(FakeModel(), FakeModel((2, "mlp")), batch, mode)
-    errs = [(r["layer"], r["sub_block"], r["rel_err"]) for r in cap.layers]
+    errs = [(r.layer, r.sub_block, r.rel_err) for r in cap.layers]
     assert all(e == 0.0 for _, _, e in errs[:5])
     assert errs[5][:2] == (2, "mlp") and errs[5][2] == pytest.approx(0.01, rel=1e-5)
     tail = [e for _, _, e in errs[6:]]
     assert all(e == pytest.approx(0.0, abs=1e-6) for e in tail) if mode == "isolated" else all(e > 1e-3 for e in tail)
-    assert cap.layers[5]["expert_overlap"] == 1.0 and "topk_overlap" in cap.layers[6]
+    assert cap.layers[5].experts is not None and cap.layers[5].experts.overlap == 1.0
+    assert cap.layers[6].topk is not None
 
 
 def test_capture_refuses_different_models() -> None:

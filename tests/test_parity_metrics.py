@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from glmconv.compare import metrics as m
+from glmconv.compare.metric_table import bound_names, scalars
+from glmconv.compare.records import SubBlockRecord
+from glmconv.compare.verdict import with_noise
 from glmconv.errors import GlmconvError
 
 
@@ -135,16 +138,18 @@ def test_or_equal_bounds_break_at_the_limit_itself() -> None:
     got = m.check_bounds([m.parse_bound(t) for t in ("kl>=1", "kl>1", "kl>=1.5", "top1_agreement<=0.5",
                                                        "top1_agreement<0.5", "max_rel_err>=1", "max_rel_err<=1")],
                          values)
-    assert [r["broken"] for r in got] == [True, False, False, True, False, True, True]
-    assert got[0] == {"bound": "kl>=1", "metric": "kl", "op": ">=", "limit": 1.0, "value": 1.0, "broken": True}
+    assert [r.broken for r in got] == [True, False, False, True, False, True, True]
+    assert got[0].as_json() == {"bound": "kl>=1", "metric": "kl", "op": ">=", "limit": 1.0, "value": 1.0,
+                                "broken": True}
 
 
 def test_check_bounds() -> None:
     values = {"kl": 0.2, "top1_agreement": 0.98, "max_rel_err": math.nan, "expert_overlap_min": None}
     got = m.check_bounds([m.parse_bound(t) for t in ("kl>0.1", "kl>0.2", "top1_agreement<0.99",
                                                        "top1_agreement<0.98", "max_rel_err>1")], values)
-    assert [r["broken"] for r in got] == [True, False, True, False, True]
-    assert got[0] == {"bound": "kl>0.1", "metric": "kl", "op": ">", "limit": 0.1, "value": 0.2, "broken": True}
+    assert [r.broken for r in got] == [True, False, True, False, True]
+    assert got[0].as_json() == {"bound": "kl>0.1", "metric": "kl", "op": ">", "limit": 0.1, "value": 0.2,
+                                "broken": True}
     with pytest.raises(GlmconvError, match="not measured"):
         m.check_bounds([m.parse_bound("expert_overlap_min<1")], values)
     with pytest.raises(GlmconvError) as exc:
@@ -154,27 +159,29 @@ def test_check_bounds() -> None:
                               "no MoE layer")
 
 
+def _records(*recs: dict) -> list[SubBlockRecord]:
+    return [SubBlockRecord.from_json({"attn_type": "kda", "mlp_type": "moe", "max_abs": 0.0, **r}) for r in recs]
+
+
 def test_scalars() -> None:
-    layers = [{**_rec(0, "attention", 1e-3), "topk_overlap": 0.75}, {**_rec(0, "mlp", 2e-3), "expert_overlap": 0.5},
-              _rec(1, "attention", 1e-4), {**_rec(1, "mlp", 5e-4), "expert_overlap": 0.9}]
+    layers = _records({**_rec(0, "attention", 1e-3), "topk_overlap": 0.75},
+                      {**_rec(0, "mlp", 2e-3), "expert_overlap": 0.5}, _rec(1, "attention", 1e-4),
+                      {**_rec(1, "mlp", 5e-4), "expert_overlap": 0.9})
     logits = {"logprob_abs_diff": {"mean": 0.1, "p99": 0.2, "max": 0.3}, "kl": 0.01, "top1_agreement": 0.75}
-    v = m.scalars(layers, logits)
+    v = scalars(layers, logits)
     assert v["max_rel_err"] == 2e-3 and v["final_rel_err"] == 5e-4
     assert v["expert_overlap_min"] == 0.5 and v["topk_overlap_min"] == 0.75
     assert v["top1_disagreement"] == 0.25 and v["logprob_abs_diff.p99"] == 0.2
-    assert set(v) == set(m.BOUND_METRICS) and v["excess.max"] is None and v["divergences"] == 0.0
+    assert set(v) == set(bound_names()) and v["excess.max"] is None and v["divergences"] == 0.0
 
 
 def test_the_selections_excess_maxima_are_their_records_largest() -> None:
-    """A record's selection ratios are `topk_excess` and `experts_excess` (verdict.SELECTIONS): expert_excess.max
+    """A record's selection ratios are `topk_excess` and `experts_excess` (records.SELECTIONS): expert_excess.max
     was never measured, so `--fail-on expert_excess.max>4` was refused on every run."""
-    from glmconv.compare.verdict import add_noise_fields
-
-    layers = [{**_rec(0, "mlp", 1e-3), "expert_overlap": 0.75, "experts_noise": 0.05, "noise_serve": 1e-3},
-              {**_rec(1, "attention", 1e-3), "topk_overlap": 0.9, "topk_noise": 0.05, "noise_serve": 1e-3}]
-    for rec in layers:
-        add_noise_fields(rec)
+    layers = [with_noise(r) for r in _records(
+        {**_rec(0, "mlp", 1e-3), "expert_overlap": 0.75, "experts_noise": 0.05, "noise_serve": 1e-3},
+        {**_rec(1, "attention", 1e-3), "topk_overlap": 0.9, "topk_noise": 0.05, "noise_serve": 1e-3})]
     logits = {"logprob_abs_diff": {"mean": 0.1, "p99": 0.2, "max": 0.3}, "kl": 0.01, "top1_agreement": 0.75}
-    v = m.scalars(layers, logits)
+    v = scalars(layers, logits)
     assert v["expert_excess.max"] == pytest.approx(5.0) and v["topk_excess.max"] == pytest.approx(2.0)
     assert v["excess.max"] == pytest.approx(1.0)

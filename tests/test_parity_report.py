@@ -13,6 +13,7 @@ from glmconv.compare import ParityOptions
 from glmconv.compare.capture import Capture
 from glmconv.compare.inputs import random_batch
 from glmconv.compare.metrics import parse_bound
+from glmconv.compare.records import KernelResult, SubBlockRecord
 from glmconv.compare.report import (
     JSON_NAME,
     MD_NAME,
@@ -23,6 +24,7 @@ from glmconv.compare.report import (
     to_json,
     write_report,
 )
+from glmconv.models.conventions import Conventions, Sides
 
 _TYPES = [("kda", "dense"), ("kda", "dense"), ("kda", "moe"), ("dsa", "moe")]
 
@@ -41,14 +43,14 @@ def _capture(errs: list[float], overlaps: bool = True) -> Capture:
         layers.append(rec)
     logits = {"logprob_abs_diff": {"mean": 1e-3, "p99": 5e-3, "max": 8e-3}, "top1_agreement": 0.96875,
               "kl": 2e-5, "positions": 64, "next_token_positions": 63}
-    return Capture(layers=layers, logits=logits, elapsed_s=0.25)
+    return Capture(layers=[SubBlockRecord.from_json(r) for r in layers], logits=logits, elapsed_s=0.25)
 
 
 def _report(errs: list[float], bounds: tuple[str, ...] = (), overlaps: bool = True, cap: Capture | None = None,
             **kw: object) -> dict:
     opts = ParityOptions(hf_dir=Path("hf"), mcore_dir=Path("mc"), bounds=tuple(parse_bound(b) for b in bounds),
                          **kw)  # type: ignore[arg-type]
-    conv = {"serve": {"proj_rms": "reference", "hc_mix": "fp32"}, "train": {"proj_rms": "megatron", "hc_mix": "fp32"}}
+    conv = Sides(Conventions.serve(), Conventions(proj_rms="megatron"))
     return build_report(cap or _capture(errs, overlaps), opts, random_batch(512, 64, 2, 0), conv)
 
 
@@ -56,11 +58,9 @@ def _noisy(errs: list[float], noise: float = 1e-2, silent: tuple[int, ...] = (),
     """A capture whose noise was measured (a bf16 run): `noise` at every record but those of `silent` (0 there)."""
     cap = _capture(errs)
     cap.noise_measured = True
-    for i, rec in enumerate(cap.layers):
-        rec["noise_serve"] = 0.0 if i in silent else noise
-        if kernels:
-            rec["kernels"] = [{"op": "chunk_kda", "kernel": "fla chunk_kda", "metric": "rel_err", "rel_err": 4.6e-3,
-                               "ratio": 0.18, "within": True, "bound": {"rel_err": 2.5e-2}}]
+    kda = KernelResult("chunk_kda", "fla chunk_kda", "bf16", {"rel_err": 2.5e-2}, "rel_err", 0.18, True, 4.6e-3)
+    cap.layers = [rec.replace(noise_serve=0.0 if i in silent else noise, kernels=(kda,) if kernels else None)
+                  for i, rec in enumerate(cap.layers)]
     return cap
 
 

@@ -10,14 +10,20 @@ import torch
 
 from glmconv.compare import verdict
 from glmconv.compare.attribution import shapley
+from glmconv.compare.records import SelectionMeasure, SubBlockRecord
 from glmconv.compare.verdict import Floors, Judge
 from glmconv.compare.weight_diff import DIFFER, EQUAL, ROUNDED, row_ranges, status, structure_diffs, tensor_diff
 from glmconv.models.weights import HcSite
 
 
-def _rec(rel: float, noise: float = 0.0, ref: float | None = None, **kw: object) -> dict:
-    return {"layer": 0, "sub_block": "attention", "attn_type": "kda", "rel_err": rel, "noise_serve": noise / 2,
-            "noise_train": noise / 2, "ref_rel_err": rel if ref is None else ref, **kw}
+def _rec(rel: float, noise: float = 0.0, ref: float | None = None, layer: int = 0,
+         **kw: object) -> SubBlockRecord:
+    return SubBlockRecord(layer, "attention", "kda", "dense", rel, rel, noise_serve=noise / 2, noise_train=noise / 2,
+                          ref_rel_err=rel if ref is None else ref, **kw)  # type: ignore[arg-type]
+
+
+def _topk(overlap: float, noise: float, ref_overlap: float) -> SelectionMeasure:
+    return SelectionMeasure(overlap, noise, ref_overlap)
 
 
 def test_excess_is_the_error_over_the_noise() -> None:
@@ -27,20 +33,17 @@ def test_excess_is_the_error_over_the_noise() -> None:
 
 
 def test_an_error_within_twice_the_noise_with_equal_references_is_no_divergence() -> None:
-    rec = _rec(1.9e-2, noise=1e-2, ref=0.0)
-    verdict.add_noise_fields(rec)
-    assert verdict.reasons(rec, Floors()) == [] and rec["excess"] == pytest.approx(1.9)
+    rec = verdict.with_noise(_rec(1.9e-2, noise=1e-2, ref=0.0))
+    assert verdict.reasons(rec, Floors()) == [] and rec.excess == pytest.approx(1.9)
 
 
 def test_an_error_beyond_twice_the_noise_diverges() -> None:
-    rec = _rec(2.1e-2, noise=1e-2, ref=0.0)
-    verdict.add_noise_fields(rec)
+    rec = verdict.with_noise(_rec(2.1e-2, noise=1e-2, ref=0.0))
     assert verdict.reasons(rec, Floors()) == ["rel err beyond noise"]
 
 
 def test_a_reference_difference_above_the_floor_diverges_even_inside_the_noise() -> None:
-    rec = _rec(1e-3, noise=1e-2, ref=2e-5)
-    verdict.add_noise_fields(rec)
+    rec = verdict.with_noise(_rec(1e-3, noise=1e-2, ref=2e-5))
     assert verdict.reasons(rec, Floors()) == ["reference rel err"]
     assert verdict.reasons(rec, Floors(stream=1e-4)) == []
 
@@ -52,36 +55,43 @@ def test_differing_weights_diverge_unless_weights_may_differ() -> None:
 
 
 def test_a_nan_error_always_diverges() -> None:
-    rec = _rec(math.nan, noise=1.0)
-    verdict.add_noise_fields(rec)
+    rec = verdict.with_noise(_rec(math.nan, noise=1.0))
     assert "rel err beyond noise" in verdict.reasons(rec, Floors())
 
 
 def test_selection_disagreement_is_judged_against_its_own_noise_and_not_when_replayed() -> None:
-    rec = _rec(0.0, topk_overlap=0.99, topk_noise=0.006, topk_ref_overlap=1.0)
+    rec = _rec(0.0, topk=_topk(0.99, 0.006, 1.0))
     assert verdict.reasons(rec, Floors()) == []  # 1% flips, noise alone flips 0.6%: within 2x
-    rec["topk_noise"] = 0.004
+    rec = rec.replace(topk=_topk(0.99, 0.004, 1.0))
     assert verdict.reasons(rec, Floors()) == ["topk beyond noise"]
-    rec["topk_ref_overlap"] = 0.99
+    rec = rec.replace(topk=_topk(0.99, 0.004, 0.99))
     assert verdict.reasons(rec, Floors()) == ["reference topk", "topk beyond noise"]
-    assert verdict.reasons({**rec, "replayed": "topk"}, Floors()) == []
+    assert verdict.reasons(rec.replace(replayed="topk"), Floors()) == []
 
 
 def test_the_judge_keeps_the_first_divergence_and_names_its_cause() -> None:
     judge = Judge()
-    recs = [_rec(0.0), {**_rec(0.5), "layer": 1, "weights": DIFFER}, {**_rec(0.5), "layer": 2}]
-    firsts = [judge(r, []) for r in recs]
-    assert firsts == [False, True, False] and judge.diverged == 2
-    assert (judge.first["layer"], judge.first["cause"]) == (1, "weights")
-    assert recs[2]["cause"] == "upstream" and not recs[0]["diverged"]
+    recs = [_rec(0.0), _rec(0.5, layer=1, weights=DIFFER), _rec(0.5, layer=2)]
+    judged = [judge(r, []) for r in recs]
+    assert [first for _, first in judged] == [False, True, False] and judge.diverged == 2
+    assert judge.first is not None and (judge.first.layer, judge.first.cause) == (1, "weights")
+    assert judged[2][0].cause == "upstream" and judged[0][0].diverged is False
     isolated = Judge(propagated=False)
-    isolated(dict(recs[1]), [])
-    rec = dict(recs[2])
-    isolated(rec, [])
-    assert rec["cause"] == "numerics"  # no upstream in isolated mode
+    isolated(recs[1], [])
+    assert isolated(recs[2], [])[0].cause == "numerics"  # no upstream in isolated mode
     conv = Judge()
     conv(_rec(0.1), ["proj_rms=megatron"])
-    assert conv.first["cause"] == "conventions" and conv.first["switches"] == ["proj_rms=megatron"]
+    assert conv.first is not None and (conv.first.cause, conv.first.switches) == ("conventions", ("proj_rms=megatron",))
+
+
+def test_a_record_reads_back_from_its_json_unchanged() -> None:
+    rec = verdict.with_noise(_rec(0.25, noise=1e-2, topk=_topk(0.5, 0.01, 1.0), weights=DIFFER))
+    rec = rec.replace(diverged=True, why=("weights differ",), cause="weights")
+    assert SubBlockRecord.from_json(rec.as_json()) == rec
+    assert list(rec.as_json()) == ["layer", "sub_block", "attn_type", "mlp_type", "rel_err", "max_abs",
+                                   "noise_serve", "noise_train", "ref_rel_err", "topk_overlap", "topk_noise",
+                                   "topk_ref_overlap", "weights", "noise", "excess", "topk_excess", "diverged", "why",
+                                   "cause"]
 
 
 def test_shapley_shares_add_up_to_the_total_less_the_rest() -> None:

@@ -35,7 +35,7 @@ from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME
 from glmconv.mistakes import check_same_config
-from glmconv.models.conventions import Conventions
+from glmconv.models.conventions import Conventions, Sides
 from glmconv.models.megatron import megatron_model
 from glmconv.models.model import GlmModel
 from glmconv.models.weights import HfWeights, MegatronWeights
@@ -88,12 +88,11 @@ NO_KERNEL_PATH = ("the train side runs the torch references (--kernels reference
 
 
 def self_test_sides(config: GlmConfig, train: GlmModel, train_precise: GlmModel | None,
-                    conventions: dict[str, dict[str, str]],
-                    opts: ParityOptions) -> tuple[list[Side], list[dict[str, str]]]:
+                    conventions: Sides, opts: ParityOptions) -> tuple[list[Side], list[dict[str, str]]]:
     """One train side per applicable catalog defect, planted in memory over the train side's weights, conventions
     or kernel path; and the defects that cannot be planted here, each with the reason."""
 
-    train_conv = Conventions(**conventions["train"])
+    train_conv = conventions.train
     sides, skipped = [], []
     for defect in select(opts.defects):
         planted = defects.plant(defect, config, train_conv)
@@ -109,7 +108,7 @@ def self_test_sides(config: GlmConfig, train: GlmModel, train_precise: GlmModel 
         precise = model.precise_twin()
         if precise is not None and train_precise is not None:
             precise.cache = train_precise.cache  # fp32 casts of the clean weights, shared (patches apply after)
-        sides.append(Side(defect.name, model, conv.as_dict(), precise, twin=kernel_path(model),
+        sides.append(Side(defect.name, model, conv, precise, twin=kernel_path(model),
                           sites=frozenset(planted.sites), judge=judge_of(opts)))
     return sides, skipped
 
@@ -122,8 +121,8 @@ def make_batch(opts: ParityOptions, vocab: int) -> Batch:
     return random_batch(vocab, opts.tokens, opts.sequences, opts.seed)
 
 
-def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[GlmModel, GlmModel, dict[str, dict[str, str]]]:
-    """(serve model, train model, both sides' conventions as plain dicts); tests replace this with fakes."""
+def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[GlmModel, GlmModel, Sides]:
+    """(serve model, train model, both sides' conventions); tests replace this with fakes."""
     import torch
 
     device = check_device(opts.device)
@@ -144,10 +143,11 @@ def build_models(config: GlmConfig, opts: ParityOptions) -> tuple[GlmModel, GlmM
     train = GlmModel(config, train_w, train_conv, dtype=dtype, device=device, kernels=opts.kernels, stream=stream)
     if opts.train_backend == MEGATRON_BACKEND:  # its DSA attention and MoE: megatron-core's own modules
         train = megatron_model(config, train_w, opts.mcore_dir, train_conv, dtype, device, opts.kernels, stream)
-    return serve, train, {"serve": serve_conv.as_dict(), "train": train_conv.as_dict()}
+    return serve, train, Sides(serve_conv, train_conv)
 
 
-def resolve_conventions(opts: ParityOptions, has_hc_head: bool = False, layout: str | None = None) -> tuple[Any, Any]:
+def resolve_conventions(opts: ParityOptions, has_hc_head: bool = False,
+                        layout: str | None = None) -> tuple[Conventions, Conventions]:
     """Serve conventions, and the train side's: the Megatron defaults of the checkpoint's `layout` (or serve's),
     then each KEY=VALUE override."""
 

@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 from glmconv.compare import metrics, weight_diff
 from glmconv.compare.attribution import shapley
 from glmconv.compare.inputs import Batch
+from glmconv.compare.records import SELECTIONS, KernelResult, SelectionMeasure, SubBlockRecord
 from glmconv.compare.replay import Replay
-from glmconv.compare.verdict import SELECTIONS, Judge
+from glmconv.compare.verdict import Judge
 from glmconv.defaults import DEFAULT_MODE, PARITY_MODES
 from glmconv.errors import GlmconvError
 from glmconv.kernels.check import KernelCheck
-from glmconv.models.conventions import Conventions, acting_at_sub_block
+from glmconv.models.conventions import Conventions, Sides, acting_at_sub_block
 from glmconv.models.weights import AttentionWeights, MlpWeights, WeightSource
 from glmconv.progress import StepProgress as StepProgress  # parity's bar, re-exported (glmconv.compare imports it)
 
@@ -85,12 +86,12 @@ class Side:
 
     name: str
     model: Model
-    conventions: dict[str, str] = field(default_factory=dict)
+    conventions: Conventions = field(default_factory=Conventions.serve)
     precise: Model | None = None
     twin: Model | None = None
     sites: frozenset[tuple[int, str]] | None = None
     judge: Judge = field(default_factory=Judge)
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[SubBlockRecord] = field(default_factory=list)
     weight_diffs: list[dict[str, Any]] = field(default_factory=list)
     attribution: dict[str, Any] | None = None
     x: torch.Tensor | None = None  # its own streams (propagated), run dtype and fp32
@@ -115,7 +116,7 @@ class Side:
 class Capture:
     """Per sub-block records (forward order) and the logit comparison, and every side's verdict."""
 
-    layers: list[dict[str, Any]] = field(default_factory=list)
+    layers: list[SubBlockRecord] = field(default_factory=list)
     logits: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
     sides: list[Side] = field(default_factory=list)
@@ -135,7 +136,7 @@ class _Serve:
 
     model: Model
     precise: Model | None
-    conventions: dict[str, str]
+    conventions: Conventions
     x: torch.Tensor | None = None
     x_ref: torch.Tensor | None = None
 
@@ -149,7 +150,7 @@ class _Serve:
 def capture(serve: Model, train: Model, batch: Batch, mode: str = DEFAULT_MODE,
             on_step: Step | None = None, twin: Model | None = None, replay: Replay | None = None, *,
             serve_precise: Model | None = None, train_precise: Model | None = None,
-            conventions: dict[str, dict[str, str]] | None = None, judge: Judge | None = None,
+            conventions: Sides | None = None, judge: Judge | None = None,
             variants: Sequence[Side] = ()) -> Capture:
     """Run both models over `batch`; `on_step(label)` is called after each of the 2L + 1 steps.
 
@@ -161,11 +162,10 @@ def capture(serve: Model, train: Model, batch: Batch, mode: str = DEFAULT_MODE,
     if mode not in PARITY_MODES:
         raise GlmconvError(f"--mode {mode!r}: choose from {', '.join(PARITY_MODES)}")
     _check_same_shape(serve, train)
-    conv = conventions or {}
-    clean = Side("clean", train, conv.get("train", {}), train_precise, twin,
-                 judge=judge or Judge(propagated=mode == "propagated"))
+    conv = conventions or Sides(Conventions.serve(), Conventions.serve())
+    clean = Side("clean", train, conv.train, train_precise, twin, judge=judge or Judge(propagated=mode == "propagated"))
     out = Capture(sides=[clean, *variants], noise_measured=serve_precise is not None or train_precise is not None)
-    s = _Serve(serve, serve_precise, conv.get("serve", {}))
+    s = _Serve(serve, serve_precise, conv.serve)
     run = _Run(s, out, batch, mode == "isolated", replay or Replay())
     step = on_step or (lambda label: None)
     start = time.monotonic()
@@ -224,48 +224,47 @@ class _Run:
     def _measure(self, side: Side, layer: int, sub_block: str, so: _Out) -> None:
         switches = _switches(self.serve, side, layer, sub_block)
         if side is not self.clean and not side.computes(layer, sub_block, self.isolated):
-            rec = {k: v for k, v in self.clean.records[-1].items() if k not in ("diverged", "why", "cause")}
+            rec = self.clean.records[-1].replace(diverged=None, why=None, cause=None)
             side.x, side.x_ref = self.clean.x, self.clean.x_ref
-            side.judge(rec, switches)
-            side.records.append(rec)
+            side.records.append(side.judge(rec, switches)[0])
             return
         before = _selection_state(side.precise if side.precise is not None else side.model)  # for the attribution
         x_in = so.x if self.isolated else side.streams()
         ids = self.replay.ids(sub_block, layer, so.aux)
         yt, aux_t = _call(side.model, sub_block, layer, x_in, self.batch.cu_seqlens, ids)
-        rec = _record(self.serve.model, layer, sub_block, yt, so.y)
+        rec = _record(self.serve.model, layer, sub_block, yt, so.y, _impl(side.model, layer, sub_block))
         if ids is not None:
-            rec["replayed"] = "topk" if sub_block == ATTENTION else "experts"
+            rec = rec.replace(replayed="topk" if sub_block == ATTENTION else "experts")
         yk, aux_k = yt, aux_t  # the train side's code on the references: itself, unless it runs kernels
         if side.twin is not None and sub_block == ATTENTION:
             checks = _take_checks(side.model)
             yk, aux_k = _call(side.twin, ATTENTION, layer, x_in, self.batch.cu_seqlens, ids)
-            rec.update(_kernel_fields(checks, (yt, aux_t), (yk, aux_k)))
+            rec = _with_kernels(rec, checks, (yt, aux_t), (yk, aux_k))
         xr_in = so.x_ref if self.isolated else side.x_ref
         ytr, aux_tr = yk, aux_k
         if side.precise is not None:
             ytr, aux_tr = _call(side.precise, sub_block, layer, xr_in if xr_in is not None else x_in.float(),
                                 self.batch.cu_seqlens, self.replay.ids(sub_block, layer, so.aux_ref))
-        _noise(rec, (yt, aux_t), (yk, aux_k), (so.y, so.aux), (ytr, aux_tr), (so.y_ref, so.aux_ref),
-               self.serve.precise is not None, side.precise is not None)
-        self._weights(side, layer, sub_block, rec)
-        if side.judge(rec, switches) and switches:
+        rec = _with_noise(rec, (yt, aux_t), (yk, aux_k), (so.y, so.aux), (ytr, aux_tr), (so.y_ref, so.aux_ref),
+                          self.serve.precise is not None, side.precise is not None)
+        rec = self._weights(side, layer, sub_block, rec)
+        rec, first = side.judge(rec, switches)
+        if first and switches:
             side.attribution = self._attribute(side, layer, sub_block, so, switches, before)
         side.records.append(rec)
         side.x, side.x_ref = yt, ytr
 
-    def _weights(self, side: Side, layer: int, sub_block: str, rec: dict[str, Any]) -> None:
+    def _weights(self, side: Side, layer: int, sub_block: str, rec: SubBlockRecord) -> SubBlockRecord:
         """Compare both sides' weights of the sub-block (the clean side's status holds where a side equals it)."""
         serve, train = self.serve.model, side.model
         if not (_weighted(serve) and _weighted(train)):
-            return
+            return rec
         diffs = list(weight_diff.structure_diffs(serve.sub_block_weights(layer, sub_block),
                                                  train.sub_block_weights(layer, sub_block)))
-        rec["weights"] = weight_diff.status(diffs)
         named = [d.as_dict(layer, sub_block, serve.weights, train.weights) for d in diffs]
         side.weight_diffs += named
-        if named:
-            rec["weight_diffs"] = named[:WEIGHT_DIFFS_PER_RECORD]
+        return rec.replace(weights=weight_diff.status(diffs),
+                           weight_diffs=tuple(named[:WEIGHT_DIFFS_PER_RECORD]) if named else None)
 
     def _attribute(self, side: Side, layer: int, sub_block: str, so: _Out, switches: list[str],
                    state: SelectionState) -> dict[str, Any] | None:
@@ -274,7 +273,7 @@ class _Run:
         base = side.precise if side.precise is not None else side.model
         if not hasattr(base, "variant"):
             return None
-        train = Conventions(**side.conventions)
+        train = side.conventions
         ids = self.replay.ids(sub_block, layer, so.aux_ref)
 
         def evaluate(on: frozenset[str]) -> float:
@@ -332,25 +331,26 @@ def _switches(serve: _Serve, side: Side, layer: int, sub_block: str) -> list[str
     return acting_at_sub_block(serve.conventions, side.conventions, sub_block, serve.model.attn_types[layer] == "dsa")
 
 
-def _noise(rec: dict[str, Any], t: Result, k: Result, s: Result, tr: Result, sr: Result, serve_ref: bool,
-           train_ref: bool) -> None:
+def _with_noise(rec: SubBlockRecord, t: Result, k: Result, s: Result, tr: Result, sr: Result, serve_ref: bool,
+                train_ref: bool) -> SubBlockRecord:
     """Each side's distance from its fp32 reference twin, measured on correct code (t: train, k: the train side's
     code on the references, s: serve, tr / sr: the fp32 twins' results), the kernels' share where they are within
     bounds, and the twins' distance from each other."""
-    rec["noise_serve"] = metrics.rel_err(s[0], sr[0]) if serve_ref else 0.0
-    rec["noise_train"] = metrics.rel_err(k[0], tr[0]) if train_ref else 0.0
-    rec["ref_rel_err"] = metrics.rel_err(tr[0], sr[0])
-    allow = rec.get("kernels_within", True)
-    rec["noise_kernel"] = rec.get("kernel_rel_err", 0.0) if allow else 0.0
-    for name, key in SELECTIONS:
+    allow = rec.kernels_within is not False
+    sels: dict[str, SelectionMeasure] = {}
+    for sel in SELECTIONS:
+        name = sel.name
         if not _has(s[1], t[1], name):
             continue
-        rec[key] = metrics.selection_overlap(t[1][name], s[1][name])
         noise = (1.0 - metrics.selection_overlap(s[1][name], sr[1][name])) if serve_ref else 0.0
         noise += (1.0 - metrics.selection_overlap(k[1][name], tr[1][name])) if train_ref else 0.0
         noise += (1.0 - metrics.selection_overlap(t[1][name], k[1][name])) if allow else 0.0
-        rec[f"{name}_noise"] = noise
-        rec[f"{name}_ref_overlap"] = metrics.selection_overlap(tr[1][name], sr[1][name])
+        sels[name] = SelectionMeasure(metrics.selection_overlap(t[1][name], s[1][name]), noise,
+                                      metrics.selection_overlap(tr[1][name], sr[1][name]))
+    return rec.replace(noise_serve=metrics.rel_err(s[0], sr[0]) if serve_ref else 0.0,
+                       noise_train=metrics.rel_err(k[0], tr[0]) if train_ref else 0.0,
+                       ref_rel_err=metrics.rel_err(tr[0], sr[0]),
+                       noise_kernel=(rec.kernel_rel_err or 0.0) if allow else 0.0, **sels)
 
 
 @contextmanager
@@ -358,8 +358,9 @@ def _timed(out: Capture, *models: Model) -> Iterator[None]:
     """Add to the step's record its wall time and the part of it spent loading weights (both sides)."""
     start, loaded = time.monotonic(), _load_s(models)
     yield
-    out.sides[0].records[-1]["wall_s"] = round(time.monotonic() - start, 4)
-    out.sides[0].records[-1]["load_s"] = round(_load_s(models) - loaded, 4)
+    records = out.sides[0].records
+    records[-1] = records[-1].replace(wall_s=round(time.monotonic() - start, 4),
+                                      load_s=round(_load_s(models) - loaded, 4))
 
 
 def _load_s(models: tuple[Model, ...]) -> float:
@@ -389,13 +390,19 @@ def _call(model: Model, sub_block: str, layer: int, x: torch.Tensor, cu_seqlens:
     return model.mlp(layer, x, **kw)
 
 
-def _record(model: Model, layer: int, sub_block: str, train: torch.Tensor, serve: torch.Tensor) -> dict[str, Any]:
+def _record(model: Model, layer: int, sub_block: str, train: torch.Tensor, serve: torch.Tensor,
+            impl: str | None) -> SubBlockRecord:
     if train.shape != serve.shape:
         raise GlmconvError(f"layer {layer} {sub_block}: train streams {tuple(train.shape)} but serve "
                            f"{tuple(serve.shape)}")
-    return {"layer": layer, "sub_block": sub_block, "attn_type": model.attn_types[layer],
-            "mlp_type": model.mlp_types[layer], "rel_err": metrics.rel_err(train, serve),
-            "max_abs": metrics.max_abs(train, serve)}
+    return SubBlockRecord(layer, sub_block, model.attn_types[layer], model.mlp_types[layer],
+                          metrics.rel_err(train, serve), metrics.max_abs(train, serve), impl=impl)
+
+
+def _impl(model: Model, layer: int, sub_block: str) -> str | None:
+    """Which code ran the sub-block, for a train side that says (a backend of more than one implementation)."""
+    impl = getattr(model, "impl", None)
+    return impl(layer, sub_block) if impl is not None else None
 
 
 def _take_checks(model: Model) -> list[KernelCheck]:
@@ -403,13 +410,11 @@ def _take_checks(model: Model) -> list[KernelCheck]:
     return take() if take is not None else []
 
 
-def _kernel_fields(checks: list[KernelCheck], t: Result, k: Result) -> dict[str, Any]:
+def _with_kernels(rec: SubBlockRecord, checks: list[KernelCheck], t: Result, k: Result) -> SubBlockRecord:
     """The kernels' part of a record: each check, whether all are within bounds, their effect on the streams."""
-    rec: dict[str, Any] = {"kernels": [c.as_dict() for c in checks], "kernels_within": all(c.within for c in checks),
-                           "kernel_rel_err": metrics.rel_err(t[0], k[0])}
-    if _has(t[1], k[1], "topk"):
-        rec["kernel_topk_overlap"] = metrics.selection_overlap(t[1]["topk"], k[1]["topk"])
-    return rec
+    topk = metrics.selection_overlap(t[1]["topk"], k[1]["topk"]) if _has(t[1], k[1], "topk") else None
+    return rec.replace(kernels=tuple(KernelResult.of(c) for c in checks), kernels_within=all(c.within for c in checks),
+                       kernel_rel_err=metrics.rel_err(t[0], k[0]), kernel_topk_overlap=topk)
 
 
 def _has(aux_s: dict[str, torch.Tensor] | None, aux_t: dict[str, torch.Tensor] | None, key: str) -> bool:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from glmconv.compare.metric_table import bound_names
 from glmconv.errors import GlmconvError
 from glmconv.kernels.check import selection_overlap as selection_overlap  # re-exported: one definition
 
@@ -106,44 +107,7 @@ def quantile_summary(x: torch.Tensor) -> dict[str, float]:
     return {"mean": float(x64.mean()), "p99": float(torch.quantile(x64, 0.99)), "max": float(x64.max())}
 
 
-# ---- scalar summary and --fail-on bounds ------------------------------------------------------------------
-
-BOUND_METRICS = ("logprob_abs_diff.mean", "logprob_abs_diff.p99", "logprob_abs_diff.max", "kl", "top1_agreement",
-                 "top1_disagreement", "max_rel_err", "final_rel_err", "expert_overlap_min", "topk_overlap_min",
-                 "divergences", "excess.max", "ref_rel_err.max", "topk_excess.max", "expert_excess.max")
-
-
-# each noise-normalised summary metric and the record field it is the largest of (a selection's field is named
-# after its aux: `experts_excess`, glmconv.compare.verdict.SELECTIONS)
-NOISE_FIELDS = {"excess.max": "excess", "ref_rel_err.max": "ref_rel_err", "topk_excess.max": "topk_excess",
-                "expert_excess.max": "experts_excess"}
-
-
-def scalars(layers: list[dict[str, Any]], logits: dict[str, Any]) -> dict[str, float | None]:
-    """The report's single-number metrics, the ones `--fail-on` can bound (None: not measured in this run).
-
-    `excess.max`: the largest rel err over the run's measured noise (verdict.excess: inf where an error stands over
-    a noise of 0); `ref_rel_err.max`: the largest difference of weights and conventions alone; `divergences`: the
-    sub-blocks the verdict names (the report adds differing embedding and head weights).
-    """
-    lp = logits["logprob_abs_diff"]
-    experts = [r["expert_overlap"] for r in layers if "expert_overlap" in r]
-    topk = [r["topk_overlap"] for r in layers if "topk_overlap" in r]
-    errs = [r["rel_err"] for r in layers]
-    noise = {metric: _nanmax([r[key] for r in layers if key in r]) for metric, key in NOISE_FIELDS.items()}
-    return {**noise, "divergences": float(sum(bool(r.get("diverged")) for r in layers)),
-            "logprob_abs_diff.mean": lp["mean"], "logprob_abs_diff.p99": lp["p99"], "logprob_abs_diff.max": lp["max"],
-            "kl": logits["kl"], "top1_agreement": logits["top1_agreement"],
-            "top1_disagreement": 1.0 - logits["top1_agreement"],
-            "max_rel_err": _nanmax(errs), "final_rel_err": errs[-1] if errs else None,
-            "expert_overlap_min": min(experts) if experts else None, "topk_overlap_min": min(topk) if topk else None}
-
-
-def _nanmax(xs: list[float]) -> float | None:
-    if not xs:
-        return None
-    return math.nan if any(math.isnan(x) for x in xs) else max(xs)
-
+# ---- --fail-on bounds over the declared metrics (glmconv.compare.metric_table) --------------------------------
 
 OPERATORS = (">=", "<=", ">", "<")  # METRIC>VALUE fails above VALUE, >= at or above, < below, <= at or below
 _SYNTAX = "expected METRIC>VALUE, METRIC>=VALUE, METRIC<VALUE or METRIC<=VALUE"
@@ -183,8 +147,8 @@ def parse_bound(text: str) -> Bound:
     metric, value = text[:found.start()].strip(), text[found.end():].strip()
     if re.search(r"[<>=!]", value):
         raise GlmconvError(f"--fail-on {text!r}: one operator only ({_SYNTAX})")
-    if metric not in BOUND_METRICS:
-        raise GlmconvError(f"--fail-on {text!r}: unknown metric {metric!r} (choose from {', '.join(BOUND_METRICS)})")
+    if metric not in bound_names():
+        raise GlmconvError(f"--fail-on {text!r}: unknown metric {metric!r} (choose from {', '.join(bound_names())})")
     try:
         limit = float(value)
     except ValueError:
@@ -194,10 +158,27 @@ def parse_bound(text: str) -> Bound:
     return Bound(metric, op, limit)
 
 
+@dataclass(frozen=True)
+class BoundCheck:
+    """A bound with the value the run measured and whether it is broken."""
+
+    bound: Bound
+    value: float
+
+    @property
+    def broken(self) -> bool:
+        return self.bound.broken(self.value)
+
+    def as_json(self) -> dict[str, Any]:
+        b = self.bound
+        return {"bound": b.text, "metric": b.metric, "op": b.op, "limit": b.limit, "value": self.value,
+                "broken": self.broken}
+
+
 def check_bounds(bounds: Iterable[Bound], values: dict[str, float | None],
-                 whys: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Each bound with the measured value and whether it is broken; a metric this run did not measure is refused,
-    with the reason `whys` gives for it (glmconv.compare.report.summary_whys)."""
+                 whys: dict[str, str] | None = None) -> list[BoundCheck]:
+    """Each bound with the measured value; a metric this run did not measure is refused, with the reason `whys`
+    gives for it (glmconv.compare.report.summary_whys)."""
 
     out = []
     for b in bounds:
@@ -205,6 +186,5 @@ def check_bounds(bounds: Iterable[Bound], values: dict[str, float | None],
         if v is None:
             why = (whys or {}).get(b.metric, "not measured in this run: no such layers")
             raise GlmconvError(f"--fail-on {b.text}: {b.metric} was {why}")
-        out.append({"bound": b.text, "metric": b.metric, "op": b.op, "limit": b.limit, "value": v,
-                    "broken": b.broken(v)})
+        out.append(BoundCheck(b, v))
     return out

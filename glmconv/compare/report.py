@@ -12,16 +12,18 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from glmconv.compare import metrics
+from glmconv.compare import metric_table, metrics
 from glmconv.compare.attribution import attribution_line
 from glmconv.compare.capture import Capture, Side
 from glmconv.compare.catalog import CATALOG
+from glmconv.compare.cells import WHY, field_text, fmt, num
 from glmconv.compare.inputs import Batch
 from glmconv.compare.options import ParityOptions, judge_of
+from glmconv.compare.records import FirstDivergence, SubBlockRecord
 from glmconv.compare.verdict import DIFFER, judge_records
 from glmconv.defaults import DEFAULT_TRAIN_CONVENTIONS
 from glmconv.io.output import claim_report_dir, replace_file
-from glmconv.models.conventions import SELECTION, acting_at
+from glmconv.models.conventions import SELECTION, Sides, acting_at
 from glmconv.rules import roles as R
 from glmconv.text import count, json_text, printable
 from glmconv.version import __version__
@@ -31,7 +33,7 @@ _PLOT_FLOOR = 1e-12  # log-scale floor for exact zeros (plot_notes says so on th
 _PLOT_TOP = 1e6  # where a NaN or infinite rel err is drawn
 
 
-def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: dict[str, Any],
+def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: Sides,
                  train_layout: str | None = None, skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """Everything a run measured plus what it was asked: the one structure all renderings read.
 
@@ -43,44 +45,50 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: d
     `self_test_skipped`: the catalog defects that could not be planted in this run, each with the reason.
     """
     clean = cap.sides[0] if cap.sides else _judged(cap, opts, conventions)
-    values = metrics.scalars(cap.layers, cap.logits)
-    first = _first(clean.judge.first, cap, opts)
+    layers = clean.records
+    values = metric_table.scalars(layers, cap.logits)
+    first = _first(clean.judge.first, layers, cap, opts)
     values["divergences"] = (values["divergences"] or 0.0) + len(_global_defects(cap, opts))
-    whys = summary_whys(values, cap.layers, cap.noise_measured)
+    records = [r.as_json() for r in layers]
+    whys = summary_whys(values, records, cap.noise_measured)
     bounds = metrics.check_bounds(opts.bounds, values, whys)
     self_test = [_self_test_row(side) for side in cap.sides[1:]]
-    passed = not any(b["broken"] for b in bounds) if opts.bounds else first is None
+    passed = not any(b.broken for b in bounds) if opts.bounds else first is None
     return finite_numbers({
         "glmconv_version": __version__, "hf_dir": str(opts.hf_dir), "mcore_dir": str(opts.mcore_dir),
         "train_layout": train_layout,
         "mode": opts.mode, "dtype": opts.dtype, "device": opts.device, "tokens": batch.tokens,
         "stream_layers": opts.stream_layers,
         "replay": opts.replay, "replay_source": _replay_source(opts),
-        "kernels": _kernels_used(cap, opts),
+        "kernels": _kernels_used(layers), **_impls(layers),
         "sequences": batch.sequences, "seed": opts.seed, "inputs": batch.source,
         "train_conventions_base": opts.train_conventions, "train_convention_overrides": list(opts.overrides),
-        "conventions": conventions, "threshold": opts.effective_threshold, "margin": clean.judge.floors.margin,
-        "selection_floor": clean.judge.floors.selection, "noise_measured": cap.noise_measured,
-        "weights_checked": cap.weights_checked, "weight_diffs": cap.weight_diffs + clean.weight_diffs,
-        "layers": cap.layers, "logits": cap.logits, "summary": values, "first_divergence": first,
-        "first_divergence_switches": first.get("switches", []) if first else [],
-        "attribution": clean.attribution, "indexer_divergence": _indexer_divergence(cap.layers, conventions, opts),
-        "gate": "bounds" if opts.bounds else "verdict", "bounds": bounds,
+        "conventions": conventions.as_dict(), "threshold": opts.effective_threshold,
+        "margin": clean.judge.floors.margin, "selection_floor": clean.judge.floors.selection,
+        "noise_measured": cap.noise_measured, "weights_checked": cap.weights_checked,
+        "weight_diffs": cap.weight_diffs + clean.weight_diffs,
+        "layers": records, "logits": cap.logits, "summary": values,
+        "first_divergence": first.as_json() if first else None,
+        "first_divergence_switches": list(first.switches) if first else [],
+        "attribution": clean.attribution, "indexer_divergence": _indexer_divergence(layers, conventions, opts),
+        "gate": "bounds" if opts.bounds else "verdict", "bounds": [b.as_json() for b in bounds],
         **({"self_test": self_test, "self_test_skipped": skipped or []} if opts.self_test else {}),
         "passed": passed and all(r["named"] for r in self_test), "elapsed_s": round(cap.elapsed_s, 3),
     }, whys, cap.noise_measured)
 
 
+def _impls(layers: list[SubBlockRecord]) -> dict[str, Any]:
+    """`train_impl`: the code that ran the train side's sub-blocks, where a backend says (else nothing)."""
+    found = sorted({r.impl for r in layers if r.impl is not None})
+    return {"train_impl": found} if found else {}
+
+
 # ---- numbers JSON can hold: a NaN or infinity is null, with the reason beside it -------------------------------
 
-WHY = "_why"  # `"excess": null, "excess_why": "unbounded: ..."`: the reason a number is not there
 _RATIOS = {"excess": ("rel err", "rel_err"), "topk_excess": ("top-k disagreement", "topk_overlap"),
            "experts_excess": ("expert disagreement", "expert_overlap")}  # record field -> (what, measured from)
 NO_NOISE = ("no noise measured in this run: both sides ran fp32 on the torch references, their own references "
             "(--dtype bf16 or a kernel path measures one; ref_rel_err.max and max_rel_err bound such a run)")
-_NOT_MEASURED = {"topk_excess.max": "no DSA layer", "topk_overlap_min": "no DSA layer",
-                 "expert_excess.max": "no MoE layer", "expert_overlap_min": "no MoE layer",
-                 "ref_rel_err.max": "no sub-block ran its fp32 references"}
 
 
 def _finite(x: Any) -> bool:
@@ -105,7 +113,7 @@ def value_why(key: str, value: float, rec: dict[str, Any], noise_measured: bool 
     if key in _RATIOS:
         of = _ratio_of(rec, key)
         measured = "" if noise_measured else " (no noise measured in this run)"
-        return f"unbounded: {_RATIOS[key][0]} {_fmt(of)} over a noise of 0{measured}"
+        return f"unbounded: {_RATIOS[key][0]} {fmt(of)} over a noise of 0{measured}"
     if key in ("rel_err", "value", "ref_rel_err"):
         return "infinite: the serve side's streams are zero here and the train side's are not"
     return f"infinite: {key.replace('_', ' ')} has no finite value"
@@ -117,12 +125,13 @@ def summary_whys(values: dict[str, float | None], layers: list[dict[str, Any]],
     record it comes from and that record's reason (`unbounded at layer 0 attention: rel err 6.4e-02 over a noise
     of 0 (...)`). The `--fail-on` of such a metric says the same."""
     out = {}
-    fields = {**metrics.NOISE_FIELDS, "max_rel_err": "rel_err", "final_rel_err": "rel_err"}
     for metric, value in values.items():
+        declared = metric_table.metric(metric)
         if value is None:
-            out[metric] = f"not measured in this run: {_NOT_MEASURED.get(metric, 'no sub-block record holds it')}"
+            missing = declared.missing if declared else "no sub-block record holds it"
+            out[metric] = f"not measured in this run: {missing}"
         elif not _finite(value):
-            key = fields.get(metric)
+            key = declared.record_field if declared else None
             rows = layers[-1:] if metric == "final_rel_err" else layers
             rec = next((r for r in rows if key is not None and not _finite(r.get(key))), None)
             if rec is None or key is None:
@@ -162,10 +171,12 @@ def finite_numbers(report: dict[str, Any], whys: dict[str, str], noise_measured:
     return finite
 
 
-def _judged(cap: Capture, opts: ParityOptions, conventions: dict[str, Any]) -> Side:
+def _judged(cap: Capture, opts: ParityOptions, conventions: Sides) -> Side:
     """A capture of records alone (a test double's, or one read back): judged here as capture would have."""
 
-    return Side("clean", None, judge=judge_records(cap.layers, conventions, judge_of(opts)))  # type: ignore[arg-type]  # records only: no model
+    judge = judge_of(opts)
+    records = judge_records(cap.layers, conventions.serve, conventions.train, judge)
+    return Side("clean", None, judge=judge, records=records)  # type: ignore[arg-type]  # records only: no model
 
 
 def _global_defects(cap: Capture, opts: ParityOptions) -> list[dict[str, Any]]:
@@ -175,20 +186,21 @@ def _global_defects(cap: Capture, opts: ParityOptions) -> list[dict[str, Any]]:
     return [d for d in cap.weight_diffs if d["kind"] == DIFFER]
 
 
-def _first(first: dict[str, Any] | None, cap: Capture, opts: ParityOptions) -> dict[str, Any] | None:
+def _first(first: FirstDivergence | None, layers: list[SubBlockRecord], cap: Capture,
+           opts: ParityOptions) -> FirstDivergence | None:
     """The verdict's first divergence, the embedding's differing rows first and the head's last."""
     glob = _global_defects(cap, opts)
     embed = [d for d in glob if d["sub_block"] == R.EMBED]
     head = [d for d in glob if d["sub_block"] != R.EMBED]
     for diffs in ([embed] + ([] if first else [head])):
         if diffs:
-            return {"layer": None, "sub_block": diffs[0]["sub_block"], "metric": "weights", "value": None,
-                    "cause": "weights", "why": ["weights differ"], "switches": [], "weight_diffs": diffs}
+            return FirstDivergence(None, diffs[0]["sub_block"], "weights", None, "weights", ("weights differ",),
+                                   weight_diffs=tuple(diffs))
     if first is not None:
-        rec = next(r for r in cap.layers if (r["layer"], r["sub_block"]) == (first["layer"], first["sub_block"]))
-        first = {**first, "weight_diffs": rec.get("weight_diffs", [])} if rec.get("weight_diffs") else first
-        if first["cause"] == "weights" and opts.allow_different_weights:  # different checkpoints, on purpose
-            first = {**first, "different_weights_allowed": True}
+        rec = next(r for r in layers if r.site == (first.layer, first.sub_block))
+        first = first.replace(weight_diffs=rec.weight_diffs or ())
+        if first.cause == "weights" and opts.allow_different_weights:  # different checkpoints, on purpose
+            first = first.replace(different_weights_allowed=True)
     return first
 
 
@@ -198,42 +210,43 @@ def _self_test_row(side: Side) -> dict[str, Any]:
     defect = next(d for d in CATALOG if d.name == side.name)
     sites = sorted(side.sites or ())
     first = side.judge.first
-    at = (first["layer"], first["sub_block"]) if first else None
+    at = (first.layer, first.sub_block) if first else None
     named = at is not None and (at == sites[0] if defect.kind != "convention" else at in sites)
     if defect.kind == "kernel":  # named as a kernel, and as this kernel
-        named = named and first is not None and first.get("kernel", {}).get("op") == defect.op
+        named = named and first is not None and first.kernel is not None and first.kernel.op == defect.op
     tensors = [d for d in side.weight_diffs if d["kind"] == DIFFER]
     return {"defect": defect.name, "kind": defect.kind, "summary": defect.summary,
             "planted_at": [{"layer": layer, "sub_block": sub} for layer, sub in sites[:1 if defect.kind == "weights"
                                                                                     and len(sites) == 1 else 2]],
-            "named": named, "first_divergence": first, "tensors": tensors[:4], "attribution": side.attribution}
+            "named": named, "first_divergence": first.as_json() if first else None, "tensors": tensors[:4],
+            "attribution": side.attribution}
 
 
-def _indexer_divergence(layers: list[dict[str, Any]], conventions: dict[str, Any],
+def _indexer_divergence(layers: list[SubBlockRecord], conventions: Sides,
                         opts: ParityOptions) -> dict[str, Any] | None:
     """The first DSA attention record whose own top-k differs from serve's (overlap < 1), and what explains it:
     differing indexer switches, differing weights, noise, an upstream divergence (propagated only), or numerics."""
 
     for i, rec in enumerate(layers):
-        if "topk_overlap" not in rec or rec["topk_overlap"] >= 1.0:
+        if rec.topk is None or rec.topk.overlap >= 1.0:
             continue
-        switches = acting_at(conventions.get("serve", {}), conventions.get("train", {}), SELECTION)
-        upstream = next((r for r in layers[:i] if r.get("diverged")), None)
+        switches = acting_at(conventions.serve, conventions.train, SELECTION)
+        upstream = next((r for r in layers[:i] if r.diverged), None)
         if switches:
             why = "switches"
-        elif rec.get("weights") == DIFFER and not opts.allow_different_weights:
+        elif rec.weights == DIFFER and not opts.allow_different_weights:
             why = "weights"
-        elif not rec.get("diverged"):
+        elif not rec.diverged:
             why = "noise"
         elif opts.mode == "propagated" and upstream is not None:
             why = "upstream"
         else:
             why = "numerics"
-        return {"layer": rec["layer"], "sub_block": rec["sub_block"], "metric": "topk_overlap",
-                "value": rec["topk_overlap"], "noise": rec.get("topk_noise"), "explained_by": why,
+        return {"layer": rec.layer, "sub_block": rec.sub_block, "metric": "topk_overlap",
+                "value": rec.topk.overlap, "noise": rec.topk.noise, "explained_by": why,
                 "switches": switches,
-                "upstream": None if upstream is None else {"layer": upstream["layer"],
-                                                           "sub_block": upstream["sub_block"]}}
+                "upstream": None if upstream is None else {"layer": upstream.layer,
+                                                           "sub_block": upstream.sub_block}}
     return None
 
 
@@ -259,26 +272,17 @@ def replay_line(report: dict[str, Any]) -> list[str]:
             f"replay, overlaps the train side's own selection vs serve's"]
 
 
-def _kernels_used(cap: Capture, opts: ParityOptions) -> str:
+def _kernels_used(layers: list[SubBlockRecord]) -> str:
     """What the train side ran: `kernels` (each kernel checked against its reference) or `reference`."""
-    return "kernels" if any("kernels" in r for r in cap.layers) else "reference"
-
-
-def _kernel(rec: dict[str, Any]) -> str:
-    """The kernel cell: the check nearest its bound (`chunk_kda 4.6e-03 0.18x`), or `-` for no kernel there."""
-    checks = rec.get("kernels")
-    if not checks:
-        return "-"
-    worst = max(checks, key=lambda c: _num(c["ratio"]))
-    return f"{worst['op']} {_fmt(worst[worst['metric']])} {_fmt(worst['ratio'], '.2g')}x"
+    return "kernels" if any(r.kernels is not None for r in layers) else "reference"
 
 
 def kernel_text(check: dict[str, Any]) -> str:
     """`fla chunk_kda: rel err 7.0e-01 against its reference on the same input, bound 2.5e-02 (28x)`."""
     metric = check["metric"]
     value = check[metric]
-    return (f"{check['kernel']}: {metric.replace('_', ' ')} {_fmt(value)} against its reference on the same input, "
-            f"bound {_fmt(check['bound'][metric])} ({_fmt(check['ratio'], '.3g')}x)")
+    return (f"{check['kernel']}: {metric.replace('_', ' ')} {fmt(value)} against its reference on the same input, "
+            f"bound {fmt(check['bound'][metric])} ({fmt(check['ratio'], '.3g')}x)")
 
 
 def kernel_line(report: dict[str, Any]) -> list[str]:
@@ -288,9 +292,9 @@ def kernel_line(report: dict[str, Any]) -> list[str]:
     worst: dict[str, dict[str, Any]] = {}
     for rec in report["layers"]:
         for c in rec.get("kernels", ()):
-            if c["op"] not in worst or _num(c["ratio"]) > _num(worst[c["op"]]["ratio"]):
+            if c["op"] not in worst or num(c["ratio"]) > num(worst[c["op"]]["ratio"]):
                 worst[c["op"]] = {**c, "layer": rec["layer"]}
-    parts = [f"{c['kernel']} {_fmt(c[c['metric']])} ({_fmt(c['ratio'], '.2g')}x its bound, layer {c['layer']})"
+    parts = [f"{c['kernel']} {fmt(c[c['metric']])} ({fmt(c['ratio'], '.2g')}x its bound, layer {c['layer']})"
              for c in worst.values()]
     beyond = sum(not c["within"] for rec in report["layers"] for c in rec.get("kernels", ()))
     state = f"{count(beyond, 'call')} beyond its bound" if beyond else "every call within its bound"
@@ -335,33 +339,6 @@ def to_json(report: dict[str, Any]) -> str:
     return json_text(report, indent=2)
 
 
-def _fmt(v: Any, spec: str = ".3e") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return format(v, spec)
-    return str(v)
-
-
-def _num(v: Any) -> float:
-    """A number to compare: a null (NaN or infinite, glmconv.compare.report.finite_numbers) as infinity."""
-    return math.inf if v is None else float(v)
-
-
-def _field(rec: dict[str, Any], key: str, spec: str = ".3e") -> str:
-    """A record's number as text; a null one as what it stands for (`inf`, `nan`) from its reason."""
-    v = rec.get(key)
-    if v is None and rec.get(key + WHY):
-        return "nan" if rec[key + WHY].startswith("NaN") else "inf"
-    return _fmt(v, spec)
-
-
-def _overlap(rec: dict[str, Any]) -> str:
-    parts = [f"experts {rec['expert_overlap']:.3f}" if "expert_overlap" in rec else "",
-             f"top-k {rec['topk_overlap']:.3f}" if "topk_overlap" in rec else ""]
-    return " ".join(p for p in parts if p) or "-"
-
-
 def divergence_line(report: dict[str, Any]) -> str:
     """The verdict in one line: where the first divergence is, how far beyond noise, and what causes it."""
     fd = report["first_divergence"]
@@ -373,9 +350,9 @@ def divergence_line(report: dict[str, Any]) -> str:
     where = (f"layer {fd['layer']} {fd['sub_block']}" if fd.get("layer") is not None else fd["sub_block"])
     if fd.get("value") is None and not fd.get("value" + WHY):
         return f"first divergence: {where}: {_cause_text(fd)}"
-    beyond = (f", {_field(fd, 'excess', '.3g')}x the noise {_fmt(fd['noise'])}" if fd.get("noise") else "")
-    return (f"first divergence: {where} (rel err {_field(fd, 'value')}{beyond}; on the fp32 references "
-            f"{_field(fd, 'ref_rel_err')}): {_cause_text(fd)}")
+    beyond = (f", {field_text(fd, 'excess', '.3g')}x the noise {fmt(fd['noise'])}" if fd.get("noise") else "")
+    return (f"first divergence: {where} (rel err {field_text(fd, 'value')}{beyond}; on the fp32 references "
+            f"{field_text(fd, 'ref_rel_err')}): {_cause_text(fd)}")
 
 
 _CAUSES = {"upstream": "carried from an earlier divergence",
@@ -404,7 +381,7 @@ def weight_text(d: dict[str, Any]) -> str:
     where = ", ".join(n for n in names if n)
     rounded = " (BF16 rounding)" if d["kind"] == "rounded" else ""
     return (f"{d['field']}{rounded}: {where}{', ' if where else ''}rows {d['rows']}, {d['elements']} values, "
-            f"max abs diff {_fmt(d['max_abs_diff'], '.3g')}")
+            f"max abs diff {fmt(d['max_abs_diff'], '.3g')}")
 
 
 def weight_lines(report: dict[str, Any]) -> list[str]:
@@ -455,8 +432,8 @@ def layout_text(report: dict[str, Any]) -> str:
 def logits_lines(report: dict[str, Any]) -> list[str]:
     lg = report["logits"]
     lp = lg["logprob_abs_diff"]
-    return [f"next-token logprob abs diff: mean {_fmt(lp['mean'])}, p99 {_fmt(lp['p99'])}, max {_fmt(lp['max'])}",
-            f"top-1 agreement: {lg['top1_agreement']:.4f}   KL(serve||train): {_fmt(lg['kl'])} per token"]
+    return [f"next-token logprob abs diff: mean {fmt(lp['mean'])}, p99 {fmt(lp['p99'])}, max {fmt(lp['max'])}",
+            f"top-1 agreement: {lg['top1_agreement']:.4f}   KL(serve||train): {fmt(lg['kl'])} per token"]
 
 
 _HOLDS = {">": "<=", ">=": "<", "<": ">=", "<=": ">"}  # METRIC>VALUE fails on `>`; when it passes, `<=` holds
@@ -472,24 +449,20 @@ def bound_lines(report: dict[str, Any]) -> list[str]:
 
 def measured(bound: dict[str, Any]) -> str:
     """A bound's measured value, or why there is no number (`unbounded at layer 0 attention: ...`)."""
-    return bound.get("value" + WHY) or _fmt(bound["value"])
+    return bound.get("value" + WHY) or fmt(bound["value"])
 
 
 def _cells(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
-    kind = rec["attn_type"] if rec["sub_block"] == "attention" else rec["mlp_type"]
-    noise = report.get("noise_measured")
-    cells = [str(rec["layer"]), rec["sub_block"], kind, _field(rec, "rel_err")]
-    cells += [_field(rec, "noise"), _field(rec, "excess", ".3g")] if noise else []
-    cells += [_field(rec, "ref_rel_err"), rec.get("weights", "-"), _overlap(rec)]
-    cells += [_kernel(rec)] if report.get("kernels") == "kernels" else []
-    return cells
+    return [c.cell(rec, report) for c in metric_table.columns(report)]
 
 
 def _columns(report: dict[str, Any]) -> list[str]:
-    cols = ["layer", "sub-block", "type", "rel err"]
-    cols += ["noise", "x noise"] if report.get("noise_measured") else []
-    cols += ["ref err", "weights", "overlap"]
-    return cols + (["kernel"] if report.get("kernels") == "kernels" else [])
+    return [c.header for c in metric_table.columns(report)]
+
+
+def _left(report: dict[str, Any]) -> set[str]:
+    """The text columns (left-justified)."""
+    return {c.header for c in metric_table.columns(report) if c.left}
 
 
 def verdict_lines(report: dict[str, Any]) -> list[str]:
@@ -558,15 +531,14 @@ def _planted(r: dict[str, Any]) -> str:
 def _found(fd: dict[str, Any] | None) -> str:
     if fd is None:
         return "no divergence named"
-    excess = f", {_field(fd, 'excess', '.3g')}x noise" if fd.get("noise") else ""
+    excess = f", {field_text(fd, 'excess', '.3g')}x noise" if fd.get("noise") else ""
     kernel = f": {kernel_text(fd['kernel'])}" if fd.get("kernel") else ""
-    return (f"first divergence layer {fd['layer']} {fd['sub_block']} (rel err {_field(fd, 'value')}{excess}, "
-            f"reference {_fmt(fd.get('ref_rel_err'))}, {fd.get('cause')}{kernel})")
+    return (f"first divergence layer {fd['layer']} {fd['sub_block']} (rel err {field_text(fd, 'value')}{excess}, "
+            f"reference {fmt(fd.get('ref_rel_err'))}, {fd.get('cause')}{kernel})")
 
 
 FIRST_MARK = " <-"  # after the sub-block of the first divergence, in the terminal table
 DROP_ORDER = ("kernel", "type", "noise", "weights", "overlap", "ref err")  # left out first to last, to fit a width
-_LEFT = ("sub-block", "type", "weights", "overlap", "kernel")
 _STACKED = {"type": "{}", "rel err": "rel err {}", "noise": "noise {}", "x noise": "{}x noise", "ref err": "ref err {}",
             "weights": "weights {}", "overlap": "{}", "kernel": "kernel {}"}  # a record as one line of these
 
@@ -622,7 +594,7 @@ def _table(report: dict[str, Any], cols: list[str], shown: list[str],
            rows: list[tuple[list[str], str | None]]) -> Table:
     t = Table(title=Text(_title(report)))
     for col in shown:
-        t.add_column(col, justify="left" if col in _LEFT else "right", no_wrap=True)
+        t.add_column(col, justify="left" if col in _left(report) else "right", no_wrap=True)
     keep = [cols.index(c) for c in shown]
     for cells, style in rows:
         t.add_row(*(cells[i] for i in keep), style=style)
@@ -640,7 +612,7 @@ def _print_stacked(report: dict[str, Any], cols: list[str], rows: list[tuple[lis
     packed into `width` columns and broken only between fields: for a width under the narrowest table."""
     console.print(_title(report), markup=False, highlight=False, soft_wrap=True)
     for cells, style in rows:
-        fields = [_STACKED[c].format(v) for c, v in zip(cols[2:], cells[2:]) if v != "-"]
+        fields = [_STACKED.get(c, c + " {}").format(v) for c, v in zip(cols[2:], cells[2:]) if v != "-"]
         lines = [f"layer {cells[0]} {cells[1]}:"]
         for i, field in enumerate(fields):
             item = field + ("," if i < len(fields) - 1 else "")
@@ -671,8 +643,7 @@ def to_markdown(report: dict[str, Any]) -> str:
               f"{' (differs)' if conv.get('serve', {}).get(k) != conv.get('train', {}).get(k) else ''} |" for k in keys]
     cols = _columns(report)
     lines += ["", "## Per layer", "", "| " + " | ".join(cols) + " |",
-              "|" + "|".join("---" if c in ("sub-block", "type", "weights", "overlap", "kernel") else "---:"
-                             for c in cols) + "|"]
+              "|" + "|".join("---" if c in _left(report) else "---:" for c in cols) + "|"]
     lines += ["| " + " | ".join(_cells(rec, report)) + " |" for rec in report["layers"]]
     lines += ["", "## Verdict", ""] + [f"- {s}" for s in verdict_lines(report)]
     if report.get("report_skipped"):

@@ -1,6 +1,6 @@
 """The parity verdict: which sub-blocks diverge beyond the noise the run itself measured, and why.
 
-Every record carries, beside the train-vs-serve stream error `rel_err`:
+Every record (glmconv.compare.records.SubBlockRecord) carries, beside the train-vs-serve stream error `rel_err`:
   noise        = noise_serve + noise_train + noise_kernel: each side's rounding error against its fp32
                  torch-reference twin, measured on correct code (the serve side; the train side's code on the
                  references in the run dtype), plus the kernels' effect on the streams while every kernel is
@@ -23,15 +23,15 @@ sub-block diverges and its weights differ, they are still its cause.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from glmconv.models.conventions import acting_at_sub_block
+from glmconv.compare.records import SELECTIONS, FirstDivergence, SelectionMeasure, SubBlockRecord
+from glmconv.models.conventions import Conventions, acting_at_sub_block
 
 MARGIN = 2.0  # an aligned pair stays at or under 1 x noise (triangle inequality); a divergence is named above 2 x
 STREAM_FLOOR = 1e-5  # the smallest stream rel err ever named (a rounding-sized convention at fp32 stays ~1e-6)
 SELECTION_FLOOR = 1e-3  # the smallest selection disagreement ever named (a near-tie flip at the real sizes: ~1e-7)
-SELECTIONS = (("topk", "topk_overlap"), ("experts", "expert_overlap"))
 
 WEIGHTS, KERNEL, CONVENTIONS, UPSTREAM, NUMERICS = "weights", "kernel", "conventions", "upstream", "numerics"
 KERNEL_BEYOND = "kernel beyond its bound"
@@ -54,75 +54,67 @@ def excess(value: float, noise: float) -> float:
     return 0.0 if value == 0 else (value if math.isnan(value) else math.inf)
 
 
-def add_noise_fields(rec: dict[str, Any]) -> None:
-    """The record's `noise`, `excess` and, per selection, `*_noise` / `*_excess` (disagreement units)."""
-    rec["noise"] = rec.get("noise_serve", 0.0) + rec.get("noise_train", 0.0) + rec.get("noise_kernel", 0.0)
-    rec["excess"] = excess(rec["rel_err"], rec["noise"])
-    for name, key in SELECTIONS:
-        if key in rec:
-            rec[f"{name}_excess"] = excess(1.0 - rec[key], rec.get(f"{name}_noise", 0.0))
+def with_noise(rec: SubBlockRecord) -> SubBlockRecord:
+    """The record with its `noise`, `excess` and each selection's excess (disagreement units) set."""
+    noise = (rec.noise_serve or 0.0) + (rec.noise_train or 0.0) + (rec.noise_kernel or 0.0)
+    sels: dict[str, SelectionMeasure] = {}
+    for sel in SELECTIONS:
+        m = rec.selection(sel.name)
+        if m is not None:
+            ratio = excess(1.0 - m.overlap, m.noise or 0.0)
+            sels[sel.name] = SelectionMeasure(m.overlap, m.noise, m.ref_overlap, ratio)
+    return rec.replace(noise=noise, excess=excess(rec.rel_err, noise), **sels)
 
 
-def failing_kernels(rec: dict[str, Any]) -> list[dict[str, Any]]:
-    """The record's kernel checks beyond their bounds."""
-    return [c for c in rec.get("kernels", ()) if not c["within"]]
-
-
-def reasons(rec: dict[str, Any], floors: Floors, check_weights: bool = True) -> list[str]:
+def reasons(rec: SubBlockRecord, floors: Floors, check_weights: bool = True) -> list[str]:
     """Why the record diverges ([] when it does not): which checks fire."""
     out = []
-    if check_weights and rec.get("weights") == DIFFER:
+    if check_weights and rec.weights == DIFFER:
         out.append("weights differ")
-    if failing_kernels(rec):
+    if rec.failing_kernels():
         out.append(KERNEL_BEYOND)
-    if not rec.get("ref_rel_err", rec["rel_err"]) <= floors.stream:
+    if not (rec.ref_rel_err if rec.ref_rel_err is not None else rec.rel_err) <= floors.stream:
         out.append("reference rel err")
-    if not rec["rel_err"] <= max(floors.stream, floors.margin * rec.get("noise", 0.0)):
+    if not rec.rel_err <= max(floors.stream, floors.margin * (rec.noise or 0.0)):
         out.append("rel err beyond noise")
-    for name, key in SELECTIONS:
-        if key not in rec or rec.get("replayed") == name:  # a replayed selection is not what the train side ran
+    for sel in SELECTIONS:
+        m = rec.selection(sel.name)
+        if m is None or rec.replayed == sel.name:  # a replayed selection is not what the train side ran
             continue
-        if not 1.0 - rec.get(f"{name}_ref_overlap", rec[key]) <= floors.selection:
-            out.append(f"reference {name}")
-        if not 1.0 - rec[key] <= max(floors.selection, floors.margin * rec.get(f"{name}_noise", 0.0)):
-            out.append(f"{name} beyond noise")
+        if not 1.0 - (m.ref_overlap if m.ref_overlap is not None else m.overlap) <= floors.selection:
+            out.append(f"reference {sel.name}")
+        if not 1.0 - m.overlap <= max(floors.selection, floors.margin * (m.noise or 0.0)):
+            out.append(f"{sel.name} beyond noise")
     return out
 
 
 @dataclass
 class Judge:
-    """Marks records as they are measured (forward order) and keeps the first divergence."""
+    """Judges records as they are measured (forward order) and keeps the first divergence."""
 
     floors: Floors = field(default_factory=Floors)
     propagated: bool = True
     check_weights: bool = True
-    first: dict[str, Any] | None = None
+    first: FirstDivergence | None = None
     diverged: int = 0
 
-    def __call__(self, rec: dict[str, Any], switches: list[str]) -> bool:
-        """Judge `rec`; `switches`: the differing train switches acting at it. True when it is the first."""
-        add_noise_fields(rec)
+    def __call__(self, rec: SubBlockRecord, switches: Sequence[str]) -> tuple[SubBlockRecord, bool]:
+        """`rec` judged; `switches`: the differing train switches acting at it. True when it is the first."""
+        rec = with_noise(rec)
         why = reasons(rec, self.floors, self.check_weights)
-        rec["diverged"] = bool(why)
         if not why:
-            return False
-        rec["why"] = why
-        rec["cause"] = self._cause(rec, switches)
+            return rec.replace(diverged=False), False
+        rec = rec.replace(diverged=True, why=tuple(why), cause=self._cause(rec, switches))
         self.diverged += 1
         if self.first is not None:
-            return False
-        self.first = {"layer": rec["layer"], "sub_block": rec["sub_block"], "metric": "rel_err",
-                      "value": rec["rel_err"], "noise": rec["noise"], "excess": rec["excess"],
-                      "ref_rel_err": rec.get("ref_rel_err", rec["rel_err"]), "why": why, "cause": rec["cause"],
-                      "switches": switches}
-        if failing_kernels(rec):
-            self.first["kernel"] = max(failing_kernels(rec), key=lambda c: c["ratio"])
-        return True
+            return rec, False
+        self.first = FirstDivergence.of(rec, switches)
+        return rec, True
 
-    def _cause(self, rec: dict[str, Any], switches: list[str]) -> str:
-        if rec.get("weights") == DIFFER:  # the cause wherever they differ, --allow-different-weights or not
+    def _cause(self, rec: SubBlockRecord, switches: Sequence[str]) -> str:
+        if rec.weights == DIFFER:  # the cause wherever they differ, --allow-different-weights or not
             return WEIGHTS
-        if failing_kernels(rec):
+        if rec.failing_kernels():
             return KERNEL
         if switches:
             return CONVENTIONS
@@ -131,10 +123,9 @@ class Judge:
         return NUMERICS
 
 
-def judge_records(records: list[dict[str, Any]], conventions: dict[str, dict[str, str]], judge: Judge) -> Judge:
-    """Judge already measured records (forward order) with `judge`: a report built from records alone."""
+def judge_records(records: Sequence[SubBlockRecord], serve: Conventions, train: Conventions,
+                  judge: Judge) -> list[SubBlockRecord]:
+    """Already measured records (forward order) judged with `judge`: a report built from records alone."""
 
-    serve, train = conventions.get("serve", {}), conventions.get("train", {})
-    for rec in records:
-        judge(rec, acting_at_sub_block(serve, train, rec["sub_block"], rec.get("attn_type") == "dsa"))
-    return judge
+    return [judge(rec, acting_at_sub_block(serve, train, rec.sub_block, rec.attn_type == "dsa"))[0]
+            for rec in records]

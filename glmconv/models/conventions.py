@@ -109,14 +109,30 @@ class Conventions:
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: dict[str, str]) -> Conventions:
+        """A report's conventions read back (switches it does not name keep serve's value)."""
+        return cls(**{k: v for k, v in values.items() if k in CHOICES})
 
-def acting_at(serve: dict[str, str], train: dict[str, str], site: str) -> list[str]:
+
+@dataclass(frozen=True)
+class Sides:
+    """Both sides' conventions of a parity run."""
+
+    serve: Conventions
+    train: Conventions
+
+    def as_dict(self) -> dict[str, dict[str, str]]:
+        return {"serve": self.serve.as_dict(), "train": self.train.as_dict()}
+
+
+def acting_at(serve: Conventions, train: Conventions, site: str) -> list[str]:
     """`KEY=VALUE` of the train switches set differently from serve's that act at `site` (an ACTS_AT site)."""
-    return [f"{k}={train[k]}" for k in CHOICES
-            if k in train and train[k] != serve.get(k, train[k]) and site in ACTS_AT[k]]
+    return [f"{k}={getattr(train, k)}" for k in CHOICES
+            if getattr(train, k) != getattr(serve, k) and site in ACTS_AT[k]]
 
 
-def acting_at_sub_block(serve: dict[str, str], train: dict[str, str], sub_block: str, dsa: bool) -> list[str]:
+def acting_at_sub_block(serve: Conventions, train: Conventions, sub_block: str, dsa: bool) -> list[str]:
     """`KEY=VALUE` of the differing train switches acting at a sub-block (at a DSA attention the indexer's too)."""
     sites = [sub_block] + ([SELECTION] if dsa and sub_block == "attention" else [])
     out: list[str] = []
