@@ -11,7 +11,8 @@ from glmconv import defaults as D
 from glmconv.defaults import DEFAULT_LAYOUT, DTYPE_CHOICES, KEEP, LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
-from glmconv_cli.output import echo, echo_json
+from glmconv_cli.output import echo
+from glmconv_cli.report import reported
 from glmconv_cli.sizes import SIZE
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
@@ -71,21 +72,8 @@ def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as
                           group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json,
                           space_check=not no_space_check, dtype=dtype, device=device, read_threads=read_threads,
                           layout=layout)
-    if not api.lead_process():  # torchrun: rank 0 alone prints, once
-        return
-    warn_homeless(summary)
-    if as_json:
-        echo_json(summary, indent=2)
-        return
-    _print(summary, dry_run)
-
-
-def warn_homeless(s: dict) -> None:
-    """On stderr, even with --json: what the layout's trainer will not load (convert, relayout), or what SRC
-    lacked and --like gave (export)."""
-    for key in ("homeless_warning", "taken_from_like_warning"):
-        if s.get(key):
-            click.echo(s[key], err=True)
+    if not reported(summary, as_json):
+        _print(summary, dry_run)
 
 
 def _print(s: dict, dry_run: bool) -> None:

@@ -10,10 +10,11 @@ from glmconv import api
 from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable, show
-from glmconv_cli.convert_cmd import plan_lines, warn_homeless
-from glmconv_cli.output import echo, echo_json
+from glmconv_cli.convert_cmd import plan_lines
+from glmconv_cli.output import echo
+from glmconv_cli.report import reported
 from glmconv_cli.sizes import SIZE
-from glmconv_cli.workers import read_threads_option, workers_option
+from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
 
 @click.command("export")
@@ -35,6 +36,7 @@ from glmconv_cli.workers import read_threads_option, workers_option
 
 @click.option("--fp8", is_flag=True, help="Re-quantise the release's FP8 set (e4m3, 128x128 block scales).")
 @workers_option()
+@device_option("checked against --like's blocks", "re-quantised (--fp8)")
 @read_threads_option("reading, transforming and FP8-encoding ahead of its writer", "; every choice writes the same "
                      "shards")
 
@@ -62,8 +64,8 @@ from glmconv_cli.workers import read_threads_option, workers_option
 
 
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int | None,
-           fp8: bool, workers: int | str, read_threads: int, as_json: bool, force: bool, check_finite: bool,
-           dry_run: bool, no_space_check: bool, layout: str | None) -> None:
+           fp8: bool, workers: int | str, device: str, read_threads: int, as_json: bool, force: bool,
+           check_finite: bool, dry_run: bool, no_space_check: bool, layout: str | None) -> None:
     """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index.
 
     Exit codes: 0 exported (or planned, with --dry-run), 2 bad input (one `error:` line naming the file or
@@ -75,12 +77,8 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
                          workers=workers, force=force, check_finite=check_finite, dry_run=dry_run,
                          progress=not as_json, space_check=not no_space_check, layout=layout,
-                         read_threads=read_threads)
-    if not api.lead_process():  # torchrun: rank 0 alone prints, once
-        return
-    warn_homeless(summary)
-    if as_json:
-        echo_json(summary, indent=2)
+                         read_threads=read_threads, device=device)
+    if reported(summary, as_json):
         return
     if dry_run:
         _print_dry_run(summary)

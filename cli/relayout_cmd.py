@@ -11,8 +11,9 @@ from glmconv import defaults as D
 from glmconv.defaults import LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
-from glmconv_cli.convert_cmd import plan_lines, warn_homeless
-from glmconv_cli.output import echo, echo_json
+from glmconv_cli.convert_cmd import plan_lines
+from glmconv_cli.output import echo
+from glmconv_cli.report import reported
 from glmconv_cli.sizes import SIZE
 
 
@@ -57,9 +58,7 @@ def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_s
 
     summary = api.relayout(mcore_dir, out_dir, to=to, force=force, group_bytes=group_size, dry_run=dry_run,
                            progress=not as_json, space_check=not no_space_check, like=like)
-    warn_homeless(summary)
-    if as_json:
-        echo_json(summary, indent=2)
+    if reported(summary, as_json):
         return
     s = summary
     verb = "would rewrite" if dry_run else "rewrote"

@@ -16,6 +16,7 @@ from glmconv.progress import PLAN, say
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
 from glmconv_cli.output import echo_json
+from glmconv_cli.report import warn
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
 ROWS = 20  # mismatches in the table (--json lists up to glmconv.runners.verify.LISTED)
@@ -40,6 +41,7 @@ def verify(hf_dir: Path, mcore_dir: Path, as_json: bool, workers: int | str, rea
                          device=device)
     if not api.lead_process():  # torchrun: rank 0 alone prints, once
         return
+    warn(summary)
     note = runtime_note(summary["config_keys_ignored"])
     if note:
         click.echo(printable(f"note: {note}"), err=True)

@@ -39,9 +39,10 @@ def read_threads_option(work: str, same: str = "") -> Callable[[Any], Any]:
                         help=f"Threads per worker {work} (0: one step at a time){same}.")
 
 
-def device_option(what: str) -> Callable[[Any], Any]:
-    """`--device`: where FP8 weights are dequantised; `what`: after which they are cast or compared."""
+def device_option(what: str, verb: str = "dequantised") -> Callable[[Any], Any]:
+    """`--device`: where FP8 weights are `verb` (dequantised; export: re-quantised); `what`: after which they are cast
+    or compared."""
     return click.option("--device", type=click.Choice(defaults.DEVICE_CHOICES),
                         default=defaults.DEFAULT_DEVICE, show_default=True,
-                        help=f"Where FP8 weights are dequantised and {what} (the same bits everywhere); auto: the "
+                        help=f"Where FP8 weights are {verb} and {what} (the same bits everywhere); auto: the "
                         "GPU when one is visible and a worker has at least 1 GiB of FP8 codes.")

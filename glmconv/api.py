@@ -96,12 +96,13 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
            config: str | Path | None = None, fp8: bool = False, max_shard_bytes: int | None = None,
            workers: int | str = D.DEFAULT_WORKERS, force: bool = False, check_finite: bool = False,
            dry_run: bool = False, progress: bool = False, space_check: bool = True, layout: str | None = None,
-           read_threads: int = D.DEFAULT_THREADS) -> dict[str, Any]:
+           read_threads: int = D.DEFAULT_THREADS, device: str = D.DEFAULT_DEVICE) -> dict[str, Any]:
     """Megatron torch_dist -> HF safetensors in the release's naming (`like`: an HF checkpoint to imitate).
 
     `workers`: processes on this machine, or `auto` (glmconv/runners/workers.py, FP8 encoding counted as convert
     counts dequantisation); `read_threads`: threads reading, transforming and FP8-encoding ahead of each worker's
-    writer (0: one step at a time). Every choice writes the same shards.
+    writer (0: one step at a time); `device`: where FP8 weights are encoded, `cpu`, `cuda` or `auto` (the same bytes
+    everywhere: glmconv/numerics/fp8_encode.py). Every choice writes the same shards.
 
     `layout`: the Megatron layout of `mcore_dir` (`miles` or `mcore`); None reads the one glmconv.json records,
     else the one its names are spelled in. Tensors kept under `glmconv_kept.` are exported like the others.
@@ -118,13 +119,14 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     A.optional(A.path, "like", like), A.optional(A.path, "config", config)
     workers, read_threads = A.workers(workers, "workers"), A.read_threads(read_threads, "read_threads")
     A.optional(A.size, "max_shard_bytes", max_shard_bytes), A.optional(A.choice, "layout", layout, LAYOUT_CHOICES)
+    A.choice("device", device, DEVICE_CHOICES)
     _flags(fp8=fp8, force=force, check_finite=check_finite, dry_run=dry_run, progress=progress,
            space_check=space_check)
     job = export_runner.prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
                                 layout=layout)
     n = worker_count(workers)
     opts = export_runner.ExportOptions(workers=n, progress=progress, check_finite=True, space_check=space_check,
-                                       threads=read_threads)
+                                       threads=read_threads, device=device)
     return export_runner.dry_run_summary(job, opts) if dry_run else export_runner.export(job, opts, force=force)
 
 

@@ -1,0 +1,33 @@
+"""What convert, export and relayout do first with a summary: report once (on torchrun rank 0 alone), its warnings
+on stderr even with --json, and the summary itself for --json; one copy for every command."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from glmconv import api
+from glmconv_cli.output import echo_json
+
+# summary keys whose line goes to stderr whatever the output mode: what the layout's trainer will not load (convert,
+# relayout), what SRC lacked and --like gave (export), a --workers count capped and why (convert, export, verify)
+WARNINGS = ("homeless_warning", "taken_from_like_warning", "workers_capped")
+
+
+def warn(s: dict[str, Any]) -> None:
+    """The summary's warnings, one line each, on stderr."""
+    for key in WARNINGS:
+        if s.get(key):
+            click.echo(s[key], err=True)
+
+
+def reported(summary: dict[str, Any], as_json: bool) -> bool:
+    """Whether the command has nothing more to print: a torchrun rank other than 0 (every rank holds the summary,
+    rank 0 prints it once), or --json, printed here after the warnings."""
+    if not api.lead_process():
+        return True
+    warn(summary)
+    if as_json:
+        echo_json(summary, indent=2)
+    return as_json
