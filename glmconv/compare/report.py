@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from glmconv.compare.cells import WHY, field_text, fmt, num
 from glmconv.compare.inputs import Batch
 from glmconv.compare.options import ParityOptions, judge_of
 from glmconv.compare.records import FirstDivergence, SubBlockRecord
-from glmconv.compare.verdict import DIFFER, judge_records
+from glmconv.compare.verdict import DIFFER, Judge, judge_records
 from glmconv.defaults import DEFAULT_TRAIN_CONVENTIONS
 from glmconv.io.output import claim_report_dir, replace_file
 from glmconv.models.conventions import SELECTION, Sides, acting_at
@@ -44,7 +45,7 @@ def build_report(cap: Capture, opts: ParityOptions, batch: Batch, conventions: S
     `--fail-on` bounds when any are given; with `--self-test` every planted defect must be named too);
     `self_test_skipped`: the catalog defects that could not be planted in this run, each with the reason.
     """
-    clean = cap.sides[0] if cap.sides else _judged(cap, opts, conventions)
+    clean = _clean(cap, opts, conventions)
     layers = clean.records
     values = metric_table.scalars(layers, cap.logits)
     first = _first(clean.judge.first, layers, cap, opts)
@@ -171,12 +172,24 @@ def finite_numbers(report: dict[str, Any], whys: dict[str, str], noise_measured:
     return finite
 
 
-def _judged(cap: Capture, opts: ParityOptions, conventions: Sides) -> Side:
-    """A capture of records alone (a test double's, or one read back): judged here as capture would have."""
+@dataclass(frozen=True)
+class _Clean:
+    """What the report reads of the clean side: its judge (first divergence, floors) and its judged records."""
 
+    judge: Judge
+    records: list[SubBlockRecord]
+    weight_diffs: list[dict[str, Any]] = field(default_factory=list)
+    attribution: dict[str, Any] | None = None
+
+
+def _clean(cap: Capture, opts: ParityOptions, conventions: Sides) -> _Clean:
+    """The clean side as capture judged it; a capture of records alone (a test double's, or one read back) is
+    judged here as capture would have."""
+    if cap.sides:
+        side = cap.sides[0]
+        return _Clean(side.judge, side.records, side.weight_diffs, side.attribution)
     judge = judge_of(opts)
-    records = judge_records(cap.layers, conventions.serve, conventions.train, judge)
-    return Side("clean", None, judge=judge, records=records)  # type: ignore[arg-type]  # records only: no model
+    return _Clean(judge, judge_records(cap.layers, conventions.serve, conventions.train, judge))
 
 
 def _global_defects(cap: Capture, opts: ParityOptions) -> list[dict[str, Any]]:
@@ -614,8 +627,8 @@ def _print_stacked(report: dict[str, Any], cols: list[str], rows: list[tuple[lis
     for cells, style in rows:
         fields = [_STACKED.get(c, c + " {}").format(v) for c, v in zip(cols[2:], cells[2:]) if v != "-"]
         lines = [f"layer {cells[0]} {cells[1]}:"]
-        for i, field in enumerate(fields):
-            item = field + ("," if i < len(fields) - 1 else "")
+        for i, text in enumerate(fields):
+            item = text + ("," if i < len(fields) - 1 else "")
             if len(lines[-1]) + 1 + len(item) <= width:
                 lines[-1] += f" {item}"
             else:  # a field wider than a line is broken between its words, never inside a number
