@@ -33,6 +33,11 @@ def _kernels_ran(report: Json) -> bool:
     return report.get("kernels") == "kernels"
 
 
+def _backend_said(report: Json) -> bool:
+    """A train backend of more than one implementation says which code ran each sub-block (`impl`)."""
+    return bool(report.get("train_impl"))
+
+
 @dataclass(frozen=True)
 class Column:
     """A column of the per-sub-block table (terminal and Markdown)."""
@@ -178,6 +183,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("weights", lambda rec, report: rec.get("weights", "-"), left=True),
     Column("overlap", _overlap, left=True),
     Column("kernel", _kernel, left=True, shown=_kernels_ran),
+    Column("code", lambda rec, report: rec.get("impl", "-"), left=True, shown=_backend_said),
 )
 
 

@@ -22,7 +22,7 @@ class ParityOptions:
     mcore_dir: Path
     tokens: int = D.DEFAULT_TOKENS
     sequences: int = 1
-    seed: int = 0
+    seed: int = D.DEFAULT_SEED
     prompt_file: Path | None = None
     mode: str = D.DEFAULT_MODE
     dtype: str = D.DEFAULT_PARITY_DTYPE

@@ -551,7 +551,7 @@ def _found(fd: dict[str, Any] | None) -> str:
 
 
 FIRST_MARK = " <-"  # after the sub-block of the first divergence, in the terminal table
-DROP_ORDER = ("kernel", "type", "noise", "weights", "overlap", "ref err")  # left out first to last, to fit a width
+DROP_ORDER = ("code", "kernel", "type", "noise", "weights", "overlap", "ref err")  # left out first to last, to fit a width
 _STACKED = {"type": "{}", "rel err": "rel err {}", "noise": "noise {}", "x noise": "{}x noise", "ref err": "ref err {}",
             "weights": "weights {}", "overlap": "{}", "kernel": "kernel {}"}  # a record as one line of these
 
@@ -650,6 +650,7 @@ def to_markdown(report: dict[str, Any]) -> str:
              f"- floor (rel err on the references): {report['threshold']:g}; margin over the measured noise: "
              f"{report.get('margin', 2):g}x",
              f"- train side ops: {report.get('kernels', 'reference')}",
+             *([f"- train side code: {', '.join(report['train_impl'])}"] if report.get("train_impl") else []),
              f"- {(replay_line(report) or ['replay: none'])[0]}", "",
              "## Conventions", "", "| switch | serve | train |", "|---|---|---|"]
     lines += [f"| {k} | {conv.get('serve', {}).get(k, '-')} | {conv.get('train', {}).get(k, '-')}"
