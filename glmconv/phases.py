@@ -97,10 +97,12 @@ def take() -> dict[str, float]:
     return out
 
 
-def merged(*parts: dict[str, float] | None) -> dict[str, float]:
-    """Phases of processes that ran one after the other (a worker's inside the launcher's), summed by name."""
+def merged(*parts: object) -> dict[str, float]:
+    """Phases of processes that ran one after the other (a worker's inside the launcher's), summed by name (a part
+    that is not such a dict, a summary's missing key, counts as none)."""
     out: dict[str, float] = {}
     for part in parts:
-        for k, v in (part or {}).items():
-            out[k] = round(out.get(k, 0.0) + v, 3)
+        for k, v in (part.items() if isinstance(part, dict) else ()):
+            if isinstance(v, (int, float)):
+                out[k] = round(out.get(k, 0.0) + v, 3)
     return out

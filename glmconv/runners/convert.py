@@ -45,6 +45,7 @@ from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import BF16, F32, FP8
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.flow import PlanRun, check_once, publish_run, shares
+from glmconv.runners.job import PlanJob
 from glmconv.runners.ranks import Group, cores_per_rank
 from glmconv.runners.workers import capped
 
@@ -53,15 +54,11 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ConvertJob:
-    """Everything decided before a byte of tensor data is read."""
+class ConvertJob(PlanJob):
+    """Everything decided before a byte of tensor data is read (sidecars: the source's own files)."""
 
-    src: Path
-    out: Path  # `source_job` leaves the source here: only `prepare` names an output
-    plan: Plan
-    files: dict[str, Path]
+    files: dict[str, Path]  # HF tensor -> the source file holding it
     left_out: dict[str, int] = field(default_factory=dict)  # part -> HF tensors deliberately not converted
-    sidecars: dict[str, Path] = field(default_factory=dict)  # the source's tokenizer and generation files
 
     @property
     def bytes_in(self) -> int:

@@ -39,6 +39,7 @@ from glmconv.release_config import modules_not_converted, quantization_config
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.backward import Read
+from glmconv.runners.job import PlanJob
 from glmconv.text import count
 
 if TYPE_CHECKING:
@@ -51,12 +52,9 @@ LIKE, CONVERTED, PLAN = "--like", "converted checkpoint", "plan"  # where dtypes
 
 
 @dataclass
-class ExportJob:
-    """Everything decided before a byte of tensor data is read."""
+class ExportJob(PlanJob):
+    """Everything decided before a byte of tensor data is read (sidecars: --like's files, else convert's record)."""
 
-    src: Path
-    out: Path  # `source_job` leaves the source here: only `prepare` names an output
-    plan: Plan
     config_json: dict[str, Any]
     dtypes: dict[str, str]  # HF tensor (and FP8 scale) -> safetensors dtype to write
     stored_rows: dict[str, int] = field(default_factory=dict)  # vocab-padded Megatron tensors: rows on disk
@@ -68,7 +66,6 @@ class ExportJob:
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     like_files: LikeFiles | None = None  # --like's own files, when no --max-shard-size is given and they fit
     like_files_unfit: str | None = None  # why --like's files could not be followed (shards cut by size instead)
-    sidecars: dict[str, Path] = field(default_factory=dict)  # HF files to copy: --like's, else convert's record
     dtypes_from: str = PLAN  # LIKE, CONVERTED (glmconv.json's record) or PLAN (an older glmconv's checkpoint)
     sidecars_from: str | None = None  # LIKE, CONVERTED or None
     from_like: frozenset[tuple[str, ...]] = frozenset()  # keys of homeless mappings SRC lacks, taken from --like

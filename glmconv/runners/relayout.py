@@ -64,6 +64,7 @@ from glmconv.runners.export_job import (
     source_job,
 )
 from glmconv.runners.flow import PlanRun, check_once, publish_run
+from glmconv.runners.job import Job
 from glmconv.runners.ranks import Group
 
 if TYPE_CHECKING:
@@ -75,16 +76,14 @@ CARRIED = ("fp8_source", "mtp", "vision", "text_prefix", "hf_tensors", "left_out
 
 
 @dataclass
-class RelayoutJob:
-    """Everything decided before a byte of tensor data is read."""
+class RelayoutJob(Job):
+    """Everything decided before a byte of tensor data is read (sidecars: the HF files the source stores, sha256
+    checked)."""
 
-    src: Path
-    out: Path
     source: Plan  # the source's plan, in its layout, with the dtypes and (padded) shapes it holds
     target: Plan  # the same mappings in the target layout, same dtypes and shapes
     common: dict[str, Any]  # the source's common state (its args, iteration), made the target layout's
     manifest: dict[str, Any]  # the source's glmconv.json ({} without one)
-    sidecars: dict[str, Path] = field(default_factory=dict)  # the HF files the source stores, sha256 checked
     padded: dict[str, int] = field(default_factory=dict)  # vocab-padded tensors: rows on disk (kept)
     training_state: int = 0  # optimizer tensors in the source, not carried
     like: Path | None = None  # --like: where the homeless tensors a trainer's checkpoint lacks come from
