@@ -374,3 +374,21 @@ def test_bounds_that_replace_the_gate_while_a_divergence_is_named_say_so() -> No
         "this run; add --fail-on 'divergences>0' to fail on it too")
     assert gate_note(_report(ERRS, bounds=("kl>1", "divergences>0"))) is None
     assert gate_note(_report(ERRS)) is None and gate_note(_report([0.0] * 8, bounds=("kl>1",), overlaps=False)) is None
+
+
+def test_records_that_name_their_code_give_the_report_a_code_column_and_header_line() -> None:
+    cap = _capture(ERRS)
+    cap.layers = [r.replace(impl="megatron-core MoELayer" if r.mlp_type == "moe" and r.sub_block == "mlp"
+                            else "glmconv") for r in cap.layers]
+    r = _report(ERRS, cap=cap)
+    assert r["train_impl"] == ["glmconv", "megatron-core MoELayer"]
+    assert [rec["impl"] for rec in r["layers"]][4:6] == ["glmconv", "megatron-core MoELayer"]
+    from rich.console import Console
+
+    from glmconv.compare.report import to_markdown
+
+    assert "- train side code: glmconv, megatron-core MoELayer" in to_markdown(r)
+    out = io.StringIO()
+    print_table(r, Console(file=out, width=250))
+    assert "code" in out.getvalue() and "megatron-core MoELayer" in out.getvalue()
+    assert "train_impl" not in _report(ERRS)
