@@ -4,6 +4,7 @@ saving the same keys) and `fast_hadamard_transform` (the DSA indexer's q/k rotat
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,8 @@ def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 
     n = x.shape[-1]
     size = 1 << max(0, math.ceil(math.log2(max(n, 1))))
-    y = torch.nn.functional.pad(x.float(), (0, size - n)) if size != n else x.float()
+    work = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least, as the package computes
+    y = torch.nn.functional.pad(work, (0, size - n)) if size != n else work
     shape = y.shape
     y = y.reshape(-1, size)
     h = 1
@@ -94,6 +96,9 @@ def te_norm(local: Any) -> type:
     class TENormStandIn(torch.nn.Module):
         def __init__(self, *args: Any, **kw: Any) -> None:
             super().__init__()
+            if "config" in kw and kw["config"].sequence_parallel:  # TENorm runs under sequence parallelism; the
+                kw["config"] = copy.copy(kw["config"])  # torch norm refuses it for its weight gradients' sake only
+                kw["config"].sequence_parallel = False  # (torch_norm.py WrappedTorchNorm.__new__): no gradient here
             norm = build_module(local, *args, **kw)
             for name, p in list(norm.named_parameters(recurse=False)):  # its weights as this module's own
                 self.register_parameter(name, p)
