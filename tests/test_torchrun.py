@@ -10,6 +10,8 @@ from pathlib import Path
 import mcore_helpers as mh
 import pytest
 
+import glmconv
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,6 +50,12 @@ def test_torchrun_export_round_trips_bit_for_bit(cut8_ckpt: Path, converted_by_r
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         mh.assert_same(name, got[name], t)
+    glmconv.export(converted_by_ranks, tmp_path / "one")  # issue 38: the same files as one process, not one per rank
+    assert _files(tmp_path / "hf") == _files(tmp_path / "one")
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
 @pytest.mark.parametrize("command", ["convert", "export"])
