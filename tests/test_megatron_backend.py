@@ -27,7 +27,8 @@ TOKENS, SEQUENCES = 64, 2
 
 
 @pytest.fixture(scope="module")
-def mcore_pairs(tiny_ckpt: Path, cut8_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+def mcore_pairs(tiny_ckpt: Path, cut8_ckpt: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
     """Each fixture and its mcore-layout conversion."""
     from glmconv.runners.convert import RunOptions, convert, prepare
 
@@ -41,9 +42,9 @@ def mcore_pairs(tiny_ckpt: Path, cut8_ckpt: Path, tmp_path_factory: pytest.TempP
 
 def _planted(mc: str, dst: Path, layer: int) -> str:
     """A copy of `mc` with expert 0's fc1 of `layer` scaled by 1.5 (in what megatron-core loads)."""
+    from glmconv.io.config_file import load_config
     from glmconv.plan import build_plan
     from glmconv.rules import roles as R
-    from glmconv.io.config_file import load_config
 
     plan = build_plan(load_config(mc), layout="mcore")
     (spec,) = next(m for m in plan.mappings if m.layer == layer and m.rule.role == R.MOE_EXPERTS_FC1).mcore
@@ -78,8 +79,9 @@ def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str)
         requested |= {v.key for v in _sharded_tensors(module.sharded_state_dict(prefix=prefix))}
     clean = _parity(hf, mc)
     planted = _parity(hf, _planted(mc, Path(planted_dir), layer))
+    findings = megatron_findings.measure(hf, mc, TOKENS, SEQUENCES)
     torch.save({"requested": requested, "prefixes": list(modules.prefixed()), "hadamard": modules.hadamard,
-                "clean": clean, "planted": planted, "findings": megatron_findings.measure(hf, mc, TOKENS, SEQUENCES)}, out)
+                "clean": clean, "planted": planted, "findings": findings}, out)
 
 
 def _sharded_tensors(sd: dict[str, Any]) -> list[Any]:
@@ -112,7 +114,8 @@ def test_the_modules_request_every_stored_tensor_under_them(fixture: str, runs: 
     plan = build_plan(load_config(mcore_pairs[fixture][1]), layout="mcore")
     stored = {n for n in plan.mcore_index if n.startswith(tuple(run["prefixes"]))}
     assert run["requested"] == stored
-    kept = {t.name for m in plan.homeless() for t in m.mcore if m.layer is not None and m.layer < plan.config.num_layers}
+    kept = {t.name for m in plan.homeless() for t in m.mcore
+            if m.layer is not None and m.layer < plan.config.num_layers}
     assert kept and all("kpool" in k for k in kept)
 
 
@@ -183,8 +186,8 @@ def test_the_hadamard_stand_in_is_the_normalised_walsh_hadamard_transform() -> N
         h = sylvester(n).to(torch.float64)
         torch.testing.assert_close(hadamard_transform(x, n ** -0.5), x @ h.T * n ** -0.5, rtol=1e-12, atol=1e-12)
         q, k = torch.randn(7, n, generator=g, dtype=torch.float64), torch.randn(9, n, generator=g, dtype=torch.float64)
-        rot = lambda t: hadamard_transform(t, n ** -0.5)  # noqa: E731
-        torch.testing.assert_close(rot(q) @ rot(k).T, q @ k.T, rtol=1e-12, atol=1e-12)
+        rq, rk = hadamard_transform(q, n ** -0.5), hadamard_transform(k, n ** -0.5)
+        torch.testing.assert_close(rq @ rk.T, q @ k.T, rtol=1e-12, atol=1e-12)
     assert hadamard_transform(torch.ones(2, 16, dtype=torch.bfloat16), 0.25).dtype == torch.bfloat16
 
 

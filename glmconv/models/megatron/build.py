@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.config import GlmConfig
 from glmconv.megatron_args import build_args, model_args
+from glmconv.models.megatron import standins
 
 if TYPE_CHECKING:
     import torch
@@ -90,8 +91,6 @@ def _backend() -> Any:
     """megatron-core's local backend with TE's duplicated linear and TENorm stood in (what the TE backend gives the
     DSA spec; the linears TE column/row-parallel-izes are megatron-core's own Column/RowParallelLinear)."""
     from megatron.core.models.backends import LocalSpecProvider
-
-    from glmconv.models.megatron import standins
 
     class Backend(LocalSpecProvider):  # type: ignore[misc]  # megatron-core is untyped
         def linear(self) -> type:
