@@ -224,3 +224,20 @@ def test_no_finding_at_the_moe_router_scaling_bias_and_clamp(fixture: str, runs:
     experts' SwiGLU clamp (--activation-func-clamp-value 10 from megatron-args) equal serve's to fp32 noise."""
     for layer, f in runs[fixture]["findings"]["moe"].items():
         assert f["serve_rel"] < 1e-6 and f["experts_equal"], (layer, f)
+
+
+def test_self_test_defects_that_cannot_act_on_megatron_cores_modules_are_skipped_with_the_reason() -> None:
+    """A weight defect in a megatron-core module's fields, or a switch / kernel acting only where megatron-core's
+    modules run, cannot be planted in memory; hyper-connection weights and switches acting elsewhere too can."""
+    from types import SimpleNamespace
+
+    from glmconv.models.megatron.model import MegatronModel
+
+    fake = SimpleNamespace(impl=lambda layer, sub_block: "megatron-core MoELayer" if layer == 2 else "glmconv")
+    why = lambda kind, path, sites: MegatronModel.cannot_plant(  # noqa: E731
+        fake, SimpleNamespace(kind=kind, path=path), sites)  # type: ignore[arg-type]
+    assert "plant the defect in a copy of MCORE_DIR" in why("weights", ("moe", "experts"), [(2, "mlp")])
+    assert why("weights", ("hc", "fn"), [(2, "mlp")]) is None
+    assert why("weights", ("kda", "q_proj"), [(0, "attention")]) is None
+    assert "its own numerics" in why("convention", (), [(2, "mlp")])
+    assert why("convention", (), [(0, "mlp"), (2, "mlp")]) is None
