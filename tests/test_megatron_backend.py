@@ -160,7 +160,7 @@ def test_a_miles_layout_checkpoint_is_refused_with_the_relayout_command() -> Non
     from glmconv.errors import GlmconvError
     from glmconv.models.megatron.load import load_modules
 
-    with pytest.raises(GlmconvError, match=r"relayout .* --layout mcore"):
+    with pytest.raises(GlmconvError, match=r"relayout .* --to mcore"):
         load_modules(None, "/some/MC", "miles", torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
 
 
