@@ -59,7 +59,7 @@ class MegatronModel(GlmModel):
         return GLMCONV
 
     def impls(self) -> dict[str, str]:
-        """Each implementation and the sub-blocks it runs ("layer 3 attention", ...), for a report's header."""
+        """Each implementation and the sub-blocks it runs ("3.attention, 3.mlp", ...), for a report's header."""
         out: dict[str, list[str]] = {}
         for layer in range(self.num_layers):
             for sub_block in (ATTN, MLP):
