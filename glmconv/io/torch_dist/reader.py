@@ -338,15 +338,19 @@ _MAX_PICKLE = 1 << 20
 
 @dataclass(frozen=True)
 class _Storage:
-    dtype: Any
-    key: str
+    """A torch.save storage as its persistent id names it."""
+
+    dtype: Any  # the torch dtype of its `*Storage` class
+    key: str  # the archive record `<name>/data/<key>` holding its bytes
     numel: int
 
 
 @dataclass(frozen=True)
 class _TensorRecord:
+    """What `_rebuild_tensor_v2` would build a tensor from: a view of a storage."""
+
     storage: _Storage
-    offset: int
+    offset: int  # into the storage, in elements
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
