@@ -299,3 +299,21 @@ def test_a_planted_change_is_run_by_the_parameter_holding_it_and_restored() -> N
     with pytest.raises(GlmconvError, match="no parameter"):
         with planted(fc1, changes(clean, dataclasses.replace(clean, down=other.T.contiguous())), "here"):
             pass
+
+
+def test_the_cli_runs_the_megatron_backend(mcore_pairs: dict[str, tuple[str, str]]) -> None:
+    """`glmconv parity HF MC --train-backend megatron` end to end (its own process: the gloo group of one is the
+    run's): exit 1 on the findings, the report naming megatron-core's modules."""
+    import json
+    import subprocess
+    import sys
+
+    hf, mc = mcore_pairs["tiny"]
+    res = subprocess.run([sys.executable, "-m", "glmconv", "parity", hf, mc, "--train-backend", "megatron",
+                          "--train-conventions", "serve", "--mode", "isolated", "--tokens", "32", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-2000:]
+    report = json.loads(res.stdout)
+    assert set(report["train_impl"]) >= {"megatron-core AbsorbedMLASelfAttention+DSAttention",
+                                         "megatron-core MoELayer"}, report["train_impl"]
+    assert "Warning" not in res.stderr, res.stderr[-2000:]  # megatron-core's import-time warnings kept off
