@@ -84,7 +84,9 @@ def main() -> None:
         s = summary_of(res, name)
         if "phases" in s:
             phases = ", ".join(f"{k} {v:g}" for k, v in s["phases"].items())
-            print(f"| {name} | {times[name]:.1f} s | {s.get('device', '-')} | {s.get('workers', '-')} "
+            workers = s.get("workers", "-")
+            workers = len(workers) if isinstance(workers, list) else workers  # convert lists each worker's share
+            print(f"| {name} | {times[name]:.1f} s | {s.get('device', '-')} | {workers} "
                   f"(asked {s.get('workers_requested', '-')}) | {phases} |")
 
 

@@ -2,8 +2,9 @@
 
 Each process keeps its own sums (a worker's travel back in rank 0's summary, the launching process adds its own:
 planning, the fsyncs and the publish), so the summary's figures add up along the run's critical path. Names:
-startup (the interpreter and glmconv's own imports), plan, import (torch), cuda_init, read (the writer waiting for
-its input), write, flush, verify, fsync, publish.
+startup (the interpreter and glmconv's own imports), plan, import (torch), worker_start (a --workers process: its
+Python, torch and gloo group), cuda_init, read (the writer waiting for its input), write, flush, verify (verify:
+compare), fsync, publish.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from glmconv import phases
 from glmconv.defaults import AUTO, DEVICE_CHOICES
 from glmconv.errors import GlmconvError
 from glmconv.numerics.fp8 import FP8_BLOCK, Fp8FormatError, dequantize_fp8_blocks, refuse_nan_codes, scale_shape
@@ -150,9 +151,18 @@ def make_dequantizer(device: str, threads: int, rank: int = 0) -> CpuDequantizer
     """The dequantiser of a resolved device (`resolve_device`); worker `rank` takes GPU rank % visible GPUs."""
     if device != "cuda":
         return CpuDequantizer(threads)
+    return CudaDequantizer(cuda_device(rank))
+
+
+def cuda_device(rank: int) -> str:
+    """Worker `rank`'s GPU (rank % visible GPUs), its CUDA context made now and timed (phase `cuda_init`), not in
+    the middle of the first read."""
     import torch
 
-    return CudaDequantizer(f"cuda:{rank % torch.cuda.device_count()}")
+    name = f"cuda:{rank % torch.cuda.device_count()}"
+    with phases.timed("cuda_init"):
+        torch.empty(1, device=name)
+    return name
 
 
 def _check_whole(fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
-from glmconv.numerics.dequant import SLAB_ROWS, ThreadStreams, resolve_device, torch_threads
+from glmconv.numerics.dequant import SLAB_ROWS, ThreadStreams, cuda_device, resolve_device, torch_threads
 from glmconv.numerics.fp8 import FP8_BLOCK
 from glmconv.numerics.fp8_reuse import Fp8Blocks, comparable, encode
 
@@ -89,9 +89,7 @@ def make_encoder(device: str, threads: int, rank: int = 0) -> CpuEncoder | CudaE
     """The encoder of a resolved device; worker `rank` takes GPU rank % visible GPUs."""
     if device != "cuda":
         return CpuEncoder(threads)
-    import torch
-
-    return CudaEncoder(f"cuda:{rank % torch.cuda.device_count()}")
+    return CudaEncoder(cuda_device(rank))
 
 
 @contextmanager

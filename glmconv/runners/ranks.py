@@ -28,7 +28,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
-from glmconv import interrupt
+from glmconv import interrupt, phases
 from glmconv.errors import GlmconvError
 from glmconv.io import output
 from glmconv.io.output import STAGING_SUFFIX
@@ -518,6 +518,8 @@ def _worker(fn: RankFn[S], args: tuple[object, ...], rank: int, world: int, stor
 
     torch.set_num_threads(cores_per_rank(world))  # the cores shared out: no rank oversubscribes them
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    age = phases.process_age()
+    phases.add("worker_start", age or 0.0)  # a Python, torch's import and the group: what each worker costs first
     ok = False
     try:
         _send(results, _then_barrier(fn(*args, rank, world, dist.group.WORLD)))
