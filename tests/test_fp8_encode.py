@@ -121,3 +121,5 @@ def test_share_encoder_on_the_cpu_runs_torch_on_one_thread() -> None:
         assert device == "cpu" and isinstance(encoder, CpuEncoder) and torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
     assert isinstance(make_encoder("cpu", 1), CpuEncoder)
+    with share_encoder("cuda", 0, 2) as (device, encoder):  # nothing to encode: no CUDA context, torch left alone
+        assert device == "cpu" and torch.get_num_threads() == before

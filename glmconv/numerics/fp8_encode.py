@@ -96,8 +96,10 @@ def make_encoder(device: str, threads: int, rank: int = 0) -> CpuEncoder | CudaE
 def share_encoder(requested: str, fp8_bytes: int, threads: int,
                   rank: int = 0) -> Iterator[tuple[str, CpuEncoder | CudaEncoder]]:
     """One export worker's encoder: the device its `fp8_bytes` of FP8 codes call for (`resolve_device`, as
-    convert's dequantiser), CPU slabs on `threads` threads (torch's own kernels then on one), closed after."""
-    device = resolve_device(requested, fp8_bytes)
+    convert's dequantiser), CPU slabs on `threads` threads (torch's own kernels then on one), closed after. A share
+    with no FP8 to encode makes no CUDA context and leaves torch's threads alone: the CPU, whatever was asked."""
+    device = resolve_device(requested, fp8_bytes) if fp8_bytes else "cpu"
+    threads = threads if fp8_bytes else 1
     encoder = make_encoder(device, threads, rank)
     try:
         with torch_threads(1 if device == "cpu" and threads > 1 else None):
