@@ -551,7 +551,8 @@ def _found(fd: dict[str, Any] | None) -> str:
 
 
 FIRST_MARK = " <-"  # after the sub-block of the first divergence, in the terminal table
-DROP_ORDER = ("code", "kernel", "type", "noise", "weights", "overlap", "ref err")  # left out first to last, to fit a width
+# left out first to last, to fit a width
+DROP_ORDER = ("code", "kernel", "type", "noise", "weights", "overlap", "ref err")
 _STACKED = {"type": "{}", "rel err": "rel err {}", "noise": "noise {}", "x noise": "{}x noise", "ref err": "ref err {}",
             "weights": "weights {}", "overlap": "{}", "kernel": "kernel {}"}  # a record as one line of these
 
