@@ -57,12 +57,12 @@ def _planted(mc: str, dst: Path, layer: int) -> str:
     return str(mh.rewrite_dcp(Path(mc), dst, edit, keep=("config.json", "glmconv.json")))
 
 
-def _parity(hf: str, mc: str, self_test: bool = False) -> dict[str, Any]:
+def _parity(hf: str, mc: str, self_test: bool = False, dtype: str = "fp32") -> dict[str, Any]:
     from glmconv.compare import ParityOptions, run_parity
 
     return run_parity(ParityOptions(Path(hf), Path(mc), tokens=TOKENS, sequences=SEQUENCES, mode="isolated",
                                     train_conventions="serve", progress=False, train_backend="megatron",
-                                    self_test=self_test))
+                                    self_test=self_test, dtype=dtype))
 
 
 def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str) -> None:
@@ -81,8 +81,16 @@ def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str)
     clean = _parity(hf, mc, self_test=True)
     planted = _parity(hf, _planted(mc, Path(planted_dir), layer))
     findings = megatron_findings.measure(hf, mc, TOKENS, SEQUENCES)
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    from glmconv.models.megatron.model import _spied
+
+    rotated: list[Any] = []
+    with _spied(dsa, "rotate_activation", rotated):
+        bf16 = _parity(hf, mc, dtype="bf16")
     torch.save({"requested": requested, "prefixes": list(modules.prefixed()), "hadamard": modules.hadamard,
-                "clean": clean, "planted": planted, "findings": findings}, out)
+                "clean": clean, "planted": planted, "findings": findings, "bf16": bf16,
+                "rotated": [t.dtype for t in rotated]}, out)
 
 
 def _sharded_tensors(sd: dict[str, Any]) -> list[Any]:
@@ -317,3 +325,18 @@ def test_the_cli_runs_the_megatron_backend(mcore_pairs: dict[str, tuple[str, str
     assert set(report["train_impl"]) >= {"megatron-core AbsorbedMLASelfAttention+DSAttention",
                                          "megatron-core MoELayer"}, report["train_impl"]
     assert "Warning" not in res.stderr, res.stderr[-2000:]  # megatron-core's import-time warnings kept off
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_bf16_rotates_the_indexer_and_measures_the_noise_against_the_fp32_twin(fixture: str,
+                                                                               runs: dict[str, Any]) -> None:
+    """In bf16 megatron-core's indexer rotates q and k (the torch stand-in of fast_hadamard_transform); the fp32
+    twin (the same modules cast, the rotation off: megatron-core rotates bf16 only) measures the train side's
+    noise; glmconv's sub-blocks stay within theirs."""
+    run = runs[fixture]
+    assert run["rotated"] and set(run["rotated"]) == {torch.bfloat16}
+    for rec in run["bf16"]["layers"]:
+        if rec["impl"] == "glmconv":
+            assert not rec["diverged"], rec
+        else:
+            assert rec["noise_train"] > 0.0 and rec["diverged"], rec
