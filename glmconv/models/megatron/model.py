@@ -45,7 +45,7 @@ class MegatronModel(GlmModel):
             raise GlmconvError(f"megatron-core's modules are {modules.dtype}, the model {self.dtype}")
         self.modules = modules
         self._layer = -1  # the MLP sub-block running (`_moe` is handed its weights, not its layer)
-        self._clean: dict[tuple[str, int], Any] = {}  # each sub-block's weights before a planted defect
+        self._clean: dict[tuple[str, int], Any] = {}  # the sub-block's weights before a planted defect
 
     # ---- which code runs ----------------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ class MegatronModel(GlmModel):
         return super().mlp(layer, x, replay)
 
     def _patched(self, sub_block: str, layer: int, w: Any) -> Any:
-        self._clean[(sub_block, layer)] = w  # what a planted defect changed is told against these
+        self._clean = {(sub_block, layer): w}  # the running sub-block's only (streaming drops the others)
         return super()._patched(sub_block, layer, w)
 
     def _plant(self, module: Any, w: Any, layer: int, sub_block: str) -> AbstractContextManager[None]:
