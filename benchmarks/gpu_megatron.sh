@@ -7,7 +7,8 @@
 #   whl | z3: install the carried .whl / .whl-z3 wheels (megatron-core is in .whl-z3; scripts/stage-wheels.sh)
 #   make: fixture make + convert --layout mcore into $WORK, and the prompt file
 #   tests: tests/gpu/test_megatron_backend_cuda.py (tiny fixtures carried in out/gpu: see gpu_verdict.sh)
-#   both: the four runs (megatron / glmconv backend x propagated / isolated), wall times in $RES/times.txt
+#   propagated | isolated: that mode's two runs (megatron, then glmconv backend), wall times in $RES/times.txt
+#   both: propagated isolated (the four runs; split them over two calls if one call's 10 minutes is short)
 #   pack: $RES into $OUT/megatron.tgz
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,11 +51,10 @@ print('\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (30
     tests) GLMCONV_GPU_FIXTURES=$PWD/out/gpu python3 -m pytest -q -p no:cacheprovider \
              tests/gpu/test_megatron_backend_cuda.py > "$RES/gpu-tests.txt" 2>&1
            echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 5 "$RES/gpu-tests.txt" ;;
-    both)
-      for mode in propagated isolated; do
-        parity "megatron-$mode" --mode "$mode" --train-backend megatron
-        parity "glmconv-$mode" --mode "$mode" --train-backend glmconv
-      done ;;
+    propagated|isolated)  # one mode, both backends, one after the other on the same machine
+      parity "megatron-$step" --mode "$step" --train-backend megatron
+      parity "glmconv-$step" --mode "$step" --train-backend glmconv ;;
+    both) bash "$0" propagated isolated ;;
     pack) tar -czf "$OUT/megatron.tgz" -C "$RES" . && cat "$RES/times.txt" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
