@@ -120,7 +120,8 @@ def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> JsonObject:
     phases.import_torch()
     with workers_bar(workers, opts.progress):  # a worker killed with its bar up: erased before the message
         got = run_ranks(verify_rank, (job, dataclasses.replace(opts, workers=workers)), workers, "verify")
-    return {**summary(job, got["found"], time.monotonic() - start), "workers_requested": opts.workers,
+    return {**summary(job, got["found"], time.monotonic() - start), "workers": workers,
+            "workers_requested": opts.workers,
             "workers_capped": why, "phases": phases.merged(got.get("phases"), phases.take())}
 
 
