@@ -46,6 +46,12 @@ class MegatronModules:
         return {**{attention_prefix(i): m for i, m in self.attention.items()},
                 **{mlp_prefix(i): m for i, m in self.moe.items()}}
 
+    def placed(self) -> MegatronModules:
+        """The modules moved to `device` (they are built and loaded on the CPU, as megatron-core initialises them)."""
+        for module in self.prefixed().values():
+            module.to(self.device)
+        return self
+
     def precise(self) -> MegatronModules:
         """The same modules in fp32 (built once): megatron-core's fp32 path, the Hadamard rotation off (its
         `rotate_activation` asserts bf16; the rotation is orthonormal on both q and k, so scores keep their value)."""
@@ -56,15 +62,15 @@ class MegatronModules:
         if self._precise is None:
             twin = build_modules(self.config, torch.float32, self.device)
             for prefix, module in twin.prefixed().items():
-                state = self.prefixed()[prefix].state_dict()
-                module.load_state_dict({k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                                       for k, v in state.items()})
-            self._precise = twin
+                # copied into the fp32 parameters one by one (load_state_dict casts): no second fp32 copy at once
+                module.load_state_dict(self.prefixed()[prefix].state_dict(), strict=True)
+            self._precise = twin.placed()
         return self._precise
 
 
 def build_modules(config: GlmConfig, dtype: torch.dtype, device: torch.device) -> MegatronModules:
-    """Every DSA attention and MoE module of `config`, unloaded, in eval mode on `device`."""
+    """Every DSA attention and MoE module of `config`, unloaded, in eval mode, on the CPU (`placed()` moves them
+    to `device`)."""
     import torch
 
     ensure_parallel_state()
@@ -81,7 +87,7 @@ def build_modules(config: GlmConfig, dtype: torch.dtype, device: torch.device) -
             if config.mlp_types[layer] == MOE:
                 out.moe[layer] = build.moe_layer(cfg, layer)
     for module in out.prefixed().values():
-        module.to(device).eval()
+        module.eval()
     return out
 
 
@@ -110,7 +116,7 @@ def _load(config: GlmConfig, mcore_dir: str | Path, dtype: torch.dtype, device: 
     for prefix, module in modules.prefixed().items():
         module.load_state_dict({k.removeprefix(prefix): v for k, v in loaded.items() if k.startswith(prefix)},
                                strict=True)
-    return modules
+    return modules.placed()
 
 
 def check_strict(absent: set[str], unrequested: set[str], prefixes: tuple[str, ...], where: str) -> None:
