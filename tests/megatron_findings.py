@@ -68,10 +68,10 @@ def _dsa(layer: int, x: torch.Tensor, cu: torch.Tensor, serve: Any, mc_model: An
     from megatron.core.transformer.experimental_attention_variant import dsa
 
     from glmconv.compare.metrics import selection_overlap
-    from glmconv.models.megatron.model import _spied
+    from glmconv.models.megatron.model import spied
 
     seen: list[Any] = []
-    with _spied(dsa, "fused_qk_topk_naive", seen):
+    with spied(dsa, "fused_qk_topk_naive", seen):
         y_m, aux_m = mc_model.attention(layer, x, cu)
     scores_m = seen[-1][0][0]  # [T, T]: -inf where not visible
     y_s, aux_s = serve.attention(layer, x, cu)

@@ -83,10 +83,10 @@ def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str)
     findings = megatron_findings.measure(hf, mc, TOKENS, SEQUENCES)
     from megatron.core.transformer.experimental_attention_variant import dsa
 
-    from glmconv.models.megatron.model import _spied
+    from glmconv.models.megatron.model import spied
 
     rotated: list[Any] = []
-    with _spied(dsa, "rotate_activation", rotated):
+    with spied(dsa, "rotate_activation", rotated):
         bf16 = _parity(hf, mc, dtype="bf16")
     torch.save({"requested": requested, "prefixes": list(modules.prefixed()), "hadamard": modules.hadamard,
                 "clean": clean, "planted": planted, "findings": findings, "bf16": bf16,

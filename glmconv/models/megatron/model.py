@@ -92,7 +92,7 @@ class MegatronModel(GlmModel):
             raise GlmconvError(NO_REPLAY.format(what="indexer", module="DSAttention"))
         module = self.modules.attention[layer]
         seen: list[Any] = []
-        with self._running(), self._plant(module, w, layer, ATTN), _spied(dsa, "fused_qk_topk_naive", seen):
+        with self._running(), self._plant(module, w, layer, ATTN), spied(dsa, "fused_qk_topk_naive", seen):
             y, _ = module(streams.to_module(a), None, packed_seq_params=streams.packed(cu_seqlens, a.device))
         topk = _token_ids(seen[-1][1], a.shape[0], self.kpool_p.topk) if seen else None
         if topk is None:
@@ -159,7 +159,7 @@ class MegatronModel(GlmModel):
 
 
 @contextmanager
-def _spied(owner: Any, name: str, seen: list[Any]) -> Iterator[None]:
+def spied(owner: Any, name: str, seen: list[Any]) -> Iterator[None]:
     """Record what `owner.name` returns while the block runs (the function itself runs unchanged)."""
     real: Callable[..., Any] = getattr(owner, name)
 
