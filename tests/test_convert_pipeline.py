@@ -5,6 +5,7 @@ is finished, and none of it changes a byte of the output: every file of a thread
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import threading
 import time
@@ -162,7 +163,8 @@ def test_one_two_and_auto_workers_write_the_same_tensors(tiny_fp8_ckpt: Path, tm
     counts = {}
     for n in (1, 2, "auto"):
         counts[n] = len(api.convert(tiny_fp8_ckpt, tmp_path / str(n), workers=n)["workers"])
-    assert counts == {1: 1, 2: 2, "auto": 3}
+    cores = len(os.sched_getaffinity(0))  # never more workers than cores (issue 38)
+    assert counts == {1: 1, 2: min(2, cores), "auto": min(3, cores)}
     one = mh.read_dcp(tmp_path / "1")
     for n in ("2", "auto"):
         other = mh.read_dcp(tmp_path / n)
