@@ -92,6 +92,12 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     same_files "$c-export-cuda-w$w" "$WORK/$c" "$WORK/$c-ex"
     [ "$w" = 1 ] && copy_sync "$c-cp-ex" "$WORK/$c-ex"  # the export's disk part
   done
+  if within_budget "$c-export-cuda-t4"; then  # more reader threads feeding the GPU: does the pipeline want them?
+    rm -rf "$WORK/$c-ex"; sync
+    timed "$c-export-cuda-t4" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device "$DEV" \
+      --read-threads 4 --json
+    same_files "$c-export-cuda-t4" "$WORK/$c" "$WORK/$c-ex"
+  fi
   rm -rf "$WORK/$c-ex"
   within_budget "$c-convert-w4" && { rm -rf "$WORK/$c-mc"; sync
     timed "$c-convert-w4" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 4 --json; }

@@ -65,6 +65,8 @@ def main() -> None:
             ratio_row(times, "export --fp8 --like --device cuda, 1 worker", "rc4-export-cuda-w1", "rc4-cp-ex", 1.15),
             ratio_row(times, "export --fp8 --like --device cuda, 4 workers", "rc4-export-cuda-w4", "rc4-export-cuda-w1",
                       1.05, note=f"; {capped}" if capped else ""),
+            ratio_row(times, "export --fp8 --like --device cuda, --read-threads 4", "rc4-export-cuda-t4", "rc4-cp-ex",
+                      1.15),
             ratio_row(times, "export --fp8 --like --device cpu, 1 worker", "rc4-export-cpu-w1", "rc4-cp-ex", 1.15),
             ratio_row(times, "convert, 1 worker", "rc4-convert-w1", "rc4-cp-out", 1.15),
             ratio_row(times, "convert, 4 workers", "rc4-convert-w4", "rc4-convert-w1", 1.05),

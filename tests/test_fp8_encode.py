@@ -92,7 +92,7 @@ def test_encoding_against_like_gives_the_bytes_it_gave_before(what: str, w: torc
     assert _bytes(encode(back, (q, s))) == _legacy_encode(back, (q, s))
 
 
-@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("threads", [3])
 @pytest.mark.parametrize(("what", "w"), CASES, ids=[c[0] for c in CASES])
 def test_cpu_slabs_give_the_whole_weights_bytes(what: str, w: torch.Tensor, threads: int) -> None:
     q, s = quantize_fp8_blocks(w)
