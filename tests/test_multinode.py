@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mcore_helpers as mh
 import pytest
+import torch
 
 import glmconv
 from glmconv.defaults import WORKER_MIN_BYTES_ENV
@@ -122,3 +123,11 @@ def test_a_small_run_gets_one_worker_and_says_so(converted: Path, tmp_path: Path
     summary = glmconv.export(converted, tmp_path / "hf", workers=2)
     assert (summary["workers"], summary["workers_requested"]) == (1, 2)
     assert summary["workers_capped"].startswith("--workers 2 capped to 1: the run reads 0.00")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_export_on_a_gpu_that_is_not_there_is_refused_before_writing(converted: Path, tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "glmconv", "export", str(converted), str(tmp_path / "hf"), "--fp8",
+                          "--device", "cuda"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and run.stderr.startswith("error: --device cuda: no CUDA device is visible")
+    assert not (tmp_path / "hf").exists()
