@@ -340,7 +340,14 @@ def space_plan(job: ConvertJob, check: bool) -> dict[str, Any]:
 def dry_run_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
     """What convert would do: tensors, bytes in and out, per-worker share and peak memory, the estimated time and
     the free space at OUT (refused, as a real run would be, when it cannot fit unless `opts.space_check` is off)."""
-    return {**plan_summary(job, opts), **space_plan(job, opts.space_check)}
+    workers, why = worker_cap(job, opts)
+    return {**plan_summary(job, dataclasses.replace(opts, workers=workers)), "workers_requested": opts.workers,
+            "workers_capped": why, **space_plan(job, opts.space_check)}
+
+
+def worker_cap(job: ConvertJob, opts: RunOptions) -> tuple[int, str | None]:
+    """The workers this run gets, and why fewer than asked (`workers.capped`: bytes, mappings, cores)."""
+    return capped(opts.workers, job.bytes_in, len(job.plan.mappings), "mapping", "mappings")
 
 
 def plan_summary(job: ConvertJob, opts: RunOptions) -> dict[str, Any]:
@@ -361,7 +368,7 @@ def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[s
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
 
     require_device(opts.device)  # no GPU: refused before anything is written
-    workers, why = capped(opts.workers, job.bytes_in, len(job.plan.mappings), "mapping", "mappings")
+    workers, why = worker_cap(job, opts)
     phases.import_torch()
     summary = publish_run(ConvertRun(job, dataclasses.replace(opts, workers=workers)), job.out, {"input": job.src},
                           force, workers, (lambda: space_plan(job, True)) if opts.space_check else None)

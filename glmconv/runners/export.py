@@ -379,11 +379,13 @@ def dry_run_summary(job: ExportJob, opts: ExportOptions) -> dict[str, Any]:
     """What export would do: tensors, bytes in and out, the estimated time and the free space at OUT (refused,
     as a real run would be, when it cannot fit unless `opts.space_check` is off)."""
     plan = job.plan
+    workers, why = worker_cap(job, opts, file_groups(job, output_files(job)))
     return {"src": str(job.src), "out": str(job.out), "iteration": job.iteration, "fp8": plan.fp8, "mtp": plan.mtp,
             "vision": plan.vision, "layout": plan.layout, "text_prefix": plan.text_prefix,
             "like": str(job.like) if job.like else None,
             "hf_tensors": len(plan.hf_index), "mcore_tensors": len(plan.mcore_index), "bytes_in": bytes_in(job),
-            "bytes_out": bytes_out(job), "workers": opts.workers, **shards_from(job), **origins(job),
+            "bytes_out": bytes_out(job), "workers": workers, "workers_requested": opts.workers,
+            "workers_capped": why, **shards_from(job), **origins(job),
             **_from_like(job),
             **space_plan(job, opts.space_check)}
 
@@ -396,13 +398,17 @@ def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[
     check_loadable(job.src)
     inputs = _inputs(job.src, job.like, job.config_path)
     run = ExportRun(job, opts)
-    workers, why = capped(opts.workers, bytes_in(job), len(run.groups), "group of output files",
-                          "groups of output files")
+    workers, why = worker_cap(job, opts, run.groups)
     run.opts = dataclasses.replace(opts, workers=workers)
     summary = publish_run(run, job.out, inputs, force, workers,
                           (lambda: space_plan(job, True)) if opts.space_check else None)
     return {**summary, "workers_requested": opts.workers, "workers_capped": why,
             "elapsed_s": round(time.monotonic() - start, 3)}
+
+
+def worker_cap(job: ExportJob, opts: ExportOptions, groups: list[list[Mapping]]) -> tuple[int, str | None]:
+    """The workers this run gets, and why fewer than asked (`workers.capped`: bytes, groups of files, cores)."""
+    return capped(opts.workers, bytes_in(job), len(groups), "group of output files", "groups of output files")
 
 
 class ExportRun(PlanRun[ShareResult]):
