@@ -67,9 +67,10 @@ def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int,
 
 def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
                      like: LikeFp8 | None = None,
-                     fp8: EncodeFp8 = encode_fp8) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
+                     fp8: EncodeFp8 | None = None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
     """`mapping_hf` step by step: the Megatron bytes each step reads and what makes its HF tensors, so that
-    export can run steps ahead on threads (`stats` is added to under a lock; `fp8` encodes FP8 weights)."""
+    export can run steps ahead on threads (`stats` is added to under a lock; `fp8` encodes FP8 weights, None:
+    `fp8_reuse.encode` here)."""
     steps = m.row_steps(chunk_bytes)
     if steps is None:
         def whole() -> list[Named]:
@@ -88,13 +89,13 @@ def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes
 
 
 def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
-             stats: Fp8Stats, like: LikeFp8 | None, fp8: EncodeFp8) -> list[Named]:
+             stats: Fp8Stats, like: LikeFp8 | None, fp8: EncodeFp8 | None) -> list[Named]:
     return [out for i, tensor in zip(picks, tensors, strict=True)
             for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like, fp8)]
 
 
 def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
-           stats: Fp8Stats, like: LikeFp8 | None = None, fp8: EncodeFp8 = encode_fp8) -> Iterator[Named]:
+           stats: Fp8Stats, like: LikeFp8 | None = None, fp8: EncodeFp8 | None = None) -> Iterator[Named]:
     """One HF tensor in the dtype it is written as; an FP8 one as codes and then its block scales."""
 
     if tuple(t.shape) != spec.shape:
@@ -107,7 +108,7 @@ def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: 
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
 
     require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
-    got = fp8(t, like.pair(spec.name) if like is not None else None)
+    got = (fp8 or encode_fp8)(t, like.pair(spec.name) if like is not None else None)
     with _STATS_LOCK:  # export encodes on reader threads
         stats.add(Fp8Stats(1, got.scales.numel(), got.scale_adjusted, got.inexact, int(got.requantized > 0),
                            got.requantized))

@@ -2,11 +2,14 @@
 
 Each mapping's Megatron tensors are read from the `.distcp` chunks (stacked experts a few rows at a time),
 turned back into HF tensors by `rule.transform.backward`, cast to the HF dtype (the plan's, or `--like`'s
-header dtype where the plan accepts it) and streamed into safetensors shards; rank 0 names the shards, writes
-the index and sidecars, audits the staged directory against its plan and the source, then publishes it.
+header dtype where the plan accepts it) and streamed into safetensors files. Which tensor goes into which file,
+and the files' names, follow from the data alone (`output_files`: --like's files, or the plan cut at
+--max-shard-size), never from the count of workers, ranks or nodes: each rank writes whole files of its own; rank
+0 moves them into place, writes the index and sidecars, audits the staged directory against its plan and the
+source, then publishes it.
 
-Every HF tensor's name, dtype and shape is known from the plan, so each rank plans its shards up front and
-writes each shard's header before its data (`PlannedShardWriter`): memory is one mapping step (one expert
+Every HF tensor's name, dtype and shape is known from the plan, so each rank knows its files up front and writes
+each file's header before its data (`PlannedShardWriter`): memory is one mapping step (one expert
 chunk), never one shard. Where a mapping only moves bytes -- the Megatron dtype is the HF output dtype, the
 transform has a `backward_layout`, `--check-finite` is off -- its HF tensors are not read at all: the byte
 ranges of the `.distcp` items that hold them are copied file to file by the kernel (`copy_file_range`, as
@@ -277,21 +280,14 @@ def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReader
         return
     else:
         read = stored_read(m, readers.get, job.stored_rows)
-    steps = mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like, **({"fp8": fp8} if fp8 else {}))
-    for nbytes, make in steps:
+    for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like, fp8):
         yield Step(nbytes, make)
 
 
 def own_shards(files: LikeFiles, arrival: list[PlannedTensor]) -> list[Shard]:
-    """The files this worker writes (`file_shares` gives each file's tensors to one worker)."""
+    """The files this worker writes (its share is whole `file_groups`: each file's tensors are one worker's)."""
     mine = {t.name for t in arrival}
     return [s for s in files.shards if s.tensors[0].name in mine]
-
-
-def file_shares(job: ExportJob, n: int, files: LikeFiles | None = None) -> list[list[Mapping]]:
-    """The plan split across `n` ranks so that each output file is written by one of them: the groups of mappings
-    whose HF tensors share files (`file_groups`) balanced by bytes (`balanced`)."""
-    return balanced(file_groups(job, files or output_files(job)), n)
 
 
 def file_groups(job: ExportJob, files: LikeFiles) -> list[list[Mapping]]:
