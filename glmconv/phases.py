@@ -53,9 +53,11 @@ def timed_iter(items: Iterable[T], name: str) -> Iterator[T]:
         yield item
 
 
-def started() -> None:
-    """Once per process, at a command's first step: the time since the process began (`startup`: the interpreter,
-    glmconv's and click's imports), where the system says when that was (Linux)."""
+def begin() -> None:
+    """A command's first step: a clean slate (what a failed run before it left is dropped), and once per process
+    the time since the process began (`startup`: the interpreter, glmconv's and click's imports), where the system
+    says when that was (Linux)."""
+    take()
     if _STARTED:
         return
     _STARTED.append(True)

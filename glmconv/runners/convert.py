@@ -80,7 +80,7 @@ def prepare(src: str | Path, out: str | Path, *, mtp: bool = True, vision: bool 
     `dtype` (`keep`, `bf16`, `fp32`): what the Megatron tensors become (the rules' dtype policies); `layout`:
     whose names the Megatron side has (glmconv.rules.layouts).
     """
-    phases.started()
+    phases.begin()
     with phases.timed("plan"):
         return _prepare(src, out, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
 

@@ -121,7 +121,7 @@ def prepare(src: str | Path, out: str | Path, *, like: str | Path | None = None,
 
     Shards: `max_shard_bytes` when given; else --like's own files (`glmconv.io.safetensors.like_files`) where
     they hold every tensor; else DEFAULT_SHARD_BYTES."""
-    phases.started()
+    phases.begin()
     with phases.timed("plan"):
         return _prepare(src, out, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes, layout=layout)
 

@@ -33,7 +33,7 @@ from glmconv.errors import GlmconvError
 from glmconv.io import output
 from glmconv.io.output import STAGING_SUFFIX
 from glmconv.lock import OutputLock
-from glmconv.numerics.dequant import cpu_count
+from glmconv.numerics.dequant import cpu_count, torch_threads
 from glmconv.progress import Progress
 
 if TYPE_CHECKING:
@@ -216,13 +216,12 @@ def _torchrun_rank(fn: RankFn[S], args: tuple[object, ...], rank: int, world: in
     own down aborts a rank now and then ("terminate called without an active exception"): once every rank is
     past its last collective (counted on torchrun's store, which outlives the ranks), the command line's
     process leaves with `os._exit` and no teardown; a Python caller's group is destroyed as before."""
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(cores_per_rank(world))  # torchrun sets OMP_NUM_THREADS=1: the node's cores shared out
     dist.init_process_group("gloo")
     try:
-        result = _then_barrier(fn(*args, rank, world, dist.group.WORLD))
+        with torch_threads(cores_per_rank(world)):  # torchrun sets OMP_NUM_THREADS=1: the node's cores shared out
+            result = _then_barrier(fn(*args, rank, world, dist.group.WORLD))
         _all_past_collectives(world)
     except BaseException:
         dist.destroy_process_group()

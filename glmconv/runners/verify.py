@@ -76,7 +76,7 @@ class Mismatch:
 
 def prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     """Check both checkpoints (the Megatron one, stored args included, against the HF config) and pair mappings."""
-    phases.started()
+    phases.begin()
     phases.import_torch()  # checking the stored objects needs it: timed apart from the planning
     with phases.timed("plan"):
         return _prepare(hf_dir, mcore_dir)
