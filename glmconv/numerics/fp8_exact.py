@@ -52,14 +52,14 @@ def _scale_bounds(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch
 
     a = w.abs()
     bits = a.view(torch.int16)
-    up = (bits + 1).view(torch.bfloat16).float()
-    down = (bits - 1).clamp_min(0).view(torch.bfloat16).float()
-    af, qa = a.float(), q.float().abs()
-    nz = qa > 0
-    # halving and the shrink factors are exact in fp32; the one rounding division is tensor / tensor (IEEE on
-    # every device: glmconv/numerics/fp8.py)
-    lo = torch.where(nz, (af + down) * 0.5 / qa * (1 + _SHRINK), 0.0)
-    hi = torch.where(nz, (af + up) * 0.5 / qa * (1 - _SHRINK), float("inf"))
+    af, qa = a.float(), q.float().abs_()
+    zero = qa == 0
+    # each step one IEEE fp32 operation, in place: by a tensor, or by a number fp32 holds exactly (0.5, 1 +- 2^-20);
+    # the division is by a tensor (CUDA divides by a number as a multiply by its reciprocal: glmconv/numerics/fp8.py)
+    lo = (bits - 1).clamp_min_(0).view(torch.bfloat16).float()  # the bf16 below |w|, then the midpoint's scale
+    lo.add_(af).mul_(0.5).div_(qa).mul_(1 + _SHRINK).masked_fill_(zero, 0.0)
+    hi = (bits + 1).view(torch.bfloat16).float()  # the bf16 above |w|
+    hi.add_(af).mul_(0.5).div_(qa).mul_(1 - _SHRINK).masked_fill_(zero, float("inf"))
     return _blocks(lo, 0.0, "amax"), _blocks(hi, float("inf"), "amin")
 
 
@@ -69,9 +69,12 @@ def _blocks(x: torch.Tensor, fill: float | bool, how: str = "any") -> torch.Tens
 
     rows, cols = x.shape
     sr, sc = scale_shape((rows, cols), B)
-    padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype, device=x.device)
-    padded[:rows, :cols] = x
-    view = padded.view(sr, B, sc, B)
+    if rows % B == 0 and cols % B == 0 and x.is_contiguous():  # the release's shapes: block views, no padded copy
+        view = x.view(sr, B, sc, B)
+    else:
+        padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype, device=x.device)
+        padded[:rows, :cols] = x
+        view = padded.view(sr, B, sc, B)
     if how == "any":
         return view.any(dim=3).any(dim=1)
     return view.amax(dim=(1, 3)) if how == "amax" else view.amin(dim=(1, 3))
