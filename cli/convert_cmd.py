@@ -12,7 +12,7 @@ from glmconv.defaults import DEFAULT_LAYOUT, DTYPE_CHOICES, KEEP, LAYOUT_CHOICES
 from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
 from glmconv_cli.output import echo
-from glmconv_cli.report import reported
+from glmconv_cli.report import ends_quickly, reported
 from glmconv_cli.sizes import SIZE
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
@@ -67,6 +67,7 @@ def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as
     removed).
     """
     say("convert", PLAN, f"reading and auditing {hf_dir}", enabled=not as_json)  # at once, before torch loads
+    ends_quickly()
 
     summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,
                           group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json,

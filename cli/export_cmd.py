@@ -12,7 +12,7 @@ from glmconv.progress import PLAN, say
 from glmconv.text import count, printable, show
 from glmconv_cli.convert_cmd import plan_lines
 from glmconv_cli.output import echo
-from glmconv_cli.report import reported
+from glmconv_cli.report import ends_quickly, reported
 from glmconv_cli.sizes import SIZE
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
@@ -73,6 +73,7 @@ def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | Non
     removed).
     """
     say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
+    ends_quickly()
 
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
                          workers=workers, force=force, check_finite=check_finite, dry_run=dry_run,

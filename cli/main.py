@@ -16,6 +16,7 @@ from glmconv.interrupt import Interrupted
 from glmconv.runners import ranks
 from glmconv.text import printable
 from glmconv.version import __version__
+from glmconv_cli import report
 from glmconv_cli.audit_cmd import audit_names
 from glmconv_cli.bench_cmd import bench
 from glmconv_cli.convert_cmd import convert
@@ -151,6 +152,7 @@ def main() -> None:
             _reader_gone()
         sys.stderr.flush()
         ranks.leave_now(_code(done))  # a torchrun rank: no gloo teardown (glmconv/runners/ranks.py)
+        report.leave_quickly(_code(done))  # a data command: no torch teardown (glmconv_cli/report.py)
         raise
 
 

@@ -16,7 +16,7 @@ from glmconv.progress import PLAN, say
 from glmconv.text import console as text_console
 from glmconv.text import count, printable
 from glmconv_cli.output import echo_json
-from glmconv_cli.report import warn
+from glmconv_cli.report import ends_quickly, warn
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
 ROWS = 20  # mismatches in the table (--json lists up to glmconv.runners.verify.LISTED)
@@ -36,6 +36,7 @@ def verify(hf_dir: Path, mcore_dir: Path, as_json: bool, workers: int | str, rea
     differs (the first and the worst are named), 2 on bad input (including stored args of another model).
     """
     say("verify", PLAN, f"reading and checking {hf_dir} and {mcore_dir}", enabled=not as_json)
+    ends_quickly()
 
     summary = api.verify(hf_dir, mcore_dir, progress=not as_json, workers=workers, read_threads=read_threads,
                          device=device)
