@@ -80,16 +80,17 @@ def main() -> None:
         if "byte-identical" in line or "differs" in line or "skipped" in line or "rc=" in line:
             print(line)
     print()
-    print("| run | elapsed | device | workers | phases (s) |")
-    print("|---|---|---|---|---|")
+    print("| run | wall | device | workers | phases (s) | wall - phases (exit, what no phase times) |")
+    print("|---|---|---|---|---|---|")
     for name in sorted(times):
         s = summary_of(res, name)
         if "phases" in s:
             phases = ", ".join(f"{k} {v:g}" for k, v in s["phases"].items())
             workers = s.get("workers", "-")
             workers = len(workers) if isinstance(workers, list) else workers  # convert lists each worker's share
+            rest = times[name] - sum(s["phases"].values())
             print(f"| {name} | {times[name]:.1f} s | {s.get('device', '-')} | {workers} "
-                  f"(asked {s.get('workers_requested', '-')}) | {phases} |")
+                  f"(asked {s.get('workers_requested', '-')}) | {phases} | {rest:.2f} s |")
 
 
 if __name__ == "__main__":
