@@ -111,6 +111,8 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
       rm -rf "$WORK/fp8-1-mc"; sync
       timed "fp8-1-convert-cuda-$i" "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
     done
+    rm -rf "$WORK/fp8-1-mc"; sync  # --device auto: the CPU's slabs under 1 GiB of codes
+    timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json
     copy_sync fp8-1-cp-out "$WORK/fp8-1-mc"
   fi
   within_budget tests && { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
