@@ -107,9 +107,9 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
   done
   if within_budget fixed-cost; then  # a 1 GB FP8 convert on the GPU against `import torch` (+ 2 s: the issue's bound)
     for i in 1 2; do
-      timed "import-torch-$i" python3 -c "import torch"
+      timed import-torch python3 -c "import torch"  # one name: the summary takes the faster
       rm -rf "$WORK/fp8-1-mc"; sync
-      timed "fp8-1-convert-cuda-$i" "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
+      timed fp8-1-convert-cuda "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
     done
     rm -rf "$WORK/fp8-1-mc"; sync  # --device auto: the CPU's slabs under 1 GiB of codes
     timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json

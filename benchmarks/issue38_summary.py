@@ -72,9 +72,9 @@ def main() -> None:
             ratio_row(times, "convert, 4 workers", "rc4-convert-w4", "rc4-convert-w1", 1.05),
             ratio_row(times, "verify, 4 workers", "rc4-verify-w4", "rc4-verify-w1", 1.05),
             ratio_row(times, "verify, 1 worker", "rc4-verify-w1", "rc4-convert-w1", 1.0 / 0.9),
-            ratio_row(times, "1 GB FP8 convert --device cuda", "fp8-1-convert-cuda-1", "import-torch-1", 1.0,
+            ratio_row(times, "1 GB FP8 convert --device cuda", "fp8-1-convert-cuda", "import-torch", 1.0,
                       extra=FIXED_COST_S),
-            ratio_row(times, "1 GB FP8 convert --device auto", "fp8-1-convert-auto", "import-torch-1", 1.0,
+            ratio_row(times, "1 GB FP8 convert --device auto", "fp8-1-convert-auto", "import-torch", 1.0,
                       extra=FIXED_COST_S)]
     print("\n".join(rows))
     print()
