@@ -12,6 +12,11 @@
 #          and the conversions, made with the project's own env)
 #   fp8 | bf16: the 2 GB / 6 GB matrix of that source dtype (bf16 also: the single-file source); rc4: real-cut4;
 #   parity: real-cut4's streamed parity (after rc4); tiny: tiny convert vs `import torch`. Each deletes what it made (the disk holds about 60 GB).
+#   issue38: issue 38 in one device call (~6 min after the start; BUDGET s, default 420, then the rest is skipped and
+#            said so): real-cut4 FP8 and a 1 GB FP8 bench made; convert, verify and export --fp8 --like --device cuda
+#            at 1 and 4 workers (exports byte for byte against the source), export against cp+sync of its output,
+#            the 1 GB convert against `import torch`, tests/gpu's FP8 tests (the kernel and parity tests need the
+#            wheels: gpu_kernels.sh), export --device cpu last; `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
 #   command's own output). Every call ends with it: only $OUT comes back.
 set -uo pipefail
@@ -62,6 +67,55 @@ export_runs() {  # export_runs CASE [--fp8]: export at 1 and 4 workers (--like t
     [ "$*" = "--fp8" ] && same_files "$c-export-w$w" "$WORK/$c" "$WORK/$c-ex"
   done
   copy_sync "$c-cp-ex" "$WORK/$c-ex"; rm -rf "$WORK/$c-ex"
+}
+
+within_budget() {  # within_budget NAME: whether the issue38 step still has time for NAME (else noted as skipped)
+  [ "$SECONDS" -lt "${BUDGET:-420}" ] && return 0
+  echo "$1 skipped: ${SECONDS}s of the ${BUDGET:-420}s budget spent" >> "$RES/times.txt"; return 1
+}
+issue38() {  # the issue 38 matrix, most wanted figures first (see the usage above); a dry run of the script on a
+  # CPU host: DEV=cpu PRESET38=tiny SIZE38=0.05GB (the names keep `cuda`)
+  local c=rc4 w DEV=${DEV:-cuda}
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
+    df -h /tmp | tail -1; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__)"; } \
+    > "$RES/env.txt" 2>&1
+  timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset "${PRESET38:-real-cut4}" --fp8 --seed 0 --force --json &
+  timed make-fp8-1 "${G[@]}" fixture make "$WORK/fp8-1" --preset bench --size "${SIZE38:-1GB}" --fp8 --force &
+  wait
+  du -sb "$WORK/rc4" "$WORK/fp8-1" >> "$RES/sizes.txt"
+  rm -rf "$WORK/$c-mc"; sync; timed "$c-convert-w1" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 1 --json
+  for w in 1 4; do
+    within_budget "$c-export-cuda-w$w" || continue
+    rm -rf "$WORK/$c-ex"; sync
+    timed "$c-export-cuda-w$w" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device "$DEV" \
+      --workers "$w" --json
+    same_files "$c-export-cuda-w$w" "$WORK/$c" "$WORK/$c-ex"
+    [ "$w" = 1 ] && copy_sync "$c-cp-ex" "$WORK/$c-ex"  # the export's disk part
+  done
+  rm -rf "$WORK/$c-ex"
+  within_budget "$c-convert-w4" && { rm -rf "$WORK/$c-mc"; sync
+    timed "$c-convert-w4" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 4 --json; }
+  within_budget "$c-cp-out" && copy_sync "$c-cp-out" "$WORK/$c-mc"
+  for w in 1 4; do
+    within_budget "$c-verify-w$w" && timed "$c-verify-w$w" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --workers "$w" --json
+  done
+  if within_budget fixed-cost; then  # a 1 GB FP8 convert on the GPU against `import torch` (+ 2 s: the issue's bound)
+    for i in 1 2; do
+      timed "import-torch-$i" python3 -c "import torch"
+      rm -rf "$WORK/fp8-1-mc"; sync
+      timed "fp8-1-convert-cuda-$i" "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
+    done
+    copy_sync fp8-1-cp-out "$WORK/fp8-1-mc"
+  fi
+  within_budget tests && { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
+      tests/gpu/test_fp8_encode_cuda.py > "$RES/gpu-tests.txt" 2>&1; echo "gpu tests rc=$?" >> "$RES/times.txt"; }
+  if within_budget "$c-export-cpu-w1"; then
+    rm -rf "$WORK/$c-ex"; sync
+    timed "$c-export-cpu-w1" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device cpu --json
+    same_files "$c-export-cpu-w1" "$WORK/$c" "$WORK/$c-ex"
+  fi
+  python3 benchmarks/issue38_summary.py "$RES" > "$RES/issue38.md" 2>&1
+  cp "$RES/issue38.md" "$OUT"/ 2>/dev/null; cat "$RES/issue38.md"
 }
 
 for step in "$@"; do
@@ -143,6 +197,7 @@ print('\\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (3
         rm -rf "$WORK/tiny-mc"; timed "tiny-convert-$i" "${G[@]}" convert out/gpu/hf-tiny-fp8 "$WORK/tiny-mc" --json
       done
       timed tiny-profile python3 -X importtime -m glmconv convert out/gpu/hf-tiny-fp8 "$WORK/tiny-mc2" --json ;;
+    issue38) issue38 ;;
     pack) python3 benchmarks/release_summary.py "$RES" > "$RES/summary.md" 2>&1; cp "$RES/times.txt" "$RES/summary.md" "$OUT"/; tar -czf "$OUT/results.tgz" -C "$RES" . ; cat "$RES/times.txt" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

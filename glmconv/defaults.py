@@ -29,6 +29,10 @@ EMIT_CHOICES = ("hf", "mcore")  # audit-names --emit: the side whose expected te
 ARGS_FORMAT_CHOICES = ("lines", "shell", "json")  # megatron-args --format: for a launcher, a script, a program
 DEFAULT_ARGS_FORMAT = ARGS_FORMAT_CHOICES[0]
 ZERO_COPY_ENV = "GLMCONV_ZERO_COPY"  # "0": never copy bytes file to file, always read through torch.load
+# --workers N on one machine: a run reading less than this gets one worker (glmconv/runners/workers.py says why);
+# GLMCONV_WORKER_MIN_BYTES=0 lets any run have its N (the tests' worker processes)
+WORKER_MIN_BYTES = 100 * 10**9
+WORKER_MIN_BYTES_ENV = "GLMCONV_WORKER_MIN_BYTES"
 
 # ---- parity -----------------------------------------------------------------------------------------
 DEFAULT_TOKENS = 128
@@ -58,6 +62,12 @@ DEFAULT_PRESET = "tiny"
 DEFAULT_BENCH_BYTES = 10**9  # the bench preset's size without --size
 DEFAULT_INIT = "realistic"
 INIT_CHOICES = (DEFAULT_INIT, "unit")  # the real model's statistics, or every residual stream at RMS ~1
+
+
+def worker_min_bytes() -> int:
+    """The input a run needs before --workers N may start more than one worker (GLMCONV_WORKER_MIN_BYTES)."""
+    value = os.environ.get(WORKER_MIN_BYTES_ENV, "")
+    return int(value) if value.isdigit() else WORKER_MIN_BYTES
 
 
 def zero_copy() -> bool:

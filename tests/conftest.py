@@ -39,10 +39,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
     import torch
 
+    from glmconv.defaults import WORKER_MIN_BYTES_ENV
     from glmconv.fixtures.generate import import_transformers_glm5_next
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault(WORKER_MIN_BYTES_ENV, "0")  # the tests' --workers N run N processes on tiny checkpoints
     import_transformers_glm5_next()
 
 

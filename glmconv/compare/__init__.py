@@ -101,6 +101,10 @@ def self_test_sides(config: GlmConfig, train: GlmModel, train_precise: GlmModel 
         if defect.kind == "kernel" and train.ops.is_reference:
             skipped.append({"defect": defect.name, "kind": defect.kind, "why": NO_KERNEL_PATH})
             continue
+        why = getattr(train, "cannot_plant", lambda *_: None)(defect, planted.sites)  # the megatron backend
+        if why:
+            skipped.append({"defect": defect.name, "kind": defect.kind, "why": why})
+            continue
         conv = planted.conventions or train_conv
         model = train.variant(conv, patch=planted.patch if defect.kind == "weights" else None,
                               kernels=train.kernels, ops=planted.ops(train.ops) if defect.kind == "kernel" else

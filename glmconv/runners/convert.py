@@ -361,7 +361,7 @@ def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[s
     """Run the conversion; returns the summary rank 0 publishes. Raises GlmconvError on any failure."""
 
     require_device(opts.device)  # no GPU: refused before anything is written
-    workers, why = capped(opts.workers, len(job.plan.mappings), "mapping", "mappings")
+    workers, why = capped(opts.workers, job.bytes_in, len(job.plan.mappings), "mapping", "mappings")
     phases.import_torch()
     summary = publish_run(ConvertRun(job, dataclasses.replace(opts, workers=workers)), job.out, {"input": job.src},
                           force, workers, (lambda: space_plan(job, True)) if opts.space_check else None)

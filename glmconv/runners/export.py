@@ -396,7 +396,8 @@ def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[
     check_loadable(job.src)
     inputs = _inputs(job.src, job.like, job.config_path)
     run = ExportRun(job, opts)
-    workers, why = capped(opts.workers, len(run.groups), "group of output files", "groups of output files")
+    workers, why = capped(opts.workers, bytes_in(job), len(run.groups), "group of output files",
+                          "groups of output files")
     run.opts = dataclasses.replace(opts, workers=workers)
     summary = publish_run(run, job.out, inputs, force, workers,
                           (lambda: space_plan(job, True)) if opts.space_check else None)

@@ -114,7 +114,8 @@ def verify(job: VerifyJob, opts: VerifyOptions = VerifyOptions()) -> JsonObject:
 
     require_device(opts.device)  # no GPU: refused now
     start = time.monotonic()
-    workers, why = capped(opts.workers, len(job.pairs), "mapping", "mappings")
+    nbytes = sum(hf_m.hf_bytes + mc_m.mcore_bytes for hf_m, mc_m in job.pairs)  # both sides are read
+    workers, why = capped(opts.workers, nbytes, len(job.pairs), "mapping", "mappings")
     phases.import_torch()
     with workers_bar(workers, opts.progress):  # a worker killed with its bar up: erased before the message
         got = run_ranks(verify_rank, (job, dataclasses.replace(opts, workers=workers)), workers, "verify")

@@ -46,11 +46,12 @@ def _worker(rank: int, hf: str, mc: str, out: str) -> None:
         x, outs = serve.embed(batch.ids), []
         with torch.no_grad():
             for layer in range(config.num_layers):
-                for sub_block in ("attention", "mlp"):
-                    call = (lambda m: m.attention(layer, x, batch.cu_seqlens)) if sub_block == "attention" else (
-                        lambda m: m.mlp(layer, x))
-                    outs.append((train.impl(layer, sub_block), *call(train)))
-                    x, _ = call(serve)
+                y, aux = train.attention(layer, x, batch.cu_seqlens)
+                outs.append((train.impl(layer, "attention"), y, aux))
+                x, _ = serve.attention(layer, x, batch.cu_seqlens)
+                y, aux = train.mlp(layer, x)
+                outs.append((train.impl(layer, "mlp"), y, aux))
+                x, _ = serve.mlp(layer, x)
         results[phase] = {"outs": outs, "shapes": shapes}
     torch.save(results, f"{out}.{rank}")
 

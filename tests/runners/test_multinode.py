@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import mcore_helpers as mh
 
+import glmconv
+from glmconv.defaults import WORKER_MIN_BYTES_ENV
 from glmconv.runners import ranks
 from glmconv.runners.workers import capped
 
@@ -102,8 +104,21 @@ def test_each_node_gets_its_own_progress_line(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_a_worker_count_that_cannot_help_is_capped_and_says_why() -> None:
-    assert capped(4, 3, "group of output files", "groups of output files", cores=16) == (
+    big, small = 10**12, 11_300_000_000
+    assert capped(4, big, 3, "group of output files", "groups of output files", cores=16) == (
         3, "--workers 4 capped to 3: the run has 3 groups of output files that a worker can take on its own")
-    assert capped(8, 100, "mapping", "mappings", cores=2) == (
+    assert capped(8, big, 100, "mapping", "mappings", cores=2) == (
         2, "--workers 8 capped to 2: this process may run on 2 cores (more processes only contend for them)")
-    assert capped(2, 100, "mapping", "mappings", cores=16) == (2, None)
+    assert capped(4, small, 100, "mapping", "mappings", cores=16, min_bytes=100 * 10**9) == (
+        1, "--workers 4 capped to 1: the run reads 11.3 GB, less than 100 GB: one worker keeps the disk busy, and "
+        "another's start (a Python, torch, a CUDA context) would cost more than it saves")
+    assert capped(2, big, 100, "mapping", "mappings", cores=16) == (2, None)
+    assert capped(1, small, 100, "mapping", "mappings", cores=16) == (1, None)
+
+
+def test_a_small_run_gets_one_worker_and_says_so(converted: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(WORKER_MIN_BYTES_ENV)  # the default: the tests' own setting lets tiny runs have N
+    summary = glmconv.export(converted, tmp_path / "hf", workers=2)
+    assert (summary["workers"], summary["workers_requested"]) == (1, 2)
+    assert summary["workers_capped"].startswith("--workers 2 capped to 1: the run reads 0.00")

@@ -65,7 +65,8 @@ def _kill_tracker(proc: subprocess.Popen[str], phase: str) -> bool:
 @pytest.mark.parametrize("phase", PHASES)
 def test_killing_the_resource_tracker_prints_no_traceback(converted: Path, tmp_path: Path, phase: str) -> None:
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "glmconv", "export", str(converted), str(out), "--workers", "2"]
+    cmd = [sys.executable, "-m", "glmconv", "export", str(converted), str(out), "--workers", "2", "--max-shard-size",
+           "100KB"]  # files enough for two workers (one file is one worker's: issue 38)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert _kill_tracker(proc, phase)
     _, err = proc.communicate(timeout=120)

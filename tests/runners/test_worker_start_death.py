@@ -123,7 +123,8 @@ def _leftovers(parent: Path, name: str) -> list[str]:
 
 
 def _cli(command: str, tiny: Path, mc: Path, out: Path) -> list[str]:
-    args = {"convert": ["convert", str(tiny), str(out)], "export": ["export", str(mc), str(out)],
+    args = {"convert": ["convert", str(tiny), str(out)],
+            "export": ["export", str(mc), str(out), "--max-shard-size", "100KB"],  # files for 2 workers (issue 38)
             "verify": ["verify", str(tiny), str(mc)]}[command]
     return [sys.executable, "-m", "glmconv", *args, "--workers", "2"]
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.config import GlmConfig
 from glmconv.megatron_args import build_args, model_args
+from glmconv.models.megatron import standins
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +30,9 @@ _FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"
 _FLAGS = {"--activation-func-clamp-value": "activation_func_clamp_value",
           "--dsa-indexer-n-heads": "dsa_indexer_n_heads", "--dsa-indexer-head-dim": "dsa_indexer_head_dim",
           "--dsa-indexer-topk": "dsa_indexer_topk", "--moe-router-dtype": "moe_router_dtype"}
+
+
+BIAS_SWIGLU_FUSION = True  # Megatron-LM's --bias-swiglu-fusion default (megatron/training/arguments.py)
 
 
 def config_values(config: GlmConfig) -> dict[str, Any]:
@@ -50,14 +54,17 @@ def transformer_config(config: GlmConfig, dtype: torch.dtype, rotate: bool = Tru
 
     The DSA switches not in megatron-args are megatron-core's defaults (rotate_activation, scoring_relu, the
     indexer k-norm eps = layernorm_epsilon); `rotate` False only where megatron-core cannot run the rotation
-    (fp32: rotate_activation asserts bf16)."""
+    (fp32: rotate_activation asserts bf16). The one Megatron-LM default of a flag megatron-args does not print that
+    changes these modules' numbers is set as a launch gets it: `bias_activation_fusion` = `--bias-swiglu-fusion`
+    (on unless `--no-bias-swiglu-fusion`; megatron/training/argument_utils.py core_transformer_config_from_args)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return MLATransformerConfig(
         **config_values(config), qk_layernorm=True, rope_type="rope", experimental_attention_variant="dsa",
-        dsa_indexer_rotate_activation=rotate, use_cpu_initialization=True, perform_initialization=False,
+        dsa_indexer_rotate_activation=rotate, bias_activation_fusion=BIAS_SWIGLU_FUSION,
+        use_cpu_initialization=True, perform_initialization=False,
         params_dtype=dtype, bf16=dtype.is_floating_point and str(dtype) == "torch.bfloat16",
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
@@ -90,8 +97,6 @@ def _backend() -> Any:
     """megatron-core's local backend with TE's duplicated linear and TENorm stood in (what the TE backend gives the
     DSA spec; the linears TE column/row-parallel-izes are megatron-core's own Column/RowParallelLinear)."""
     from megatron.core.models.backends import LocalSpecProvider
-
-    from glmconv.models.megatron import standins
 
     class Backend(LocalSpecProvider):  # type: ignore[misc]  # megatron-core is untyped
         def linear(self) -> type:

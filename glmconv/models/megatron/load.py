@@ -91,7 +91,7 @@ def load_modules(config: GlmConfig, mcore_dir: str | Path, layout: str, dtype: t
     if layout != MCORE:
         raise GlmconvError(f"{mcore_dir} is in the {layout} layout: --train-backend megatron loads megatron-core's "
                            f"own modules, which read the mcore layout; run `glmconv relayout {mcore_dir} OUT "
-                           "--layout mcore` and pass OUT")
+                           "--to mcore` and pass OUT")
     with quiet():
         return _load(config, mcore_dir, dtype, device)
 

@@ -11,7 +11,7 @@ the TopKRouter's routing map (a forward hook).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 GLMCONV = "glmconv"
+MEGATRON_FIELDS = ("dsa", "moe")  # the weight structures' fields megatron-core's modules hold (hc, norm: glmconv's)
 MEGATRON_CORE = "megatron-core"
 NO_REPLAY = ("--replay {what} with --train-backend megatron: megatron-core's {module} has no way to take "
              "selections from outside; drop --replay or use --train-backend glmconv")
@@ -58,12 +59,31 @@ class MegatronModel(GlmModel):
         return GLMCONV
 
     def impls(self) -> dict[str, str]:
-        """Each implementation and the sub-blocks it runs ("layer 3 attention", ...), for a report's header."""
+        """Each implementation and the sub-blocks it runs ("3.attention, 3.mlp", ...), for a report's header."""
         out: dict[str, list[str]] = {}
         for layer in range(self.num_layers):
             for sub_block in (ATTN, MLP):
                 out.setdefault(self.impl(layer, sub_block), []).append(f"{layer}.{sub_block}")
         return {name: ", ".join(sites) for name, sites in out.items()}
+
+    def cannot_plant(self, defect: Any, sites: Iterable[tuple[int, str]]) -> str | None:
+        """Why a self-test defect (glmconv.compare.catalog.Defect) cannot act at `sites` here, or None. glmconv
+        plants into its own weights, switches and kernel path; a megatron-core module runs none of them: its
+        weights are what it loaded from the checkpoint, its numerics its own."""
+        sites = list(sites)
+        ran = [(layer, sub_block) for layer, sub_block in sites if self.impl(layer, sub_block) != GLMCONV]
+        if not ran:
+            return None
+        layer, sub_block = ran[0]
+        where = f"{self.impl(layer, sub_block)} runs layer {layer} {sub_block}"
+        if defect.kind == "weights":
+            if defect.path and defect.path[0] not in MEGATRON_FIELDS:
+                return None  # the hyper-connection's or the norm's weights: glmconv's
+            return (f"{where} on the weights it loaded from the checkpoint, not on glmconv's in-memory copy: plant "
+                    "the defect in a copy of MCORE_DIR instead")
+        if len(ran) < len(sites):
+            return None  # it acts at glmconv's sub-blocks too
+        return f"{where} with its own numerics: glmconv's {defect.kind} there is not run"
 
     # ---- the cores ----------------------------------------------------------------------------------------
 
