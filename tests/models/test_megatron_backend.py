@@ -197,7 +197,7 @@ def test_the_hadamard_stand_in_is_the_normalised_walsh_hadamard_transform() -> N
     assert hadamard_transform(torch.ones(2, 16, dtype=torch.bfloat16), 0.25).dtype == torch.bfloat16
 
 
-# ---- the findings (tests/helpers/megatron_findings.py measures them; docs/megatron_backend.md writes them up) ----------
+# ---- the findings (tests/helpers/megatron_findings.py measures them; docs/megatron_backend.md writes them up) --------
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
