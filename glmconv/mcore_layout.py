@@ -64,14 +64,14 @@ class Sharding:
 class Ranks:
     """This process's place in a megatron layout (dense TP x DP; experts EP x ETP x expert-DP)."""
 
-    tp: int = 1
+    tp: int = 1  # tensor-parallel size of the dense layers
     tp_rank: int = 0
-    dp_rank: int = 0
-    ep: int = 1
+    dp_rank: int = 0  # data-parallel rank (the dense layers' replicas)
+    ep: int = 1  # expert-parallel size: each rank holds num_experts / ep experts
     ep_rank: int = 0
-    etp: int = 1
+    etp: int = 1  # expert tensor-parallel size
     etp_rank: int = 0
-    edp_rank: int = 0
+    edp_rank: int = 0  # the experts' data-parallel rank
 
 
 def ranks_from_parallel_state() -> Ranks:

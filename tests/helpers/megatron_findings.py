@@ -56,6 +56,7 @@ def measure(hf: str, mc: str, tokens: int, sequences: int) -> dict[str, Any]:
         for layer in range(config.num_layers):
             if config.attn_types[layer] == "dsa":
                 out["dsa"][layer] = _dsa(layer, x, batch.cu_seqlens, serve, mc_model, token)
+                out["dsa"][layer]["planted_rel"] = _planted_dsa(layer, x, batch.cu_seqlens, mc_model, config)
             x, _ = serve.attention(layer, x, batch.cu_seqlens)
             if config.mlp_types[layer] == "moe":
                 out["moe"][layer] = _moe(layer, x, serve, mc_model, train_w, config)
@@ -89,6 +90,25 @@ def _dsa(layer: int, x: torch.Tensor, cu: torch.Tensor, serve: Any, mc_model: An
                        "topk_overlap": selection_overlap(aux_m["topk"], aux_g["topk"]),
                        "differs_only_at_ties": _ties_only(aux_m["topk"], aux_g["topk"], scores_m)}
     return found
+
+
+def _planted_dsa(layer: int, x: torch.Tensor, cu: torch.Tensor, mc_model: Any, config: Any) -> dict[str, float]:
+    """How far each of the catalog's DSA weight defects planted at this layer (the first DSA layer), in
+    megatron-core's module, moves its output."""
+    from glmconv.compare import defects
+    from glmconv.compare.catalog import select
+
+    y, _ = mc_model.attention(layer, x, cu)
+    out = {}
+    for defect in select("kv-heads-permuted,norm-offset,fp8-scale-block"):
+        planted = defects.plant(defect, config, mc_model.conventions)
+        if (layer, "attention") not in planted.sites:
+            continue
+        y_p, _ = mc_model.variant(patch=planted.patch).attention(layer, x, cu)
+        out[defect.name] = rel(y_p, y)
+    y_again, _ = mc_model.attention(layer, x, cu)
+    out["restored"] = rel(y_again, y)
+    return out
 
 
 def _token_scores(model: Any, layer: int, x: torch.Tensor, cu: torch.Tensor, query: str) -> torch.Tensor:

@@ -421,3 +421,54 @@ def test_a_refused_global_is_named_and_never_advised(where: str, miles: Path, ba
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].endswith(expected), res.stderr
     assert "safe_globals" not in res.stderr and "weights_only" not in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- the DCP .metadata and the tensor chunks: the same bounds, before any unpickler runs -------------------------
+
+MEMO_BOMB = b"\x80\x02" + RAW_OPS["memo-bomb"](10**8) + b"."  # 9 bytes that make C's unpickler take 1.5 GB
+DEEP_KEY = b"\x80\x02}" + RAW_OPS["deep-tuple-key"](1_000_000)[1:] + b"."  # {((...)): 1}: SIGSEGV when loaded
+
+
+def _first_chunk_pickle(mc: Path) -> tuple[Path, int]:
+    """The data file of the checkpoint's first tensor chunk and the offset of that archive's data.pkl bytes."""
+    from glmconv.io.torch_dist.reader import read_metadata
+    from glmconv.io.torch_dist.zip_records import record_start
+
+    md = read_metadata(mc / RELEASE)
+    index, info = next((k, v) for k, v in md.storage_data.items() if k.fqn != COMMON_STATE_KEY and k.offset)
+    path = mc / RELEASE / info.relative_path
+    archive = io.BytesIO(path.read_bytes()[info.offset:info.offset + info.length])
+    with zipfile.ZipFile(archive) as z:
+        (pkl,) = [i for i in z.infolist() if i.filename.endswith("/data.pkl")]
+    start = record_start(archive, 0, info.length, pkl)
+    assert start is not None and pkl.file_size > len(MEMO_BOMB), index
+    return path, info.offset + start
+
+
+def _overwrite(path: Path, at: int, data: bytes) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(data)
+
+
+def test_every_command_is_bounded_on_a_hostile_metadata_or_tensor_chunk(miles: Path, tiny_ckpt: Path,
+                                                                       tmp_path: Path) -> None:
+    cases = {case: Path(shutil.copytree(miles, tmp_path / case))
+             for case in ("metadata-memo-bomb", "metadata-deep-key", "chunk-memo-bomb")}
+    (cases["metadata-memo-bomb"] / RELEASE / ".metadata").write_bytes(MEMO_BOMB)
+    (cases["metadata-deep-key"] / RELEASE / ".metadata").write_bytes(DEEP_KEY)
+    data_file, at = _first_chunk_pickle(cases["chunk-memo-bomb"])
+    _overwrite(data_file, at, MEMO_BOMB)  # what follows the pickle's STOP is never read
+    named = {"metadata-memo-bomb": ".metadata", "metadata-deep-key": ".metadata", "chunk-memo-bomb": data_file.name}
+    refusal = {"metadata-memo-bomb": ".metadata: refusing to unpickle: it puts memo entry 100,000,000",
+               "metadata-deep-key": ".metadata: refusing to unpickle: it nests tuples more than 100 deep",
+               "chunk-memo-bomb": "puts memo entry 100,000,000"}
+    results = run_bounded(cases, tiny_ckpt, tmp_path, timeout=240)
+    for case in cases:
+        for command in ("audit-names", "export", "relayout", "verify"):
+            result = results[(case, command)]
+            assert_bounded(result, named[case], tmp_path / case)
+            if case.startswith("chunk") and command == "audit-names":  # names only: no tensor is read
+                assert result["code"] == 0, (case, command, result["stderr"])
+            else:
+                assert result["code"] == 2 and refusal[case] in result["stderr"], (case, command, result["stderr"])

@@ -57,11 +57,12 @@ def _planted(mc: str, dst: Path, layer: int) -> str:
     return str(mh.rewrite_dcp(Path(mc), dst, edit, keep=("config.json", "glmconv.json")))
 
 
-def _parity(hf: str, mc: str) -> dict[str, Any]:
+def _parity(hf: str, mc: str, self_test: bool = False) -> dict[str, Any]:
     from glmconv.compare import ParityOptions, run_parity
 
     return run_parity(ParityOptions(Path(hf), Path(mc), tokens=TOKENS, sequences=SEQUENCES, mode="isolated",
-                                    train_conventions="serve", progress=False, train_backend="megatron"))
+                                    train_conventions="serve", progress=False, train_backend="megatron",
+                                    self_test=self_test))
 
 
 def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str) -> None:
@@ -77,7 +78,7 @@ def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str)
     requested: set[str] = set()
     for prefix, module in modules.prefixed().items():
         requested |= {v.key for v in _sharded_tensors(module.sharded_state_dict(prefix=prefix))}
-    clean = _parity(hf, mc)
+    clean = _parity(hf, mc, self_test=True)
     planted = _parity(hf, _planted(mc, Path(planted_dir), layer))
     findings = megatron_findings.measure(hf, mc, TOKENS, SEQUENCES)
     torch.save({"requested": requested, "prefixes": list(modules.prefixed()), "hadamard": modules.hadamard,
@@ -237,8 +238,8 @@ def test_finding_the_fused_swiglu_drops_the_clamp_reproduced_by_swiglu_clamp_off
 
 
 def test_self_test_defects_that_cannot_act_on_megatron_cores_modules_are_skipped_with_the_reason() -> None:
-    """A weight defect in a megatron-core module's fields, or a switch / kernel acting only where megatron-core's
-    modules run, cannot be planted in memory; hyper-connection weights and switches acting elsewhere too can."""
+    """A switch or a kernel acting only where megatron-core's modules run cannot act there; weight defects are
+    planted (in the module's parameters where it runs them), and switches acting elsewhere too act."""
     from types import SimpleNamespace
 
     from glmconv.models.megatron.model import MegatronModel
@@ -246,8 +247,55 @@ def test_self_test_defects_that_cannot_act_on_megatron_cores_modules_are_skipped
     fake = SimpleNamespace(impl=lambda layer, sub_block: "megatron-core MoELayer" if layer == 2 else "glmconv")
     why = lambda kind, path, sites: MegatronModel.cannot_plant(  # noqa: E731
         fake, SimpleNamespace(kind=kind, path=path), sites)  # type: ignore[arg-type]
-    assert "plant the defect in a copy of MCORE_DIR" in why("weights", ("moe", "experts"), [(2, "mlp")])
+    assert why("weights", ("moe", "experts"), [(2, "mlp")]) is None  # planted in the module's own parameters
     assert why("weights", ("hc", "fn"), [(2, "mlp")]) is None
     assert why("weights", ("kda", "q_proj"), [(0, "attention")]) is None
     assert "its own numerics" in why("convention", (), [(2, "mlp")])
     assert why("convention", (), [(0, "mlp"), (2, "mlp")]) is None
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_self_test_weight_defects_are_planted_in_megatron_cores_modules(fixture: str, runs: dict[str, Any]) -> None:
+    """The catalog's weight defects are planted, for the call, in megatron-core's own parameters; the MoE ones are
+    named at their layer where the clean pair has not diverged before it (a defect after the clean pair's first
+    divergence cannot be told apart: the report says so); only switches acting at DSA layers alone are skipped."""
+    report = runs[fixture]["clean"]
+    moe = {"experts-swapped", "router-bias", "shared-rows-zero", "hc-mix-split"}
+    named = {row["defect"] for row in report["self_test"] if row["named"]}
+    if fixture == "tiny":  # its first MoE layer (2) comes before its DSA layer; cut8's (3) after the DSA at 3
+        assert moe <= named, report["self_test"]
+    planted = {row["defect"] for row in report["self_test"]}
+    assert moe | {"kv-heads-permuted", "norm-offset", "fp8-scale-block"} <= planted
+    skipped = {row["defect"] for row in report["self_test_skipped"] if "its own numerics" in row["why"]}
+    assert skipped == {"convention-indexer_query", "convention-indexer_kpool"}
+    for layer, f in runs[fixture]["findings"]["dsa"].items():  # each DSA defect moves the module's own output
+        moved = dict(f["planted_rel"])
+        assert moved.pop("restored") == 0.0, (layer, moved)
+        if moved:  # planted at the first DSA layer; fp8-scale-block doubles wk's first 128x128 block, at toy dims
+            assert moved.pop("fp8-scale-block") < 1e-6  # all of wk, which k_norm (a LayerNorm) then undoes
+            assert set(moved) == {"norm-offset", "kv-heads-permuted"} and min(moved.values()) > 1e-2, (layer, moved)
+
+
+def test_a_planted_change_is_run_by_the_parameter_holding_it_and_restored() -> None:
+    """plant.changes finds what a defect changed (a SwiGLU's gate and up as one fc1); plant.planted swaps the
+    parameter holding it, found by value, for the call, and refuses a change no parameter holds."""
+    import dataclasses
+
+    from glmconv.errors import GlmconvError
+    from glmconv.models.megatron.plant import changes, planted
+    from glmconv.models.weights import Swiglu
+
+    g = torch.Generator().manual_seed(0)
+    gate, up, down, other = (torch.randn(4, 3, generator=g) for _ in range(4))
+    clean = Swiglu(gate, up, down.T.contiguous())
+    fc1 = torch.nn.Linear(3, 8, bias=False)
+    fc1.weight.data = torch.cat([gate, up]).clone()
+    damaged = dataclasses.replace(clean, up=other)
+    found = changes(clean, damaged)
+    assert len(found) == 1 and torch.equal(found[0][1], torch.cat([gate, other]))
+    with planted(fc1, found, "here"):
+        assert torch.equal(fc1.weight, torch.cat([gate, other]))
+    assert torch.equal(fc1.weight, torch.cat([gate, up]))
+    with pytest.raises(GlmconvError, match="no parameter"):
+        with planted(fc1, changes(clean, dataclasses.replace(clean, down=other.T.contiguous())), "here"):
+            pass

@@ -22,10 +22,10 @@ class HeaderEntry:
     """One tensor as its shard header describes it; offsets are relative to the data section."""
 
     name: str
-    dtype: str
+    dtype: str  # safetensors' spelling: BF16, F8_E4M3, ...
     shape: tuple[int, ...]
     begin: int
-    end: int
+    end: int  # exclusive
 
 
 @dataclass(frozen=True)

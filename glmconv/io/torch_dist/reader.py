@@ -36,8 +36,8 @@ from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.dcp_classes import StorageInfo, TensorStorageMetadata
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata_check import load_metadata
-from glmconv.io.torch_dist.safe_unpickle import is_a
-from glmconv.io.torch_dist.stored_objects import check_tensor_archive, refused_global, torch_reason
+from glmconv.io.torch_dist.safe_unpickle import check_pickle_bounds, is_a
+from glmconv.io.torch_dist.stored_objects import bounded_pickles, check_tensor_archive, refused_global, torch_reason
 from glmconv.io.torch_dist.zip_records import record_start, stored_record
 from glmconv.numerics.finite import require_finite
 
@@ -227,6 +227,8 @@ class DcpReader:
         try:
             with open(path, "rb") as fh:  # torch.load reads the chunk in place: no copy of its bytes
                 window = _Slice(fh, int(info.offset), int(info.length))  # a file-like: torch reads it and seeks
+                bounded_pickles(window)  # before torch's unpickler runs: a memo bomb or a deep tuple is refused
+                window.seek(0)
                 tensor = torch.load(window, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # ditto
         except OSError as exc:
             raise CheckpointError(f"{path.name}: cannot read {name} ({exc.strerror or exc})") from None
@@ -336,15 +338,19 @@ _MAX_PICKLE = 1 << 20
 
 @dataclass(frozen=True)
 class _Storage:
-    dtype: Any
-    key: str
+    """A torch.save storage as its persistent id names it."""
+
+    dtype: Any  # the torch dtype of its `*Storage` class
+    key: str  # the archive record `<name>/data/<key>` holding its bytes
     numel: int
 
 
 @dataclass(frozen=True)
 class _TensorRecord:
+    """What `_rebuild_tensor_v2` would build a tensor from: a view of a storage."""
+
     storage: _Storage
-    offset: int
+    offset: int  # into the storage, in elements
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
@@ -392,6 +398,7 @@ def _describe(data: bytes | None) -> _TensorRecord | None:
     """What a torch.save pickle of one tensor says, read without building anything but our own records."""
     if data is None:
         return None
+    check_pickle_bounds(data)  # PickleOutOfBounds (an UnpicklingError) before any unpickler runs
     out = _TensorPickle(io.BytesIO(data)).load()
     return out if isinstance(out, _TensorRecord) else None
 

@@ -141,13 +141,29 @@ def safe_load(path: str | Path, *, stand_ins: bool = False) -> Any:
     p = Path(path)
     try:
         with open(p, "rb") as fh:
-            return RestrictedUnpickler(fh, p.name, stand_ins).load()
+            pkl = fh.read()
+        _check_bounds(pkl)
+        return RestrictedUnpickler(io.BytesIO(pkl), p.name, stand_ins).load()
     except CheckpointError:
         raise
+    except PickleOutOfBounds as exc:
+        raise CheckpointError(f"{p.name}: refusing to unpickle: it {exc}") from None
     except OSError as exc:
         raise CheckpointError(f"{p.name}: cannot read ({exc.strerror or exc})") from None
     except Exception as exc:  # any unpickling failure means a corrupt file
         raise CheckpointError(f"{p.name}: corrupt or truncated pickle ({type(exc).__name__}: {exc})") from None
+
+
+def _check_bounds(pkl: bytes) -> None:
+    """Before any unpickler: a memo bomb or a tuple nested past the C stack is refused. A malformed pickle is left
+    to the unpickler, which names what it meets first (a refused global): the scan found every step before the
+    malformation within bounds, and the unpickler takes the same steps in the same order."""
+    try:
+        check_pickle_bounds(pkl)
+    except PickleOutOfBounds:
+        raise
+    except pickle.UnpicklingError:
+        pass
 
 
 # ---- a pickle's bounds, checked before anything is unpickled ------------------------------------------------------

@@ -33,9 +33,7 @@ def check_object(data: bytes, where: str) -> None:
     import torch
 
     try:
-        pickles = _pickles(data)
-        for pkl in pickles:
-            check_pickle_bounds(pkl)
+        pickles = bounded_pickles(io.BytesIO(data))
         with torch.serialization.safe_globals(load_allow_list()):
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         for pkl in pickles:
@@ -45,14 +43,15 @@ def check_object(data: bytes, where: str) -> None:
 
 
 def check_tensor_archive(fh: Any, where: str, dtype: Any, sizes: tuple[int, ...]) -> None:
-    """A tensor archive whose data bytes are copied unread: every other check torch.load makes, on the meta
-    device; `fh` is the archive's window (seekable, positioned anywhere)."""
+    """A tensor archive whose data bytes are copied unread: its pickles' bounds, then every other check torch.load
+    makes, on the meta device; `fh` is the archive's window (seekable, positioned anywhere)."""
     import torch
 
     try:
+        pickles = bounded_pickles(fh)
         fh.seek(0)
         tensor = torch.load(fh, map_location="meta", weights_only=True)
-        for pkl in _pickles_of(fh):
+        for pkl in pickles:
             _InertUnpickler(io.BytesIO(pkl)).load()
     except Exception as exc:
         raise CheckpointError(f"{where}: chunk is not a readable tensor ({_line(exc)})") from None
@@ -61,8 +60,12 @@ def check_tensor_archive(fh: Any, where: str, dtype: Any, sizes: tuple[int, ...]
         raise CheckpointError(f"{where}: chunk holds {got}, metadata says {sizes} {dtype}")
 
 
-def _pickles(data: bytes) -> list[bytes]:
-    return _pickles_of(io.BytesIO(data))
+def bounded_pickles(fh: Any) -> list[bytes]:
+    """The archive's pickles, each within `check_pickle_bounds` (else `PickleOutOfBounds`): what may be unpickled."""
+    pickles = _pickles_of(fh)
+    for pkl in pickles:
+        check_pickle_bounds(pkl)
+    return pickles
 
 
 def _pickles_of(fh: Any) -> list[bytes]:

@@ -12,7 +12,7 @@ the TopKRouter's routing map (a forward hook).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from glmconv.config import GlmConfig
 from glmconv.errors import GlmconvError
 from glmconv.kernels import OpSet
 from glmconv.models.conventions import Conventions
-from glmconv.models.megatron import standins, streams
+from glmconv.models.megatron import plant, standins, streams
 from glmconv.models.megatron.load import MegatronModules, load_modules, quiet
 from glmconv.models.model import ATTN, MLP, GlmModel, WeightPatch
 from glmconv.models.weights import AttentionWeights, MlpWeights, WeightSource
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     import torch
 
 GLMCONV = "glmconv"
-MEGATRON_FIELDS = ("dsa", "moe")  # the weight structures' fields megatron-core's modules hold (hc, norm: glmconv's)
 MEGATRON_CORE = "megatron-core"
 NO_REPLAY = ("--replay {what} with --train-backend megatron: megatron-core's {module} has no way to take "
              "selections from outside; drop --replay or use --train-backend glmconv")
@@ -46,6 +45,7 @@ class MegatronModel(GlmModel):
             raise GlmconvError(f"megatron-core's modules are {modules.dtype}, the model {self.dtype}")
         self.modules = modules
         self._layer = -1  # the MLP sub-block running (`_moe` is handed its weights, not its layer)
+        self._clean: dict[tuple[str, int], Any] = {}  # each sub-block's weights before a planted defect
 
     # ---- which code runs ----------------------------------------------------------------------------------
 
@@ -77,10 +77,7 @@ class MegatronModel(GlmModel):
         layer, sub_block = ran[0]
         where = f"{self.impl(layer, sub_block)} runs layer {layer} {sub_block}"
         if defect.kind == "weights":
-            if defect.path and defect.path[0] not in MEGATRON_FIELDS:
-                return None  # the hyper-connection's or the norm's weights: glmconv's
-            return (f"{where} on the weights it loaded from the checkpoint, not on glmconv's in-memory copy: plant "
-                    "the defect in a copy of MCORE_DIR instead")
+            return None  # in glmconv's weights, or for the call in the module's own (megatron.plant)
         if len(ran) < len(sites):
             return None  # it acts at glmconv's sub-blocks too
         return f"{where} with its own numerics: glmconv's {defect.kind} there is not run"
@@ -95,7 +92,7 @@ class MegatronModel(GlmModel):
             raise GlmconvError(NO_REPLAY.format(what="indexer", module="DSAttention"))
         module = self.modules.attention[layer]
         seen: list[Any] = []
-        with self._running(), _spied(dsa, "fused_qk_topk_naive", seen):
+        with self._running(), self._plant(module, w, layer, ATTN), _spied(dsa, "fused_qk_topk_naive", seen):
             y, _ = module(streams.to_module(a), None, packed_seq_params=streams.packed(cu_seqlens, a.device))
         topk = _token_ids(seen[-1][1], a.shape[0], self.kpool_p.topk) if seen else None
         if topk is None:
@@ -111,7 +108,7 @@ class MegatronModel(GlmModel):
         maps: list[Any] = []
         handle = module.router.register_forward_hook(lambda mod, inp, out: maps.append(out[1]))
         try:
-            with self._running():
+            with self._running(), self._plant(module, w, self._layer, MLP):
                 y, _ = module(streams.to_module(h))
         finally:
             handle.remove()
@@ -122,6 +119,17 @@ class MegatronModel(GlmModel):
             replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         self._layer = layer  # `_moe` is handed the weights only; the module is the layer's
         return super().mlp(layer, x, replay)
+
+    def _patched(self, sub_block: str, layer: int, w: Any) -> Any:
+        self._clean[(sub_block, layer)] = w  # what a planted defect changed is told against these
+        return super()._patched(sub_block, layer, w)
+
+    def _plant(self, module: Any, w: Any, layer: int, sub_block: str) -> AbstractContextManager[None]:
+        """The self-test's weight defect, where one is planted at this sub-block, in what the module runs."""
+        clean, core = self._clean.get((sub_block, layer)), "dsa" if sub_block == ATTN else "moe"  # the module's part
+        found = (plant.changes(getattr(clean, core), getattr(w, core))
+                 if self.weight_patch is not None and clean is not None else [])
+        return plant.planted(module, found, f"layer {layer} {sub_block}") if found else nullcontext()
 
     @contextmanager
     def _running(self) -> Iterator[None]:
