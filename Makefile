@@ -53,9 +53,9 @@ lint: env
 	mkdir -p .mypy_cache/src && ln -sfn ../../cli .mypy_cache/src/glmconv_cli
 	$(VENV)/bin/mypy
 
-# The fuzz tests with fresh random examples, 20x the CI count (CI runs them derandomized: tests/fuzzing.py).
+# The fuzz tests with fresh random examples, 20x the CI count (CI runs them derandomized: tests/helpers/fuzzing.py).
 fuzz: env
-	$(VPY) -m pytest -q -n 2 --hypothesis-profile=fuzz tests/test_fuzz_*.py
+	$(VPY) -m pytest -q -n 2 --hypothesis-profile=fuzz tests/*/test_fuzz_*.py
 
 gate: env
 	bash scripts/parity_gate.sh

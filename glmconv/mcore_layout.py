@@ -13,7 +13,7 @@ it (q/kv down projections are TELinear "duplicated"). KDA follows Megatron-Bridg
 f_b/g_b projections, convs, A_log and dt_bias column-parallel; f_a/g_a and o_norm replicated; o_proj
 row-parallel), the same in miles' plugin; the DSA indexer linears are TE `linear()` (duplicated: replicated).
 Hyper-connections and vision are replicated. Whatever the choice, a torch_dist checkpoint of global tensors must
-serve it: the load proofs (tests/test_convert_mcore_load.py, benchmarks/multirank_roundtrip.py) request every
+serve it: the load proofs (tests/runners/test_convert_mcore_load.py, benchmarks/multirank_roundtrip.py) request every
 tensor this way. megatron-core is imported only when asked.
 """
 

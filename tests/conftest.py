@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers.report_schema import every_report_follows_the_schema as every_report_follows_the_schema  # autouse
 from hypothesis import settings
-from report_schema import every_report_follows_the_schema as every_report_follows_the_schema  # autouse
 
-# Hypothesis profiles (see tests/fuzzing.py): `ci` by default, so a run never depends on the clock or on a
+# Hypothesis profiles (see tests/helpers/fuzzing.py): `ci` by default, so a run never depends on the clock or on a
 # local example database; `make fuzz` passes --hypothesis-profile=fuzz for many fresh random examples.
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=100, print_blob=True)
 settings.register_profile("fuzz", derandomize=False, deadline=None, max_examples=2000, print_blob=True)
@@ -19,13 +19,14 @@ settings.load_profile("ci")
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--write-goldens", action="store_true",
-                     help="rewrite fixtures/golden/* from the tests' outputs instead of comparing (tests/goldens.py)")
+                     help="rewrite fixtures/golden/* from the tests' outputs instead of comparing "
+                          "(tests/helpers/goldens.py)")
 
 
 @pytest.fixture()
 def golden(pytestconfig: pytest.Config) -> Callable[[str, str], None]:
     """Compare a rendering with its file in fixtures/golden/ (or rewrite it under --write-goldens)."""
-    from goldens import check
+    from helpers.goldens import check
 
     return lambda name, text: check(name, text, write=bool(pytestconfig.getoption("--write-goldens")))
 
@@ -76,6 +77,16 @@ def tiny_unit_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny` with --init unit (residual streams at RMS ~1): for tests that plant one divergence by hand and
     need every other eps and clamp far away."""
     return _make(tmp_path_factory, "tiny-unit", "tiny", fp8=False, init="unit")
+
+
+@pytest.fixture(scope="module")
+def mc_ckpt(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny` converted to torch_dist, once per test module (the bad-input tests break copies of it)."""
+    from glmconv.runners import convert as convert_mod
+
+    out = tmp_path_factory.mktemp("bad-input") / "mc"
+    convert_mod.convert(convert_mod.prepare(tiny_ckpt, out), convert_mod.RunOptions(progress=False))
+    return out
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ transform has a `backward_layout`, `--check-finite` is off -- its HF tensors are
 ranges of the `.distcp` items that hold them are copied file to file by the kernel (`copy_file_range`, as
 `cp` does). Anything the reader cannot locate for certain goes through torch.load as before. The zero-copy
 path can be switched off (`ExportOptions(zero_copy=False)`, or `GLMCONV_ZERO_COPY=0` in the environment);
-both paths write byte-identical files (tests/test_export.py).
+both paths write byte-identical files (tests/runners/test_export.py).
 
 FP8 (`--fp8`): the codes are re-quantised and each block's scale moved so that every value dequantises to
 exactly the bf16 being exported (`glmconv.numerics.fp8_exact`; why and what was measured: docs/fp8.md). With `--like`

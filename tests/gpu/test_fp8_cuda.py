@@ -62,7 +62,7 @@ def fp8_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_convert_on_the_gpu_writes_the_cpus_tensors(fp8_source: Path, tmp_path: Path) -> None:
-    import mcore_helpers as mh
+    from helpers import mcore_helpers as mh
 
     from glmconv.runners.convert import RunOptions, convert, prepare
 

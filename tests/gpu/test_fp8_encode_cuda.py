@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_cases import CASES
+from helpers.fp8_cases import CASES
 
 from glmconv.numerics.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from glmconv.numerics.fp8_encode import CpuEncoder, CudaEncoder

@@ -6,7 +6,7 @@ and each shard's header before any data arrives, and then streams each tensor's 
 in the file: memory is one tensor (whatever the caller holds), not one shard.
 
 Byte layout of a `PlannedShardWriter` shard (the one `safetensors.torch.save_file` writes for the same
-tensors, byte for byte; tests/test_hf_writer.py compares the two): 8-byte little-endian header length, the
+tensors, byte for byte; tests/io/test_hf_writer.py compares the two): 8-byte little-endian header length, the
 compact JSON header (`__metadata__` = {"format": "pt"} first, then one entry per tensor), padded with spaces
 to a multiple of 8, then the data. Like safetensors, the header (and the data) list tensors by dtype --
 widest first, in safetensors' own `Dtype` order -- then by name; the shard *membership* follows the plan's
@@ -44,7 +44,7 @@ _PENDING = "shard-{:05d}.safetensors.partial"
 FORMAT_PT = {"format": "pt"}  # the `__metadata__` safetensors.torch.save_file writes
 
 # safetensors' `Dtype` enum in declaration order (its derived Ord); save_file sorts tensors by dtype,
-# highest first, then by name. Checked against safetensors 0.8 by tests/test_hf_writer.py.
+# highest first, then by name. Checked against safetensors 0.8 by tests/io/test_hf_writer.py.
 _DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
                 "F64", "I64", "U64")
 _DTYPE_RANK = {d: i for i, d in enumerate(_DTYPE_ORDER)}

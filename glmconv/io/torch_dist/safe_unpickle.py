@@ -1,7 +1,7 @@
 """A restricted unpickler for DCP `.metadata` files: only torch's checkpoint-metadata classes may load.
 
 The allow-list is what torch 2.13's `torch.distributed.checkpoint.save` and megatron-core 0.19's
-torch_dist saver reference (listed with a recording unpickler in tests/test_dcp_metadata.py). With
+torch_dist saver reference (listed with a recording unpickler in tests/io/test_dcp_metadata.py). With
 `stand_ins`, the same allow-list loads each class as an inert `StandIn` of the same name (a dtype as its name,
 `torch.Size` as a tuple): what inspecting a checkpoint needs, without importing torch (its import is 1-6 s).
 Enum members pickle by value on most Pythons and as `getattr(EnumClass, "NAME")` on some 3.11 patch releases:
@@ -35,7 +35,7 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 })
-ENUM_MEMBERS: dict[tuple[str, str], dict[str, int]] = {  # torch's own values (tests/test_dcp_metadata.py checks)
+ENUM_MEMBERS: dict[tuple[str, str], dict[str, int]] = {  # torch's own values (tests/io/test_dcp_metadata.py checks)
     (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1,
                                               "TORCH_PRESERVE_FORMAT": 2},
     (_DCP_PLANNER, "WriteItemType"): {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3},
@@ -69,7 +69,7 @@ def is_dtype(obj: Any) -> bool:
 _STAND_IN_CALLS: dict[tuple[str, str], Any] = {("torch", "Size"): tuple, ("torch.serialization", "_get_layout"): str}
 _STAND_INS: dict[tuple[str, str], type] = {}
 DEFAULTS: dict[str, dict[str, Any]] = {  # the real planner classes' own defaults, which a state may leave out:
-    # the same answer as the real class (tests/test_dcp_metadata.py checks them against torch's); the metadata
+    # the same answer as the real class (tests/io/test_dcp_metadata.py checks them against torch's); the metadata
     # classes' stand-ins are `dcp_classes`' dataclasses, whose defaults are DCP's
     "SavePlan": {"storage_data": None, "planner_data": None, "usable": True},
     "WriteItem": {"bytes_io_data": None, "tensor_data": None},

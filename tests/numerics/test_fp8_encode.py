@@ -1,0 +1,125 @@
+"""Issue 38: export's FP8 encoding written for any device (fp32 math, IEEE divisions by tensors, RNE casts) gives
+the bytes of the code before it, whole or in CPU slabs, on random blocks and edge values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.fp8_cases import CASES, random_weight
+
+from glmconv.numerics.finite import NonFiniteError
+from glmconv.numerics.fp8 import E4M3_MAX, FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
+from glmconv.numerics.fp8_encode import CpuEncoder, make_encoder, share_encoder
+from glmconv.numerics.fp8_reuse import Fp8Blocks, encode
+
+B = FP8_BLOCK
+SHRINK = 2.0**-20
+
+
+# ---- the encoding as it was before issue 38 (dividing by Python numbers), the reference ----------------------
+
+def _legacy_blocks(x: torch.Tensor, fill: float | bool, how: str) -> torch.Tensor:
+    rows, cols = x.shape
+    sr, sc = -(-rows // B), -(-cols // B)
+    padded = torch.full((sr * B, sc * B), fill, dtype=x.dtype)
+    padded[:rows, :cols] = x
+    view = padded.view(sr, B, sc, B)
+    if how == "any":
+        return view.any(dim=3).any(dim=1)
+    return view.amax(dim=(1, 3)) if how == "amax" else view.amin(dim=(1, 3))
+
+
+def _legacy_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    sr, sc = -(-rows // B), -(-cols // B)
+    padded = torch.zeros(sr * B, sc * B, dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(sr, B, sc, B)
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scaled = (blocks / scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+    return scaled.view(sr * B, sc * B)[:rows, :cols].to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def _legacy_exact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, s = _legacy_quantize(w)
+    if w.dtype != torch.bfloat16:
+        none = torch.zeros(s.shape, dtype=torch.bool)
+        return q, s, none, none.clone()
+    a = w.abs()
+    bits = a.view(torch.int16)
+    up = (bits + 1).view(torch.bfloat16).float()
+    down = (bits - 1).clamp_min(0).view(torch.bfloat16).float()
+    af, qa = a.float(), q.float().abs()
+    nz = qa > 0
+    lo = _legacy_blocks(torch.where(nz, (af + down) / 2 / qa * (1 + SHRINK), 0.0), 0.0, "amax")
+    hi = _legacy_blocks(torch.where(nz, (af + up) / 2 / qa * (1 - SHRINK), float("inf")), float("inf"), "amin")
+    moved = torch.where(lo <= hi, torch.minimum(torch.maximum(s, lo), hi), s)
+    exact = _legacy_blocks(dequantize_fp8_blocks(q, moved).view(torch.int16) != w.view(torch.int16), False,
+                           "any").logical_not()
+    final = torch.where(exact, moved, s)
+    return q, final.contiguous(), final != s, exact.logical_not()
+
+
+def _legacy_encode(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[bytes, bytes, int]:
+    """(codes, scales, blocks re-quantised) as `fp8_reuse.encode` gave them before issue 38."""
+    q, s, _, _ = _legacy_exact(w.contiguous())
+    if like is None:
+        return q.view(torch.uint8).numpy().tobytes(), s.numpy().tobytes(), s.numel()
+    got = dequantize_fp8_blocks(like[0], like[1], out_dtype=w.dtype)
+    same = _legacy_blocks(got.view(torch.int16) != w.view(torch.int16), False, "any").logical_not()
+    keep = same & torch.isfinite(like[1]) & (like[1] >= torch.finfo(torch.float32).tiny)
+    elems = keep.repeat_interleave(B, 0)[:w.shape[0]].repeat_interleave(B, 1)[:, :w.shape[1]]
+    codes = torch.where(elems, like[0].view(torch.uint8), q.view(torch.uint8))
+    scales = torch.where(keep, like[1], s)
+    return codes.numpy().tobytes(), scales.numpy().tobytes(), int(keep.logical_not().sum())
+
+
+def _bytes(got: Fp8Blocks) -> tuple[bytes, bytes, int]:
+    return got.codes.view(torch.uint8).numpy().tobytes(), got.scales.numpy().tobytes(), got.requantized
+
+
+@pytest.mark.parametrize(("what", "w"), CASES, ids=[c[0] for c in CASES])
+def test_encoding_gives_the_bytes_it_gave_before(what: str, w: torch.Tensor) -> None:
+    assert _bytes(encode(w, None)) == _legacy_encode(w, None)
+
+
+@pytest.mark.parametrize(("what", "w"), CASES[:3] + CASES[6:8], ids=[c[0] for c in CASES[:3] + CASES[6:8]])
+def test_encoding_against_like_gives_the_bytes_it_gave_before(what: str, w: torch.Tensor) -> None:
+    q, s = quantize_fp8_blocks(w)
+    back = dequantize_fp8_blocks(q, s)
+    back.view(-1)[:: 9973] = back.view(-1)[:: 9973] * -3  # some blocks changed, the others kept
+    assert _bytes(encode(back, (q, s))) == _legacy_encode(back, (q, s))
+
+
+@pytest.mark.parametrize("threads", [3])
+@pytest.mark.parametrize(("what", "w"), CASES, ids=[c[0] for c in CASES])
+def test_cpu_slabs_give_the_whole_weights_bytes(what: str, w: torch.Tensor, threads: int) -> None:
+    q, s = quantize_fp8_blocks(w)
+    back = dequantize_fp8_blocks(q, s, out_dtype=w.dtype).clone()
+    back.view(-1)[:: 7919] = 0
+    encoder = CpuEncoder(threads)
+    try:
+        for like in (None, (q, s), (q[:-1], s)):  # none, --like's pair, a pair of another shape (not comparable)
+            want, got = encode(back, like), encoder(back, like)
+            assert _bytes(got) == _bytes(want)
+            assert (got.scale_adjusted, got.inexact) == (want.scale_adjusted, want.inexact)
+    finally:
+        encoder.close()
+
+
+def test_a_nan_is_refused_as_before() -> None:
+    w = random_weight(300, 200, 1)
+    w[130, 7] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"block \[1, 0\]"):
+        encode(w, None)
+
+
+def test_share_encoder_on_the_cpu_runs_torch_on_one_thread() -> None:
+    before = torch.get_num_threads()
+    with share_encoder("cpu", 10**12, 2) as (device, encoder):
+        assert device == "cpu" and isinstance(encoder, CpuEncoder) and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    assert isinstance(make_encoder("cpu", 1), CpuEncoder)
+    with share_encoder("cuda", 0, 2) as (device, encoder):  # nothing to encode: no CUDA context, torch left alone
+        assert device == "cpu" and torch.get_num_threads() == before
