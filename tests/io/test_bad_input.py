@@ -531,3 +531,30 @@ def test_existing_output_is_untouched_when_input_is_bad(tiny_ckpt: Path, tmp_pat
     assert_refused(["convert", str(src), str(out), "--force", "--check-finite"], [src], out,
                    _q(f"{DOWN0} (") + r".*1 non-finite value \(NaN/Inf\), the first inf in block \[0, 0\] at index "
                    r"\[0, 0\]")
+
+
+# ---- parity --train-backend megatron: what megatron-core's modules cannot run ----------------------------------------
+
+@pytest.fixture(scope="module")
+def mcore_mc(mc_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bad-input-mcore") / "mc-mcore"
+    relayout_mod.relayout(relayout_mod.prepare(mc_ckpt, out, to="mcore"), relayout_mod.RelayoutOptions(progress=False))
+    return out
+
+
+@pytest.mark.parametrize("case", ["miles layout", "replay routing", "replay indexer"])
+def test_the_megatron_backend_refuses_what_megatron_core_cannot_run(case: str, tiny_ckpt: Path, mc_ckpt: Path,
+                                                                    mcore_mc: Path, tmp_path: Path) -> None:
+    common = ["parity", str(tiny_ckpt), "--train-backend", "megatron", "--tokens", "32", "--report-dir",
+              str(tmp_path / "report")]
+    if case == "miles layout":
+        args, pattern = [*common[:2], str(mc_ckpt), *common[2:]], (
+            rf"^error: {re.escape(str(mc_ckpt))} is in the miles layout: --train-backend megatron loads "
+            rf"megatron-core's own modules, which read the mcore layout; run `glmconv relayout "
+            rf"{re.escape(str(mc_ckpt))} OUT --to mcore` and pass OUT$")
+    else:
+        what = case.split()[1]
+        args, pattern = [*common[:2], str(mcore_mc), *common[2:], "--replay", what], (
+            rf"^error: --replay {what} with --train-backend megatron: megatron-core's \w+ has no way to take "
+            r"selections from outside; drop --replay or use --train-backend glmconv$")
+    assert_refused(args, [tiny_ckpt, mc_ckpt, mcore_mc], tmp_path / "report", pattern)
