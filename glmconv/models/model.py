@@ -166,8 +166,10 @@ class GlmModel:
         norm, hc_head = self._head_weights()
         if self.conventions.output_contraction == "mean":
             h = head_mean(x)
+        elif hc_head is None:  # build_models refuses output_contraction=learned without hc_head_* tensors
+            raise AssertionError("output_contraction=learned with no hc_head weights")
         else:
-            h = head_learned(x, hc_head.fn, hc_head.base, hc_head.scale, self.eps, self.hc.hc_eps,  # type: ignore[union-attr]  # a learned head has its hc_head
+            h = head_learned(x, hc_head.fn, hc_head.base, hc_head.scale, self.eps, self.hc.hc_eps,
                              self.conventions.proj_rms)
         return self._logits(rms_norm(h, norm, self.eps))
 

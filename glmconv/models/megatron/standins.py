@@ -54,23 +54,12 @@ def sylvester(n: int) -> torch.Tensor:
     return h
 
 
-def te_linear() -> type:
-    """TELinear(parallel_mode="duplicated"): one whole weight on every rank, no communication; saves `weight` and
-    an `_extra_state` like TE's (replicated: no tensor-parallel axis)."""
+def _te_module() -> type:
+    """A module that saves as a Transformer Engine module does: its weights, replicated, and an `_extra_state`
+    (`torch.empty(0, dtype=torch.uint8)` when no FP8 recipe is set, transformer_engine/pytorch/ops/op.py)."""
     import torch
 
-    class Duplicated(torch.nn.Module):
-        def __init__(self, input_size: int, output_size: int, *, config: Any, bias: bool = False,
-                     **unused: Any) -> None:
-            super().__init__()
-            if bias:
-                raise ValueError("the duplicated linear stand-in has no bias (GLM's DSA has none)")
-            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype),
-                                             requires_grad=False)
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-            return torch.nn.functional.linear(x, self.weight), None
-
+    class TEModule(torch.nn.Module):
         def get_extra_state(self) -> torch.Tensor:
             return torch.empty(0, dtype=torch.uint8)
 
@@ -84,16 +73,35 @@ def te_linear() -> type:
             return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
                                                        sharded_offsets)
 
+    return TEModule
+
+
+def te_linear() -> type:
+    """TELinear(parallel_mode="duplicated"): one whole weight on every rank, no communication; saves `weight` and
+    an `_extra_state` like TE's (replicated: no tensor-parallel axis)."""
+    import torch
+
+    class Duplicated(_te_module()):  # type: ignore[misc]  # a class made at run time (torch is imported late)
+        def __init__(self, input_size: int, output_size: int, *, config: Any, bias: bool = False,
+                     **unused: Any) -> None:
+            super().__init__()
+            if bias:
+                raise ValueError("the duplicated linear stand-in has no bias (GLM's DSA has none)")
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype),
+                                             requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return torch.nn.functional.linear(x, self.weight), None
+
     return Duplicated
 
 
 def te_norm(local: Any) -> type:
     """TENorm as it saves: the local norm's weights plus an `_extra_state` (`torch.empty(0, dtype=torch.uint8)` when
     no FP8 recipe is set, transformer_engine/pytorch/ops/op.py `get_extra_state`)."""
-    import torch
     from megatron.core.transformer.spec_utils import build_module
 
-    class TENormStandIn(torch.nn.Module):
+    class TENormStandIn(_te_module()):  # type: ignore[misc]  # a class made at run time (torch is imported late)
         def __init__(self, *args: Any, **kw: Any) -> None:
             super().__init__()
             if "config" in kw and kw["config"].sequence_parallel:  # TENorm runs under sequence parallelism; the
@@ -107,19 +115,6 @@ def te_norm(local: Any) -> type:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = self._run(x)
             return out
-
-        def get_extra_state(self) -> torch.Tensor:
-            return torch.empty(0, dtype=torch.uint8)
-
-        def set_extra_state(self, state: Any) -> None:
-            pass
-
-        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple[Any, ...] = (),
-                               metadata: dict[str, Any] | None = None) -> Any:
-            from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-            return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
-                                                       sharded_offsets)
 
     return TENormStandIn
 
