@@ -3,6 +3,7 @@ on stderr even with --json, and the summary itself for --json; one copy for ever
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import Any
@@ -28,11 +29,17 @@ def ends_quickly() -> None:
 
 
 def leave_quickly(code: int) -> None:
-    """End the process now with `code` (output already flushed) where `ends_quickly` was said and torch is loaded."""
+    """Where `ends_quickly` was said and torch is loaded: the process ends with `code` as soon as the interpreter
+    starts its teardown, by the last exit handler registered (the first to run: torch's own and the modules'
+    cleanup never run); a caller that catches the exit still runs until then."""
     if _QUICK and "torch" in sys.modules:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        atexit.register(_exit_now, code)
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def warn(s: dict[str, Any]) -> None:
