@@ -43,7 +43,7 @@ demo: env
 
 # CI: lint, the parity gate the way users run it (fixture -> convert -> parity --fail-on), then the suite.
 test: env lint gate
-	$(VPY) -m pytest -q -n 2 tests
+	$(VPY) -m pytest -q -n 2 --durations=15 tests
 
 # ruff; the layer contract (.importlinter: layers, no cycles, counting imports inside functions); mypy (mypy.ini),
 # which reads cli/ under the name it installs as, glmconv_cli: a link in mypy's own cache directory.
