@@ -12,7 +12,7 @@
 #          and the conversions, made with the project's own env)
 #   fp8 | bf16: the 2 GB / 6 GB matrix of that source dtype (bf16 also: the single-file source); rc4: real-cut4;
 #   parity: real-cut4's streamed parity (after rc4); tiny: tiny convert vs `import torch`. Each deletes what it made (the disk holds about 60 GB).
-#   issue38: issue 38 in one device call (~6 min after the start; BUDGET s, default 420, then the rest is skipped and
+#   issue38: issue 38 in one device call (~6 min after the start; BUDGET s, default 360, then the rest is skipped and
 #            said so): real-cut4 FP8 and a 1 GB FP8 bench made; convert, verify and export --fp8 --like --device cuda
 #            at 1 and 4 workers (exports byte for byte against the source), export against cp+sync of its output,
 #            the 1 GB convert against `import torch`, tests/gpu's FP8 tests (the kernel and parity tests need the
@@ -70,8 +70,8 @@ export_runs() {  # export_runs CASE [--fp8]: export at 1 and 4 workers (--like t
 }
 
 within_budget() {  # within_budget NAME: whether the issue38 step still has time for NAME (else noted as skipped)
-  [ "$SECONDS" -lt "${BUDGET:-420}" ] && return 0
-  echo "$1 skipped: ${SECONDS}s of the ${BUDGET:-420}s budget spent" >> "$RES/times.txt"; return 1
+  [ "$SECONDS" -lt "${BUDGET:-360}" ] && return 0
+  echo "$1 skipped: ${SECONDS}s of the ${BUDGET:-360}s budget spent" >> "$RES/times.txt"; return 1
 }
 issue38() {  # the issue 38 matrix, most wanted figures first (see the usage above); a dry run of the script on a
   # CPU host: DEV=cpu PRESET38=tiny SIZE38=0.05GB (the names keep `cuda`)
