@@ -1,5 +1,6 @@
-"""What convert, export and relayout do first with a summary: report once (on torchrun rank 0 alone), its warnings
-on stderr even with --json, and the summary itself for --json; one copy for every command."""
+"""What the data commands (convert, export, relayout, verify) share at their end, one copy for all: the summary
+reported once (on torchrun rank 0 alone), its warnings on stderr even with --json, the summary itself for --json,
+and an exit without torch's teardown."""
 
 from __future__ import annotations
 

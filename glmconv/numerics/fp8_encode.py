@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 class Fp8Encoder(Protocol):
     """`fp8_reuse.encode` somewhere: a weight (and --like's pair) in, its FP8 bytes and counts out, on the CPU."""
 
@@ -85,7 +84,7 @@ class CudaEncoder(ThreadStreams):
         pass
 
 
-def make_encoder(device: str, threads: int, rank: int = 0) -> CpuEncoder | CudaEncoder:
+def make_encoder(device: str, threads: int, rank: int = 0) -> Fp8Encoder:
     """The encoder of a resolved device; worker `rank` takes GPU rank % visible GPUs."""
     if device != "cuda":
         return CpuEncoder(threads)
@@ -94,7 +93,7 @@ def make_encoder(device: str, threads: int, rank: int = 0) -> CpuEncoder | CudaE
 
 @contextmanager
 def share_encoder(requested: str, fp8_bytes: int, threads: int,
-                  rank: int = 0) -> Iterator[tuple[str, CpuEncoder | CudaEncoder]]:
+                  rank: int = 0) -> Iterator[tuple[str, Fp8Encoder]]:
     """One export worker's encoder: the device its `fp8_bytes` of FP8 codes call for (`resolve_device`, as
     convert's dequantiser), CPU slabs on `threads` threads (torch's own kernels then on one), closed after. A share
     with no FP8 to encode makes no CUDA context and leaves torch's threads alone: the CPU, whatever was asked."""
