@@ -9,10 +9,9 @@ import click
 from glmconv import api
 from glmconv import defaults as D
 from glmconv.defaults import DEFAULT_LAYOUT, DTYPE_CHOICES, KEEP, LAYOUT_CHOICES
-from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
 from glmconv_cli.output import echo
-from glmconv_cli.report import ends_quickly, reported
+from glmconv_cli.report import begin, exit_codes, reported
 from glmconv_cli.sizes import SIZE
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
@@ -57,17 +56,12 @@ from glmconv_cli.workers import device_option, read_threads_option, workers_opti
               "vision) is kept under glmconv_kept. and said so.")
 
 
+@exit_codes("converted")
 def convert(hf_dir: Path, out_dir: Path, dry_run: bool, no_space_check: bool, as_json: bool, workers: int | str,
             device: str, read_threads: int, force: bool, mtp: bool, vision: bool, group_size: int,
             check_finite: bool, dtype: str, layout: str) -> None:
-    """Convert an HF checkpoint (BF16, F32 or the FP8 release) into a Megatron-core torch_dist checkpoint.
-
-    Exit codes: 0 converted (or planned, with --dry-run), 2 bad input (one `error:` line naming the file or
-    tensor; nothing is published), 3 internal error (a bug: please report it), 130/143 interrupted (staging
-    removed).
-    """
-    say("convert", PLAN, f"reading and auditing {hf_dir}", enabled=not as_json)  # at once, before torch loads
-    ends_quickly()
+    """Convert an HF checkpoint (BF16, F32 or the FP8 release) into a Megatron-core torch_dist checkpoint."""
+    begin("convert", f"reading and auditing {hf_dir}", as_json)
 
     summary = api.convert(hf_dir, out_dir, workers=workers, force=force, mtp=mtp, vision=vision,
                           group_bytes=group_size, check_finite=check_finite, dry_run=dry_run, progress=not as_json,

@@ -8,11 +8,10 @@ import click
 
 from glmconv import api
 from glmconv.defaults import LAYOUT_CHOICES
-from glmconv.progress import PLAN, say
 from glmconv.text import count, printable, show
 from glmconv_cli.convert_cmd import plan_lines
 from glmconv_cli.output import echo
-from glmconv_cli.report import ends_quickly, reported
+from glmconv_cli.report import begin, exit_codes, reported
 from glmconv_cli.sizes import SIZE
 from glmconv_cli.workers import device_option, read_threads_option, workers_option
 
@@ -63,17 +62,12 @@ from glmconv_cli.workers import device_option, read_threads_option, workers_opti
               "spelled in; a contradiction is refused).")
 
 
+@exit_codes("exported")
 def export(mcore_dir: Path, out_dir: Path, like: Path | None, config: Path | None, max_shard_size: int | None,
            fp8: bool, workers: int | str, device: str, read_threads: int, as_json: bool, force: bool,
            check_finite: bool, dry_run: bool, no_space_check: bool, layout: str | None) -> None:
-    """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index.
-
-    Exit codes: 0 exported (or planned, with --dry-run), 2 bad input (one `error:` line naming the file or
-    tensor; nothing is published), 3 internal error (a bug: please report it), 130/143 interrupted (staging
-    removed).
-    """
-    say("export", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
-    ends_quickly()
+    """Export a Megatron-core torch_dist checkpoint to HF safetensors shards with an index."""
+    begin("export", f"reading and checking {mcore_dir}", as_json)
 
     summary = api.export(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_size,
                          workers=workers, force=force, check_finite=check_finite, dry_run=dry_run,

@@ -9,11 +9,10 @@ import click
 from glmconv import api
 from glmconv import defaults as D
 from glmconv.defaults import LAYOUT_CHOICES
-from glmconv.progress import PLAN, say
 from glmconv.text import count, printable
 from glmconv_cli.convert_cmd import plan_lines
 from glmconv_cli.output import echo
-from glmconv_cli.report import ends_quickly, reported
+from glmconv_cli.report import begin, reported
 from glmconv_cli.sizes import SIZE
 
 
@@ -54,8 +53,7 @@ def relayout(mcore_dir: Path, out_dir: Path, to: str | None, dry_run: bool, no_s
     only move copied file to file; export of the result equals export of MCORE_DIR."""
     if to is None:
         raise click.UsageError(f"Missing option '--to' (choose {' or '.join(LAYOUT_CHOICES)}).")
-    say("relayout", PLAN, f"reading and checking {mcore_dir}", enabled=not as_json)  # at once, before torch loads
-    ends_quickly()
+    begin("relayout", f"reading and checking {mcore_dir}", as_json)
 
     summary = api.relayout(mcore_dir, out_dir, to=to, force=force, group_bytes=group_size, dry_run=dry_run,
                            progress=not as_json, space_check=not no_space_check, like=like)

@@ -1,18 +1,43 @@
-"""What the data commands (convert, export, relayout, verify) share at their end, one copy for all: the summary
-reported once (on torchrun rank 0 alone), its warnings on stderr even with --json, the summary itself for --json,
-and an exit without torch's teardown."""
+"""What the data commands (convert, export, relayout, verify) share, one copy for all: the exit codes in their help,
+the first line at once, and at their end the summary reported once (on torchrun rank 0 alone), its warnings on
+stderr even with --json, the summary itself for --json, and an exit without torch's teardown."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
 from glmconv import api
+from glmconv.progress import PLAN, say
 from glmconv_cli.output import echo_json
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_EXIT_CODES = """
+
+    Exit codes: 0 {done} (or planned, with --dry-run), 2 bad input (one `error:` line naming the file or
+    tensor; nothing is published), 3 internal error (a bug: please report it), 130/143 interrupted (staging
+    removed).
+    """
+
+
+def exit_codes(done: str) -> Callable[[F], F]:
+    """Under `@click.command`: the command's help ends with the exit codes every data command shares."""
+    def add(f: F) -> F:
+        f.__doc__ = (f.__doc__ or "").rstrip() + _EXIT_CODES.format(done=done)
+        return f
+    return add
+
+
+def begin(command: str, doing: str, as_json: bool) -> None:
+    """The command's first line at once, before torch loads (none with --json); it may end quickly (below)."""
+    say(command, PLAN, doing, enabled=not as_json)
+    ends_quickly()
 
 # summary keys whose line goes to stderr whatever the output mode: what the layout's trainer will not load (convert,
 # relayout), what SRC lacked and --like gave (export), a --workers count capped and why (convert, export, verify)

@@ -116,6 +116,15 @@ class Plan:
     dtype: str = KEEP  # convert --dtype: what the Megatron tensors become (the rules' dtype policies)
     layout: str = DEFAULT_LAYOUT  # the Megatron layout (glmconv.rules.layouts): whose names the Megatron side has
 
+    @property
+    def hf_bytes(self) -> int:
+        """The HF side's bytes as the source stores them, scales included."""
+        return sum(m.hf_bytes for m in self.mappings)
+
+    @property
+    def mcore_bytes(self) -> int:
+        return sum(m.mcore_bytes for m in self.mappings)
+
     def hf_tensors(self) -> Iterator[TensorSpec]:
         for m in self.mappings:
             for t, s in zip(m.hf, m.scales):

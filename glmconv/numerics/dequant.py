@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from glmconv import phases
 from glmconv.defaults import AUTO, DEVICE_CHOICES
@@ -185,9 +185,23 @@ def share_dequantizer(requested: str, fp8_bytes: int, threads: int,
     """One worker's dequantiser (convert, verify): the device its `fp8_bytes` call for, CPU slabs on `threads`
     threads (torch's own kernels then on one: the slabs are the threads), closed after; (device, dequantiser)."""
     device = resolve_device(requested, fp8_bytes)
-    dequantize = make_dequantizer(device, threads, rank)
+    with slab_worker(make_dequantizer(device, threads, rank), device, threads) as dequantize:
+        yield device, dequantize
+
+
+Closable = TypeVar("Closable", bound="SupportsClose")
+
+
+class SupportsClose(Protocol):
+    def close(self) -> None: ...
+
+
+@contextmanager
+def slab_worker(worker: Closable, device: str, threads: int) -> Iterator[Closable]:
+    """A dequantiser or an encoder in use: where its CPU slabs run on `threads` threads, torch's own kernels run on
+    one (the slabs are the threads); closed after."""
     try:
         with torch_threads(1 if device == "cpu" and threads > 1 else None):
-            yield device, dequantize
+            yield worker
     finally:
-        dequantize.close()
+        worker.close()

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
-from glmconv.numerics.dequant import SLAB_ROWS, ThreadStreams, cuda_device, resolve_device, torch_threads
+from glmconv.numerics.dequant import SLAB_ROWS, ThreadStreams, cuda_device, resolve_device, slab_worker
 from glmconv.numerics.fp8 import FP8_BLOCK
 from glmconv.numerics.fp8_reuse import Fp8Blocks, comparable, encode
 
@@ -99,9 +99,5 @@ def share_encoder(requested: str, fp8_bytes: int, threads: int,
     with no FP8 to encode makes no CUDA context and leaves torch's threads alone: the CPU, whatever was asked."""
     device = resolve_device(requested, fp8_bytes) if fp8_bytes else "cpu"
     threads = threads if fp8_bytes else 1
-    encoder = make_encoder(device, threads, rank)
-    try:
-        with torch_threads(1 if device == "cpu" and threads > 1 else None):
-            yield device, encoder
-    finally:
-        encoder.close()
+    with slab_worker(make_encoder(device, threads, rank), device, threads) as encoder:
+        yield device, encoder

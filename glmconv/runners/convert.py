@@ -15,7 +15,6 @@ from glmconv.ahead import Step, run_ahead
 from glmconv.checkpoint_layout import LAYOUT_KEY, homeless_counts, homeless_line
 from glmconv.defaults import (
     DEFAULT_AHEAD_BYTES,
-    DEFAULT_CHUNK_BYTES,
     DEFAULT_DEVICE,
     DEFAULT_GROUP_BYTES,
     DEFAULT_LAYOUT,
@@ -44,7 +43,7 @@ from glmconv.rules import layouts, names
 from glmconv.rules.pieces import Piece, take
 from glmconv.rules.table import BF16, F32, FP8
 from glmconv.runners import audit as audit_mod
-from glmconv.runners.flow import PlanRun, check_once, publish_run, shares
+from glmconv.runners.flow import FlowOptions, WritesMegatron, check_once, publish_run, shares
 from glmconv.runners.job import PlanJob
 from glmconv.runners.ranks import Group, cores_per_rank
 from glmconv.runners.workers import capped
@@ -62,11 +61,14 @@ class ConvertJob(PlanJob):
 
     @property
     def bytes_in(self) -> int:
-        return sum(m.hf_bytes for m in self.plan.mappings)
+        """What convert reads: the HF tensors as the source stores them (an F32 save is twice its BF16), scales
+        included."""
+        return self.plan.hf_bytes
 
     @property
     def bytes_out(self) -> int:
-        return sum(m.mcore_bytes for m in self.plan.mappings)
+        """What it writes: the Megatron tensors in their planned dtype."""
+        return self.plan.mcore_bytes
 
     def recast(self, stored: str, megatron: str) -> int:
         """HF tensors stored as `stored` that Megatron gets as `megatron` (F32 -> BF16: narrowed, rounded)."""
@@ -318,13 +320,12 @@ def verify_staged(job: ConvertJob, stage: Path) -> None:
 # ---- running: one process, --workers N, or torchrun ranks ---------------------------------------------
 
 @dataclass(frozen=True)
-class RunOptions:
+class RunOptions(FlowOptions):
+    """How convert runs (not what it writes: that is the job's): processes, memory, progress, checks."""
+
     workers: int = DEFAULT_WORKERS
     group_bytes: int = DEFAULT_GROUP_BYTES
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    progress: bool = True
     check_finite: bool = True  # refuse a NaN/Inf in any source tensor (always: copied bytes are scanned)
-    space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/dequantiser threads per worker, ahead of its writer (0: none)
     device: str = DEFAULT_DEVICE  # where FP8 is dequantised: cpu, cuda, auto (numerics.dequant.resolve_device)
     fp8_threads: int = 0  # CPU dequantisation threads per worker (0: this worker's share of the cores)
@@ -375,11 +376,10 @@ def convert(job: ConvertJob, opts: RunOptions, *, force: bool = False) -> dict[s
     return {**summary, "workers_requested": opts.workers, "workers_capped": why}
 
 
-class ConvertRun(PlanRun[ShareResult]):
+class ConvertRun(WritesMegatron[ShareResult]):
     """Convert's steps of the shared flow: each rank writes its own DCP data files; rank 0 the metadata."""
 
     verb = "convert"
-    noun = "Megatron tensors"
 
     def __init__(self, job: ConvertJob, opts: RunOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
@@ -389,12 +389,6 @@ class ConvertRun(PlanRun[ShareResult]):
     def share_of(self, rank: int, world: int) -> list[Mapping]:
         self.world = world
         return shares(self.job.plan.mappings, world)[rank]
-
-    def share_bytes(self, share: list[Mapping]) -> int:
-        return sum(m.mcore_bytes for m in share)
-
-    def share_items(self, share: list[Mapping]) -> int:
-        return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> ShareResult:
         self._writer = DcpWriter(stage, specs=self.job.plan.mcore_index, group=group, progress=prog,

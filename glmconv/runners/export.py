@@ -88,7 +88,7 @@ from glmconv.runners.export_job import (
     like_tensors,
     source_job,
 )
-from glmconv.runners.flow import PlanRun, balanced, check_once, publish_run
+from glmconv.runners.flow import FlowOptions, PlanRun, balanced, check_once, publish_run
 from glmconv.runners.ranks import Group, cores_per_rank
 from glmconv.runners.workers import capped
 
@@ -100,13 +100,12 @@ _RANK_DIR = ".rank-{:05d}"
 
 
 @dataclass(frozen=True)
-class ExportOptions:
+class ExportOptions(FlowOptions):
+    """How export runs (what it writes is the job's): processes, threads, the device that encodes FP8, checks."""
+
     workers: int = DEFAULT_WORKERS
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    progress: bool = True
     check_finite: bool = True  # refuse a NaN/Inf in any Megatron tensor read (always: copied bytes are scanned)
     zero_copy: bool = field(default_factory=zero_copy)
-    space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
     threads: int = DEFAULT_THREADS  # reader/encoder threads per worker, ahead of its writer (0: none)
     ahead_bytes: int = DEFAULT_AHEAD_BYTES  # steps made ahead of the writer hold at most this, per worker
     device: str = DEFAULT_DEVICE  # where FP8 weights are encoded: cpu, cuda, auto (numerics.dequant.resolve_device)
@@ -357,7 +356,7 @@ def verify_staged(job: ExportJob, stage: Path) -> None:
 
 def bytes_in(job: ExportJob) -> int:
     """Bytes of Megatron tensor data export reads."""
-    return sum(m.mcore_bytes for m in job.plan.mappings)
+    return job.plan.mcore_bytes
 
 
 def bytes_out(job: ExportJob) -> int:

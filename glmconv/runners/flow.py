@@ -9,10 +9,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
 from glmconv import phases
+from glmconv.defaults import DEFAULT_CHUNK_BYTES
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io.jsonfile import JsonObject
 from glmconv.plan import Mapping
@@ -30,6 +32,15 @@ from glmconv.runners.ranks import (
 )
 
 R = TypeVar("R")  # what one rank's share comes back as, gathered on rank 0 (each direction has its own)
+
+
+@dataclass(frozen=True)
+class FlowOptions:
+    """What every run of the shared flow takes (convert's, export's and relayout's options add their own)."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the largest piece of a tensor held at once
+    progress: bool = True
+    space_check: bool = True  # refuse up front an output that cannot fit on OUT's filesystem
 
 
 class PlanRun(ABC, Generic[R]):
@@ -66,6 +77,18 @@ class PlanRun(ABC, Generic[R]):
     @abstractmethod
     def finish(self, stage: Path, results: list[R], world: int) -> JsonObject:
         """Rank 0: sidecars and verification of the staged output; the summary to publish."""
+
+
+class WritesMegatron(PlanRun[R]):
+    """A run whose shares write each mapping's Megatron tensors as the plan has them (convert, relayout)."""
+
+    noun = "Megatron tensors"
+
+    def share_bytes(self, share: list[Mapping]) -> int:
+        return sum(m.mcore_bytes for m in share)
+
+    def share_items(self, share: list[Mapping]) -> int:
+        return sum(len(m.mcore) for m in share)
 
 
 def run_plan(run: PlanRun[R], stage: Path, rank: int, world: int, group: Group) -> JsonObject:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmconv import source_dtypes, space
-from glmconv.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_GROUP_BYTES, KEEP, zero_copy
+from glmconv.defaults import DEFAULT_GROUP_BYTES, KEEP, zero_copy
 from glmconv.errors import CheckpointError, GlmconvError
 from glmconv.io import finite, sidecars
 from glmconv.io.byte_copy import Extent
@@ -63,7 +63,7 @@ from glmconv.runners.export_job import (
     read_manifest,
     source_job,
 )
-from glmconv.runners.flow import PlanRun, check_once, publish_run
+from glmconv.runners.flow import FlowOptions, WritesMegatron, check_once, publish_run
 from glmconv.runners.job import Job
 from glmconv.runners.ranks import Group
 
@@ -96,19 +96,18 @@ class RelayoutJob(Job):
 
     @property
     def bytes_in(self) -> int:
-        return sum(m.mcore_bytes for m in self.source.mappings)
+        return self.source.mcore_bytes
 
     @property
     def bytes_out(self) -> int:
-        return sum(m.mcore_bytes for m in self.target.mappings)
+        return self.target.mcore_bytes
 
 
 @dataclass(frozen=True)
-class RelayoutOptions:
+class RelayoutOptions(FlowOptions):
+    """How relayout runs: memory per group, and whether bytes may move unread."""
+
     group_bytes: int = DEFAULT_GROUP_BYTES
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    progress: bool = True
-    space_check: bool = True
     zero_copy: bool = field(default_factory=zero_copy)  # GLMCONV_ZERO_COPY=0: always read through torch
 
 
@@ -353,11 +352,10 @@ def relayout(job: RelayoutJob, opts: RelayoutOptions, *, force: bool = False) ->
                        (lambda: space_plan(job, True)) if opts.space_check else None)
 
 
-class RelayoutRun(PlanRun[Counts]):
+class RelayoutRun(WritesMegatron[Counts]):
     """Relayout's steps of the shared flow (one rank): DCP data files, then objects, common state, metadata."""
 
     verb = "relayout"
-    noun = "Megatron tensors"
 
     def __init__(self, job: RelayoutJob, opts: RelayoutOptions) -> None:
         self.job, self.opts, self.show_progress = job, opts, opts.progress
@@ -365,12 +363,6 @@ class RelayoutRun(PlanRun[Counts]):
 
     def share_of(self, rank: int, world: int) -> list[Mapping]:
         return list(self.job.target.mappings)
-
-    def share_bytes(self, share: list[Mapping]) -> int:
-        return sum(m.mcore_bytes for m in share)
-
-    def share_items(self, share: list[Mapping]) -> int:
-        return sum(len(m.mcore) for m in share)
 
     def run_share(self, share: list[Mapping], rank: int, stage: Path, prog: Progress, group: Group) -> Counts:
         writer = self._writer = DcpWriter(stage, specs=self.job.target.mcore_index, group=group, progress=prog,
