@@ -39,6 +39,7 @@ def begin(command: str, doing: str, as_json: bool) -> None:
     say(command, PLAN, doing, enabled=not as_json)
     ends_quickly()
 
+
 # summary keys whose line goes to stderr whatever the output mode: what the layout's trainer will not load (convert,
 # relayout), what SRC lacked and --like gave (export), a --workers count capped and why (convert, export, verify)
 WARNINGS = ("homeless_warning", "taken_from_like_warning", "workers_capped")
