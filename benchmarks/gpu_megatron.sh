@@ -5,7 +5,8 @@
 # packed sequences (3,072 + 1,024), both modes, each backend, aligned conventions (--train-conventions serve).
 # Usage: bash benchmarks/gpu_megatron.sh STEP...
 #   whl | z3: install the carried .whl / .whl-z3 wheels (megatron-core is in .whl-z3; scripts/stage-wheels.sh)
-#   make: fixture make + convert --layout mcore into $WORK, and the prompt file
+#   make: fixture make + convert --layout mcore into $WORK, and the prompt file (HF_FROM=DIR: that real-cut4
+#         source instead of a new BF16 one, e.g. /tmp/rc4/hf, the FP8 one gpu_verdict.sh made on the same machine)
 #   tests: tests/gpu/test_megatron_backend_cuda.py (tiny fixtures carried in out/gpu: see gpu_verdict.sh)
 #   propagated | isolated: that mode's two runs (megatron, then glmconv backend), wall times in $RES/times.txt
 #   both: propagated isolated (the four runs; split them over two calls if one call's 10 minutes is short)
@@ -40,8 +41,10 @@ torch.version.cuda, m.__version__)"
         python3 -c "import fast_hadamard_transform" 2>/dev/null && echo "fast_hadamard_transform: installed" \
           || echo "fast_hadamard_transform: absent (torch stand-in)"; } > "$RES/env.txt" 2>&1
       rm -rf "$WORK/hf" "$WORK/mc"
-      /usr/bin/time -f "fixture wall %e s" -a -o "$RES/times.txt" \
+      if [ -n "${HF_FROM:-}" ]; then ln -sfn "$HF_FROM" "$WORK/hf"  # e.g. gpu_verdict.sh's FP8 real-cut4
+      else /usr/bin/time -f "fixture wall %e s" -a -o "$RES/times.txt" \
         python3 -m glmconv fixture make "$WORK/hf" --preset real-cut4 --seed 0 > "$RES/fixture.txt" 2>&1
+      fi
       /usr/bin/time -f "convert wall %e s" -a -o "$RES/times.txt" \
         python3 -m glmconv convert "$WORK/hf" "$WORK/mc" --layout mcore --workers auto > "$RES/convert.txt" 2>&1
       python3 -c "

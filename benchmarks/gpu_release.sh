@@ -15,7 +15,8 @@
 #   issue38: issue 38 in one device call (~6 min after the start; BUDGET s, default 360, then the rest is skipped and
 #            said so): real-cut4 FP8 and a 1 GB FP8 bench made; convert, verify and export --fp8 --like --device cuda
 #            at 1 and 4 workers (exports byte for byte against the source), export against cp+sync of its output,
-#            the 1 GB convert against `import torch`, tests/gpu's FP8 tests (the kernel and parity tests need the
+#            the 1 GB convert against `import torch`, tests/gpu's FP8 tests (RC4_FROM=DIR: that real-cut4 FP8
+#            source instead of a new one, e.g. /tmp/rc4/hf left by gpu_verdict.sh on the same machine) (the kernel and parity tests need the
 #            wheels: gpu_kernels.sh), export --device cpu last; `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
 #   command's own output). Every call ends with it: only $OUT comes back.
@@ -79,10 +80,12 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
     df -h /tmp | tail -1; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__)"; } \
     > "$RES/env.txt" 2>&1
-  timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset "${PRESET38:-real-cut4}" --fp8 --seed 0 --force --json &
+  if [ -n "${RC4_FROM:-}" ]; then rm -rf "$WORK/rc4"; ln -sfn "$RC4_FROM" "$WORK/rc4"  # gpu_verdict.sh's, same seed
+  else timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset "${PRESET38:-real-cut4}" --fp8 --seed 0 --force --json &
+  fi
   timed make-fp8-1 "${G[@]}" fixture make "$WORK/fp8-1" --preset bench --size "${SIZE38:-1GB}" --fp8 --force &
   wait
-  du -sb "$WORK/rc4" "$WORK/fp8-1" >> "$RES/sizes.txt"
+  du -sbL "$WORK/rc4" "$WORK/fp8-1" >> "$RES/sizes.txt"
   rm -rf "$WORK/$c-mc"; sync; timed "$c-convert-w1" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 1 --json
   for w in 1 4; do
     within_budget "$c-export-cuda-w$w" || continue
