@@ -6,3 +6,9 @@ link_packages() {
   ln -sfn "$2/cli" "$1/glmconv_cli"
   ln -sfn "$2/fixtures" "$1/glmconv_fixtures"
 }
+# unpack_sites: /tmp/site and /tmp/site-z3 from .sites/*.tar.xz (scripts/pack-sites.sh: the same packages as the
+# .whl and .whl-z3 wheels, unpacked and xz'd to 39 MB, so that they and the tree travel in one call).
+unpack_sites() {
+  [ -d /tmp/site ] || tar -xJf .sites/sites.tar.xz -C /tmp
+  [ -d /tmp/site-z3 ] || tar -xJf .sites/z3.tar.xz -C /tmp
+}

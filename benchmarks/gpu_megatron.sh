@@ -4,6 +4,7 @@
 # in BF16 and converted to the mcore layout there; parity runs bf16, --stream-layers, at 4,096 tokens in two
 # packed sequences (3,072 + 1,024), both modes, each backend, aligned conventions (--train-conventions serve).
 # Usage: bash benchmarks/gpu_megatron.sh STEP...
+#   sites: unpack .sites/*.tar.xz (scripts/pack-sites.sh), the wheels below in one call with the tree
 #   whl | z3: install the carried .whl / .whl-z3 wheels (megatron-core is in .whl-z3; scripts/stage-wheels.sh)
 #   make: fixture make + convert --layout mcore into $WORK, and the prompt file (HF_FROM=DIR: that real-cut4
 #         source instead of a new BF16 one, e.g. /tmp/rc4/hf, the FP8 one gpu_verdict.sh made on the same machine)
@@ -31,6 +32,7 @@ parity() {  # parity NAME ARGS...: time one run
 }
 for step in "$@"; do
   case $step in
+    sites) unpack_sites ;;  # .sites/*.tar.xz (scripts/pack-sites.sh): whl and z3 in one call
     whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
     z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 \
           .whl-z3/*.whl ;;

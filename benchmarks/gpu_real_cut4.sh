@@ -4,6 +4,7 @@
 # `parity --device cuda --stream-layers` at 4096 tokens in two packed sequences: kernels on the train side,
 # references on the serve side; once with the Megatron-port defaults, once with --train-conventions serve.
 # Usage: bash benchmarks/gpu_real_cut4.sh STEP...
+#   sites: unpack .sites/*.tar.xz (scripts/pack-sites.sh), the wheels below in one call with the tree
 #   whl | z3: install the carried .whl / .whl-z3 wheels (two calls: 64 MiB per call; see scripts/stage-wheels.sh)
 #   make: fixture make + convert into $WORK (timed, peak RSS); tests: tests/gpu/test_parity_cuda.py (fixtures
 #   carried in out/gpu); parity: the two real-cut4 runs; summary: the figures RESULTS.md records.
@@ -24,6 +25,7 @@ timed() {  # timed NAME CMD...: wall time and peak RSS of CMD into $OUT/times.tx
 }
 for step in "$@"; do
   case $step in
+    sites) unpack_sites ;;  # .sites/*.tar.xz (scripts/pack-sites.sh): whl and z3 in one call
     whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
     z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 .whl-z3/*.whl ;;
     make)

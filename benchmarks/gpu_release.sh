@@ -4,6 +4,7 @@
 # 2 GB and a 6 GB bench (and on real-cut4), `export --fp8 --like` byte for byte against its source, the tiny
 # convert against `import torch`, and tests/gpu.
 # Usage: bash benchmarks/gpu_release.sh STEP...
+#   sites: unpack .sites/*.tar.xz (scripts/pack-sites.sh), the wheels below in one call with the tree
 #   whl | z3: install the carried .whl / .whl-z3 wheels (64 MiB per call with the tree: tilelang's wheel in one call,
 #             the other wheels of .whl with .whl-z3 in the next; scripts/stage-wheels.sh)
 #   make: the bench sources (FP8 and BF16 at 2 GB and 6 GB, a single-file FP8 source) and real-cut4 (not with NO_RC4=1),
@@ -131,6 +132,7 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
 
 for step in "$@"; do
   case $step in
+    sites) unpack_sites ;;  # .sites/*.tar.xz (scripts/pack-sites.sh): whl and z3 in one call
     whl) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;  # those carried
     z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 \
           .whl-z3/*.whl ;;

@@ -4,6 +4,7 @@
 # 4,096 tokens in two packed sequences (3,072 + 1,024), kernels on the train side, aligned conventions, with the
 # planted-defect catalog (`--self-test`) in one pass per run.
 # Usage: bash benchmarks/gpu_verdict.sh STEP...
+#   sites: unpack .sites/*.tar.xz (scripts/pack-sites.sh), the wheels below in one call with the tree
 #   whl | z3: install the carried .whl / .whl-z3 wheels (two calls: 64 MiB per call; scripts/stage-wheels.sh)
 #   make: fixture make + convert into $WORK and the prompt file
 #   tests: tests/gpu/test_parity_verdict_cuda.py (tiny fixtures carried in out/gpu, made with --init unit)
@@ -30,6 +31,7 @@ parity() {  # parity TREE CLI NAME ARGS...: time one run of that tree's glmconv 
 }
 step=$1; shift
 case $step in
+  sites) unpack_sites ;;  # .sites/*.tar.xz (scripts/pack-sites.sh): whl and z3 in one call
   whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
   z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 \
         .whl-z3/*.whl ;;
