@@ -13,7 +13,6 @@ Pools are numbered globally over the packed batch; each query's visible pools ar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +23,11 @@ from glmconv.ops.kpool import K_NORM_EPS, IndexerTensors, KpoolParams
 
 SCORE_PRECISION = "tf32x3"
 
-# The kernels' pointer and scalar arguments are typed `Any`: triton reads a parameter's annotation (a dtype name
-# such as `int` would pin its type and drop triton's specialisation on its value), and an unknown name like `Any`
-# leaves it as unannotated. `triton.jit` is untyped for mypy: triton ships no py.typed.
+# The kernels' pointer and scalar arguments are typed `tl.tensor` (what they are inside a kernel): triton reads a
+# parameter's annotation (a dtype name such as `int` would pin its type and drop triton's specialisation on its
+# value; `tl.tensor` is none), and its code generator resolves the annotation's names as globals of the kernel, which
+# must be modules or constexprs (`Any` fails to compile in triton 3.6: tests/kernels/test_kpool_compiles.py).
+# `triton.jit` is untyped for mypy: triton ships no py.typed.
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ def layout(cu_seqlens: torch.Tensor, tokens: int, kpool: int, pools_per_row: int
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no py.typed
-def _pool_kernel(ik: Any, gate: Any, ape: Any, pool_tok: Any, keys: Any, n_pools: Any, D: tl.constexpr,
+def _pool_kernel(ik: tl.tensor, gate: tl.tensor, ape: tl.tensor, pool_tok: tl.tensor, keys: tl.tensor,
+                 n_pools: tl.tensor, D: tl.constexpr,
                  KP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr) -> None:
     """keys[p, :] = per-channel softmax over the pool's KP tokens of (gate + ape), weighting ik."""
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -84,8 +86,9 @@ def _pool_kernel(ik: Any, gate: Any, ape: Any, pool_tok: Any, keys: Any, n_pools
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no py.typed
-def _score_kernel(iq: Any, keys: Any, head_w: Any, lo: Any, hi: Any, scores: Any, T: Any, n_pools: Any,
-                  scale: Any, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr,
+def _score_kernel(iq: tl.tensor, keys: tl.tensor, head_w: tl.tensor, lo: tl.tensor, hi: tl.tensor, scores: tl.tensor,
+                  T: tl.tensor, n_pools: tl.tensor,
+                  scale: tl.tensor, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr) -> None:
     """scores[t, p] = sum_h w[t, h] relu(iq[t, h] . keys[p] * scale) for lo[t] <= p < hi[t], else -inf."""
     t = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -111,8 +114,9 @@ def _score_kernel(iq: Any, keys: Any, head_w: Any, lo: Any, hi: Any, scores: Any
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no py.typed
-def _expand_kernel(chosen: Any, pool_tok: Any, lo: Any, hi: Any, krow: Any, tail: Any, out: Any, K: Any,
-                   width: Any, KP: tl.constexpr, TAIL: tl.constexpr, BLOCK_K: tl.constexpr,
+def _expand_kernel(chosen: tl.tensor, pool_tok: tl.tensor, lo: tl.tensor, hi: tl.tensor, krow: tl.tensor,
+                   tail: tl.tensor, out: tl.tensor, K: tl.tensor,
+                   width: tl.tensor, KP: tl.constexpr, TAIL: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_C: tl.constexpr) -> None:
     """Row t: its visible chosen pools as token ids (best first), -1 up to krow * KP, then the tail."""
     t = tl.program_id(0)
