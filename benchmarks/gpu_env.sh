@@ -11,4 +11,8 @@ link_packages() {
 unpack_sites() {
   [ -d /tmp/site ] || tar -xJf .sites/sites.tar.xz -C /tmp
   [ -d /tmp/site-z3 ] || tar -xJf .sites/z3.tar.xz -C /tmp
+  # once (2026-12-06) a run right after this step found no fla: say what imports before any run depends on it
+  PYTHONPATH=/tmp/site:/tmp/site-z3 python3 -c "import fla, tilelang, megatron.core as m; print('sites:', \
+fla.__version__, tilelang.__version__, m.__version__)" 2>&1 | tail -n 1
+  ls /tmp/site /tmp/site-z3 | tr '\n' ' ' | head -c 600; echo
 }
