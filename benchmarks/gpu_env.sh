@@ -9,9 +9,9 @@ link_packages() {
 # unpack_sites: /tmp/site and /tmp/site-z3 from .sites/*.tar.xz (scripts/pack-sites.sh: the same packages as the
 # .whl and .whl-z3 wheels, unpacked and xz'd to 39 MB, so that they and the tree travel in one call).
 unpack_sites() {
-  [ -d /tmp/site ] || tar -xJf .sites/sites.tar.xz -C /tmp
-  [ -d /tmp/site-z3 ] || tar -xJf .sites/z3.tar.xz -C /tmp
-  # once (2026-12-06) a run right after this step found no fla: say what imports before any run depends on it
+  [ -d /tmp/site/tilelang ] || tar -xJf .sites/sites.tar.xz -C /tmp
+  [ -d /tmp/site-z3/fla ] || tar -xJf .sites/z3.tar.xz -C /tmp
+  # what imports, before any run depends on it (2026-12-06: a hand-made archive held an empty site-z3)
   PYTHONPATH=/tmp/site:/tmp/site-z3 python3 -c "import fla, tilelang, megatron.core as m; print('sites:', \
 fla.__version__, tilelang.__version__, m.__version__)" 2>&1 | tail -n 1
   ls /tmp/site /tmp/site-z3 | tr '\n' ' ' | head -c 600; echo
