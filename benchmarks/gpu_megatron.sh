@@ -12,6 +12,7 @@
 #   propagated | isolated: that mode's two runs (megatron, then glmconv backend), wall times in $RES/times.txt
 #   both: propagated isolated (the four runs; split them over two calls if one call's 10 minutes is short)
 #   pack: $RES into $OUT/megatron.tgz
+# A dry run of the steps on a CPU host: DEV=cpu PRESET=tiny LENGTHS="96 32" OUT=/tmp/out (the names keep what they say on the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD"
@@ -20,7 +21,7 @@ export PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD:/tm
 WORK=${WORK:-/tmp/mg4}
 RES=${RES:-/tmp/megatron}
 mkdir -p "$WORK" "$RES"
-COMMON=(--device cuda --dtype bf16 --stream-layers --train-conventions serve --prompt-file "$WORK/prompt.jsonl" --json)
+COMMON=(--device "${DEV:-cuda}" --dtype bf16 --stream-layers --train-conventions serve --prompt-file "$WORK/prompt.jsonl" --json)
 parity() {  # parity NAME ARGS...: time one run
   local name=$1; shift
   rm -rf "${RES:?}/$name"
@@ -45,14 +46,15 @@ torch.version.cuda, m.__version__)"
       rm -rf "$WORK/hf" "$WORK/mc"
       if [ -n "${HF_FROM:-}" ]; then ln -sfn "$HF_FROM" "$WORK/hf"  # e.g. gpu_verdict.sh's FP8 real-cut4
       else /usr/bin/time -f "fixture wall %e s" -a -o "$RES/times.txt" \
-        python3 -m glmconv fixture make "$WORK/hf" --preset real-cut4 --seed 0 > "$RES/fixture.txt" 2>&1
+        python3 -m glmconv fixture make "$WORK/hf" --preset "${PRESET:-real-cut4}" --seed 0 > "$RES/fixture.txt" 2>&1
       fi
       /usr/bin/time -f "convert wall %e s" -a -o "$RES/times.txt" \
         python3 -m glmconv convert "$WORK/hf" "$WORK/mc" --layout mcore --workers auto > "$RES/convert.txt" 2>&1
       python3 -c "
-import json, random
-r = random.Random(0)
-print('\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (3072, 1024)))" > "$WORK/prompt.jsonl" ;;
+import json, random, sys
+r, vocab = random.Random(0), json.load(open(sys.argv[1]))['text_config']['vocab_size']
+print('\n'.join(json.dumps([r.randrange(vocab) for _ in range(int(n))]) for n in sys.argv[2:]))" \
+        "$WORK/hf/config.json" ${LENGTHS:-3072 1024} > "$WORK/prompt.jsonl" ;;
     tests) GLMCONV_GPU_FIXTURES=$PWD/out/gpu python3 -m pytest -q -p no:cacheprovider \
              tests/gpu/test_megatron_backend_cuda.py > "$RES/gpu-tests.txt" 2>&1
            echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 5 "$RES/gpu-tests.txt" ;;
