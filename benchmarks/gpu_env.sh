@@ -6,13 +6,19 @@ link_packages() {
   ln -sfn "$2/cli" "$1/glmconv_cli"
   ln -sfn "$2/fixtures" "$1/glmconv_fixtures"
 }
-# unpack_sites: /tmp/site and /tmp/site-z3 from .sites/*.tar.xz (scripts/pack-sites.sh: the same packages as the
-# .whl and .whl-z3 wheels, unpacked and xz'd to 39 MB, so that they and the tree travel in one call).
-unpack_sites() {
-  [ -d /tmp/site/tilelang ] || tar -xJf .sites/sites.tar.xz -C /tmp
-  [ -d /tmp/site-z3/fla ] || tar -xJf .sites/z3.tar.xz -C /tmp
-  # what imports, before any run depends on it (2026-12-06: a hand-made archive held an empty site-z3)
-  PYTHONPATH=/tmp/site:/tmp/site-z3 python3 -c "import fla, tilelang, megatron.core as m; print('sites:', \
+# packages STEP: the GPU machine's extra packages into /tmp/site (tilelang) and /tmp/site-z3 (z3, fla, megatron-core,
+# ...), each skipped where already there. sites: .sites/*.tar.xz (scripts/pack-sites.sh: the wheels below unpacked
+# and xz'd to 39 MB, so that they and the tree travel in one call); whl | z3: the .whl / .whl-z3 wheels (two calls:
+# 64 MiB per call; scripts/stage-wheels.sh). Then what imports, before any run depends on it (2026-12-06: a
+# hand-made archive held an empty site-z3 folder, and a check by folder skipped the real one).
+packages() {
+  local pip=(python3 -m pip install -q --no-index --no-deps --no-compile --target)
+  case $1 in
+    sites) [ -d /tmp/site/tilelang ] || tar -xJf .sites/sites.tar.xz -C /tmp
+           [ -d /tmp/site-z3/fla ] || tar -xJf .sites/z3.tar.xz -C /tmp ;;
+    whl) [ -d /tmp/site/tilelang ] || "${pip[@]}" /tmp/site .whl/*.whl ;;
+    z3) [ -d /tmp/site-z3/fla ] || "${pip[@]}" /tmp/site-z3 .whl-z3/*.whl ;;
+  esac
+  [ "$1" = whl ] || PYTHONPATH=/tmp/site:/tmp/site-z3 python3 -c "import fla, tilelang, megatron.core as m; print('packages:', \
 fla.__version__, tilelang.__version__, m.__version__)" 2>&1 | tail -n 1
-  ls /tmp/site /tmp/site-z3 | tr '\n' ' ' | head -c 600; echo
 }

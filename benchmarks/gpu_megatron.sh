@@ -33,10 +33,7 @@ parity() {  # parity NAME ARGS...: time one run
 }
 for step in "$@"; do
   case $step in
-    sites) unpack_sites ;;  # .sites/*.tar.xz (scripts/pack-sites.sh): whl and z3 in one call
-    whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
-    z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 \
-          .whl-z3/*.whl ;;
+    sites|whl|z3) packages "$step" ;;  # benchmarks/gpu_env.sh
     make)
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
         python3 -c "import sys, torch, megatron.core as m; print(sys.version.split()[0], torch.__version__, \

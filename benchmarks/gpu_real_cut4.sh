@@ -25,9 +25,7 @@ timed() {  # timed NAME CMD...: wall time and peak RSS of CMD into $OUT/times.tx
 }
 for step in "$@"; do
   case $step in
-    sites) unpack_sites ;;  # .sites/*.tar.xz (scripts/pack-sites.sh): whl and z3 in one call
-    whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
-    z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 .whl-z3/*.whl ;;
+    sites|whl|z3) packages "$step" ;;  # benchmarks/gpu_env.sh
     make)
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
         python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"; } \

@@ -132,10 +132,7 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
 
 for step in "$@"; do
   case $step in
-    sites) unpack_sites ;;  # .sites/*.tar.xz (scripts/pack-sites.sh): whl and z3 in one call
-    whl) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;  # those carried
-    z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 \
-          .whl-z3/*.whl ;;
+    sites|whl|z3) packages "$step" ;;  # benchmarks/gpu_env.sh
     make)
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
         df -h /tmp | tail -1; git log -1 --format=%h 2>/dev/null

@@ -31,10 +31,7 @@ parity() {  # parity TREE CLI NAME ARGS...: time one run of that tree's glmconv 
 }
 step=$1; shift
 case $step in
-  sites) unpack_sites ;;  # .sites/*.tar.xz (scripts/pack-sites.sh): whl and z3 in one call
-  whl) [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl ;;
-  z3) [ -d /tmp/site-z3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-z3 \
-        .whl-z3/*.whl ;;
+  sites|whl|z3) packages "$step" ;;  # benchmarks/gpu_env.sh
   make)
     export PYTHONPATH=$SITE:$PWD:/tmp/glmconv-cli
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
