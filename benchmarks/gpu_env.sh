@@ -19,6 +19,9 @@ packages() {
     whl) [ -d /tmp/site/tilelang ] || "${pip[@]}" /tmp/site .whl/*.whl ;;
     z3) [ -d /tmp/site-z3/fla ] || "${pip[@]}" /tmp/site-z3 .whl-z3/*.whl ;;
   esac
-  [ "$1" = whl ] || PYTHONPATH=/tmp/site:/tmp/site-z3 python3 -c "import fla, tilelang, megatron.core as m; print('packages:', \
-fla.__version__, tilelang.__version__, m.__version__)" 2>&1 | tail -n 1
+  [ "$1" = whl ] || PYTHONPATH=/tmp/site:/tmp/site-z3 python3 -c "import fla, tilelang, megatron.core as m, jsonschema, hypothesis; \
+print('packages:', fla.__version__, tilelang.__version__, m.__version__)" 2>&1 | tail -n 1
 }
+# keep_tracebacks RES: the tracebacks glmconv saved for its internal errors (one line on stderr names each) into RES,
+# so that `pack` brings them back
+keep_tracebacks() { cp "${TMPDIR:-/tmp}"/glmconv-internal-error-*.txt "$1"/ 2>/dev/null || true; }

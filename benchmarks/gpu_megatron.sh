@@ -12,6 +12,7 @@
 #   propagated | isolated: that mode's two runs (megatron, then glmconv backend), wall times in $RES/times.txt
 #   both: propagated isolated (the four runs; split them over two calls if one call's 10 minutes is short)
 #   pack: $RES into $OUT/megatron.tgz
+#   free: $WORK/mc removed (19 GB at real-cut4; see gpu_verdict.sh's free)
 # A dry run of the steps on a CPU host: DEV=cpu PRESET=tiny LENGTHS="96 32" OUT=/tmp/out (the names keep what they say on the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +60,8 @@ print('\n'.join(json.dumps([r.randrange(vocab) for _ in range(int(n))]) for n in
       parity "megatron-$step" --mode "$step" --train-backend megatron
       parity "glmconv-$step" --mode "$step" --train-backend glmconv ;;
     both) bash "$0" propagated isolated ;;
-    pack) tar -czf "$OUT/megatron.tgz" -C "$RES" . && cat "$RES/times.txt" ;;
+    free) rm -rf "${WORK:?}/mc"; df -h "$WORK" | tail -n 1 ;;
+    pack) keep_tracebacks "$RES"; tar -czf "$OUT/megatron.tgz" -C "$RES" . && cat "$RES/times.txt" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

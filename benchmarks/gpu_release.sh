@@ -208,7 +208,7 @@ print('\\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (3
       done
       timed tiny-profile python3 -X importtime -m glmconv convert out/gpu/hf-tiny-fp8 "$WORK/tiny-mc2" --json ;;
     issue38) issue38 ;;
-    pack) python3 benchmarks/release_summary.py "$RES" > "$RES/summary.md" 2>&1; cp "$RES/times.txt" "$RES/summary.md" "$OUT"/; tar -czf "$OUT/results.tgz" -C "$RES" . ; cat "$RES/times.txt" ;;
+    pack) keep_tracebacks "$RES"; python3 benchmarks/release_summary.py "$RES" > "$RES/summary.md" 2>&1; cp "$RES/times.txt" "$RES/summary.md" "$OUT"/; tar -czf "$OUT/results.tgz" -C "$RES" . ; cat "$RES/times.txt" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

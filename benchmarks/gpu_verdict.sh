@@ -11,6 +11,8 @@
 #   run NAME [parity args...]: one parity run (report in $RES/NAME, wall time and exit code in $RES/times.txt)
 #   old NAME [parity args...]: the same with the tree in bench-data/old (the baseline a ratio is taken against)
 #   pack: $RES into $OUT/verdict.tgz (the device returns at most 8 files)
+#   free: $WORK/mc removed (19 GB; the FP8 source $WORK/hf stays for gpu_megatron.sh / gpu_release.sh on the same
+#         machine: the disk holds 64 GB, and 2026-12-06 the release runs found 17.8 GB free after these two)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD" && link_packages /tmp/glmconv-cli-old "$PWD/bench-data/old"
@@ -51,6 +53,7 @@ print('\n'.join(json.dumps([r.randrange(154880) for _ in range(n)]) for n in (30
          echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 5 "$RES/gpu-tests.txt" ;;
   run) parity "$PWD" /tmp/glmconv-cli "$@" ;;
   old) parity "$PWD/bench-data/old" /tmp/glmconv-cli-old "$@" ;;
-  pack) tar -czf "$OUT/verdict.tgz" -C "$RES" . && cat "$RES/times.txt" ;;
+  free) rm -rf "${WORK:?}/mc"; df -h "$WORK" | tail -n 1 ;;
+  pack) keep_tracebacks "$RES"; tar -czf "$OUT/verdict.tgz" -C "$RES" . && cat "$RES/times.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

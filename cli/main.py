@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
+import tempfile
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -61,7 +64,7 @@ class _Group(click.Group):
         except BrokenPipeError:
             _reader_gone()
         except Exception as exc:
-            _fail(internal_error_line(exc), INTERNAL_EXIT)
+            _fail(internal_error_line(exc, saved_traceback(exc)), INTERNAL_EXIT)
 
 
 def _interruptible(invoke: Callable[[click.Context], object], ctx: click.Context) -> object:
@@ -90,10 +93,24 @@ def _fail(line: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def internal_error_line(exc: BaseException) -> str:
-    """`internal error: <Type>: <message>; please report ...` on one line."""
+def internal_error_line(exc: BaseException, trace: str | None = None) -> str:
+    """`internal error: <Type>: <message>; please report ...` on one line, naming the saved traceback if any."""
     message = one_line(str(exc))
-    return f"internal error: {type(exc).__name__}{': ' + message if message else ''}; {REPORT_HINT}"
+    where = f" and the traceback in {one_line(trace)}" if trace else ""
+    return f"internal error: {type(exc).__name__}{': ' + message if message else ''}; {REPORT_HINT}{where}"
+
+
+def saved_traceback(exc: BaseException) -> str | None:
+    """The bug's traceback in a new file of the temp folder (the report needs it; the terminal gets one line), or
+    None where none can be written. mkstemp creates it (O_EXCL, mode 0600): no existing path or link is followed."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="glmconv-internal-error-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(f"glmconv {__version__}: {' '.join(sys.argv)}\n")
+            f.write("".join(traceback.format_exception(exc)))
+    except Exception:  # a full or read-only temp folder: the one line still goes out
+        return None
+    return path
 
 
 def one_line(text: str) -> str:

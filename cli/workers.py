@@ -45,4 +45,4 @@ def device_option(what: str, verb: str = "dequantised") -> Callable[[Any], Any]:
     return click.option("--device", type=click.Choice(defaults.DEVICE_CHOICES),
                         default=defaults.DEFAULT_DEVICE, show_default=True,
                         help=f"Where FP8 weights are {verb} and {what} (the same bits everywhere); auto: the "
-                        "GPU when one is visible and a worker has at least 1 GiB of FP8 codes.")
+                        "GPU when one is visible and a worker has at least 64 MiB of FP8 codes.")

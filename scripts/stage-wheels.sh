@@ -14,4 +14,6 @@ mkdir -p .whl .whl-z3
 get .whl tilelang==0.1.15 "apache-tvm-ffi>=0.1.11,<0.1.13" torch-c-dlpack-ext==0.1.5 \
     fla-core==0.6.0 flash-linear-attention==0.6.0 megatron-core==0.19.2
 get .whl-z3 "z3-solver>=4.13.0,<4.15.5"
+# what tests/conftest.py imports beyond pytest (tests/gpu on the device; 2026-12-06 it stopped there without jsonschema)
+get .whl-z3 jsonschema jsonschema-specifications referencing rpds-py attrs hypothesis sortedcontainers
 du -sh .whl .whl-z3

@@ -251,12 +251,40 @@ def test_unexpected_exception_is_an_internal_error_line_exit_3(exc: Exception, m
         raise exc
 
     monkeypatch.setattr("glmconv.runners.convert.prepare", boom)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     res = CliRunner().invoke(cli, ["convert", str(tmp_path), str(tmp_path / "out")])
     assert res.exit_code == 3
     message = f": {printable(str(exc))}" if str(exc) else ""
-    assert res.stderr == (f"internal error: {type(exc).__name__}{message}; "
-                          "please report this on the glmconv issue tracker with the command line\n")
+    [saved] = tmp_path.glob("glmconv-internal-error-*.txt")
+    assert res.stderr == (f"internal error: {type(exc).__name__}{message}; please report this on the glmconv issue "
+                          f"tracker with the command line and the traceback in {saved}\n")
     assert "Traceback" not in res.output
+
+
+def test_an_internal_error_saves_its_traceback_for_the_report(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def boom(*_: object, **__: object) -> None:
+        raise RuntimeError("expected scalar type BFloat16 but found Float")
+
+    monkeypatch.setattr("glmconv.runners.convert.prepare", boom)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    CliRunner().invoke(cli, ["convert", str(tmp_path), str(tmp_path / "out")])
+    [saved] = tmp_path.glob("glmconv-internal-error-*.txt")
+    text = saved.read_text()
+    assert text.startswith("glmconv ") and "Traceback (most recent call last)" in text
+    assert "in boom" in text and text.endswith("RuntimeError: expected scalar type BFloat16 but found Float\n")
+    assert saved.stat().st_mode & 0o777 == 0o600
+
+
+def test_an_internal_error_without_a_writable_temp_folder_is_still_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    def boom(*_: object, **__: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("glmconv.runners.convert.prepare", boom)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "absent"))
+    res = CliRunner().invoke(cli, ["convert", str(tmp_path), str(tmp_path / "out")])
+    assert (res.exit_code, res.stderr) == (3, "internal error: RuntimeError: boom; please report this on the glmconv "
+                                              "issue tracker with the command line\n")
 
 
 def test_glmconv_error_keeps_exit_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
