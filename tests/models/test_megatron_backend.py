@@ -67,6 +67,7 @@ def _parity(hf: str, mc: str, self_test: bool = False, dtype: str = "fp32") -> d
 
 def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str) -> None:
     from helpers import megatron_findings
+    from helpers.mixed_dtypes import MixedDtypes
 
     from glmconv.io.config_file import load_config
     from glmconv.models.megatron import load_modules
@@ -86,11 +87,11 @@ def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str)
     from glmconv.models.megatron.model import spied
 
     rotated: list[Any] = []
-    with spied(dsa, "rotate_activation", rotated):
+    with spied(dsa, "rotate_activation", rotated), MixedDtypes() as mixed:
         bf16 = _parity(hf, mc, dtype="bf16")
     torch.save({"requested": requested, "prefixes": list(modules.prefixed()), "hadamard": modules.hadamard,
                 "clean": clean, "planted": planted, "findings": findings, "bf16": bf16,
-                "rotated": [t.dtype for t in rotated]}, out)
+                "rotated": [t.dtype for t in rotated], "mixed_dtypes": sorted(set(mixed.found))}, out)
 
 
 def _sharded_tensors(sd: dict[str, Any]) -> list[Any]:
@@ -340,3 +341,11 @@ def test_bf16_rotates_the_indexer_and_measures_the_noise_against_the_fp32_twin(f
             assert not rec["diverged"], rec
         else:
             assert rec["noise_train"] > 0.0 and rec["diverged"], rec
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_bf16_hands_no_norm_or_linear_a_mix_of_dtypes_that_cuda_refuses(fixture: str, runs: dict[str, Any]) -> None:
+    """The bf16 run's norms and linears each see one floating dtype: CUDA's kernels refuse a bf16 input with fp32
+    weights, which the CPU's promote. megatron-core's torch norms make fp32 weights; TE's (what a trainer runs, and
+    the stand-in) make them in params_dtype."""
+    assert runs[fixture]["mixed_dtypes"] == []

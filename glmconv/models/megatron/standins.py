@@ -108,6 +108,8 @@ def te_norm(local: Any) -> type:
                 kw["config"] = copy.copy(kw["config"])  # torch norm refuses it for its weight gradients' sake only
                 kw["config"].sequence_parallel = False  # (torch_norm.py WrappedTorchNorm.__new__): no gradient here
             norm = build_module(local, *args, **kw)
+            if "config" in kw:  # TE makes its norms' weights in params_dtype (_get_extra_te_kwargs); torch's norm
+                norm.to(dtype=kw["config"].params_dtype)  # makes them fp32, which CUDA's bf16 kernels refuse
             for name, p in list(norm.named_parameters(recurse=False)):  # its weights as this module's own
                 self.register_parameter(name, p)
             self._run: Any = norm.forward  # unregistered (no second copy of the keys): runs on the same parameters
