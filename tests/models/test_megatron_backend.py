@@ -20,6 +20,8 @@ import pytest
 import torch
 from helpers import mcore_helpers as mh
 
+from glmconv.rules.modules import attention_prefix, mlp_prefix
+
 pytestmark = pytest.mark.filterwarnings("ignore")
 FIXTURES = ("tiny", "cut8")
 PLANTED = {"tiny": 2, "cut8": 4}  # a MoE layer (tiny's is before its DSA layer: the first divergence)
@@ -57,12 +59,42 @@ def _planted(mc: str, dst: Path, layer: int) -> str:
     return str(mh.rewrite_dcp(Path(mc), dst, edit, keep=("config.json", "glmconv.json")))
 
 
-def _parity(hf: str, mc: str, self_test: bool = False, dtype: str = "fp32") -> dict[str, Any]:
+def _parity(hf: str, mc: str, self_test: bool = False, dtype: str = "fp32", mode: str = "isolated",
+            stream: bool = False) -> dict[str, Any]:
     from glmconv.compare import ParityOptions, run_parity
 
-    return run_parity(ParityOptions(Path(hf), Path(mc), tokens=TOKENS, sequences=SEQUENCES, mode="isolated",
+    return run_parity(ParityOptions(Path(hf), Path(mc), tokens=TOKENS, sequences=SEQUENCES, mode=mode,
                                     train_conventions="serve", progress=False, train_backend="megatron",
-                                    self_test=self_test, dtype=dtype))
+                                    self_test=self_test, dtype=dtype, stream_layers=stream))
+
+
+def _streamed(hf: str, mc: str) -> dict[str, Any]:
+    """bf16 propagated runs held whole and streamed, and the most layers the streamed run's modules (the bf16 set
+    and its fp32 twin) held at once, with each layer's loads."""
+    from glmconv.models.megatron.load import MegatronModules
+
+    real = MegatronModules._module
+    held: list[int] = []
+    both: list[int] = []  # modules held in both dtypes at once
+    loads: list[tuple[str, str]] = []
+
+    def spy(self: MegatronModules, prefix: str, layer: int) -> Any:
+        if prefix not in self.prefixed():
+            loads.append((str(self.dtype), prefix))
+        out = real(self, prefix, layer)
+        held.append(len({layer for layer, _ in self._held.values()}))
+        other = self.source or self._precise
+        both.append(len(set(self._held) & set(other._held)) if other is not None else 0)
+        return out
+
+    whole = _parity(hf, mc, dtype="bf16", mode="propagated")
+    MegatronModules._module = spy  # type: ignore[method-assign]
+    try:
+        streamed = _parity(hf, mc, dtype="bf16", mode="propagated", stream=True)
+    finally:
+        MegatronModules._module = real  # type: ignore[method-assign]
+    return {"whole": whole, "streamed": streamed, "most_layers_held": max(held), "most_in_both_dtypes": max(both),
+            "loads": loads}
 
 
 def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str) -> None:
@@ -91,7 +123,8 @@ def _worker(rank: int, hf: str, mc: str, planted_dir: str, layer: int, out: str)
         bf16 = _parity(hf, mc, dtype="bf16")
     torch.save({"requested": requested, "prefixes": list(modules.prefixed()), "hadamard": modules.hadamard,
                 "clean": clean, "planted": planted, "findings": findings, "bf16": bf16,
-                "rotated": [t.dtype for t in rotated], "mixed_dtypes": sorted(set(mixed.found))}, out)
+                "rotated": [t.dtype for t in rotated], "mixed_dtypes": sorted(set(mixed.found)),
+                "streamed": _streamed(hf, mc)}, out)
 
 
 def _sharded_tensors(sd: dict[str, Any]) -> list[Any]:
@@ -349,3 +382,21 @@ def test_bf16_hands_no_norm_or_linear_a_mix_of_dtypes_that_cuda_refuses(fixture:
     weights, which the CPU's promote. megatron-core's torch norms make fp32 weights; TE's (what a trainer runs, and
     the stand-in) make them in params_dtype."""
     assert runs[fixture]["mixed_dtypes"] == []
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_streaming_holds_one_layers_modules_and_gives_the_same_records(fixture: str, runs: dict[str, Any]) -> None:
+    """--stream-layers: megatron-core's modules are loaded as their layer runs, one layer's at a time (the bf16 set
+    and its fp32 twin, never one module in both dtypes at once), each once, and every record equals the run that
+    holds them all."""
+    run = runs[fixture]["streamed"]
+    assert run["most_layers_held"] == 1
+    assert run["most_in_both_dtypes"] == 0  # the bf16 module leaves before its fp32 twin arrives
+    assert len(run["loads"]) == len(set(run["loads"]))  # each module loaded once per dtype: the twin casts in step
+    whole, streamed = run["whole"]["layers"], run["streamed"]["layers"]
+    assert [(r["layer"], r["sub_block"], r["impl"]) for r in streamed] == [
+        (r["layer"], r["sub_block"], r["impl"]) for r in whole]
+    for a, b in zip(whole, streamed):
+        assert (a["rel_err"], a["noise_train"], a["diverged"]) == (b["rel_err"], b["noise_train"], b["diverged"]), a
+    prefix = {"attention": attention_prefix, "mlp": mlp_prefix}
+    assert {p for _, p in run["loads"]} == {prefix[r["sub_block"]](r["layer"]) for r in whole if r["impl"] != "glmconv"}

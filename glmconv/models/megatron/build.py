@@ -93,6 +93,16 @@ def moe_layer(cfg: Any, layer: int) -> Any:
     return build(config=cfg, layer_number=layer + 1)
 
 
+def class_names(cfg: Any) -> tuple[str, str]:
+    """The classes `dsa_attention` and `moe_layer` build, read from the same specs ("Module+CoreAttention", "MoE")."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    dsa = get_dsa_module_spec_for_backend(cfg, _backend())
+    moe = get_moe_module_spec_for_backend(_backend(), num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
+    return f"{dsa.module.__name__}+{dsa.submodules.core_attention.module.__name__}", moe.func.__name__
+
+
 def _backend() -> Any:
     """megatron-core's local backend with TE's duplicated linear and TENorm stood in (what the TE backend gives the
     DSA spec; the linears TE column/row-parallel-izes are megatron-core's own Column/RowParallelLinear)."""

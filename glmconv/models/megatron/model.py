@@ -44,6 +44,7 @@ class MegatronModel(GlmModel):
         if modules.dtype != self.dtype:
             raise GlmconvError(f"megatron-core's modules are {modules.dtype}, the model {self.dtype}")
         self.modules = modules
+        self._names = modules.names()  # the classes that run its DSA attention and MoE cores
         self._layer = -1  # the MLP sub-block running (`_moe` is handed its weights, not its layer)
         self._clean: dict[tuple[str, int], Any] = {}  # the sub-block's weights before a planted defect
 
@@ -51,11 +52,11 @@ class MegatronModel(GlmModel):
 
     def impl(self, layer: int, sub_block: str) -> str:
         """The code that computes (`layer`, `sub_block`)'s core: a megatron-core module's name, or "glmconv"."""
-        if sub_block == ATTN and layer in self.modules.attention:
-            att = self.modules.attention[layer]
-            return f"{MEGATRON_CORE} {type(att).__name__}+{type(att.core_attention).__name__}"
-        if sub_block == MLP and layer in self.modules.moe:
-            return f"{MEGATRON_CORE} {type(self.modules.moe[layer]).__name__}"
+        attention, moe = self._names
+        if sub_block == ATTN and layer in self.modules.attention_layers:
+            return f"{MEGATRON_CORE} {attention}"
+        if sub_block == MLP and layer in self.modules.moe_layers:
+            return f"{MEGATRON_CORE} {moe}"
         return GLMCONV
 
     def impls(self) -> dict[str, str]:
@@ -90,8 +91,9 @@ class MegatronModel(GlmModel):
 
         if replay is not None:
             raise GlmconvError(NO_REPLAY.format(what="indexer", module="DSAttention"))
-        module = self.modules.attention[layer]
         seen: list[Any] = []
+        with self._running():
+            module = self.modules.attention(layer)  # streaming: loaded now
         with self._running(), self._plant(module, w, layer, ATTN), spied(dsa, "fused_qk_topk_naive", seen):
             y, _ = module(streams.to_module(a), None, packed_seq_params=streams.packed(cu_seqlens, a.device))
         topk = _token_ids(seen[-1][1], a.shape[0], self.kpool_p.topk) if seen else None
@@ -104,7 +106,8 @@ class MegatronModel(GlmModel):
              replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if replay is not None:
             raise GlmconvError(NO_REPLAY.format(what="routing", module="MoELayer"))
-        module = self.modules.moe[self._layer]
+        with self._running():
+            module = self.modules.moe(self._layer)  # streaming: loaded now
         maps: list[Any] = []
         handle = module.router.register_forward_hook(lambda mod, inp, out: maps.append(out[1]))
         try:
@@ -195,8 +198,8 @@ def megatron_model(config: GlmConfig, weights: WeightSource, mcore_dir: str | Pa
                    dtype: torch.dtype, device: str | torch.device, kernels: str = "reference",
                    stream: bool = False) -> MegatronModel:
     """The train side of `--train-backend megatron`: megatron-core's modules loaded from `mcore_dir` (refused
-    unless in the mcore layout), within glmconv's model of the same checkpoint (`weights`)."""
+    unless in the mcore layout; `stream`: each layer's as it runs), within glmconv's model of the same checkpoint."""
     import torch
 
-    modules = load_modules(config, mcore_dir, weights.layout, dtype, torch.device(device))
+    modules = load_modules(config, mcore_dir, weights.layout, dtype, torch.device(device), stream=stream)
     return MegatronModel(config, weights, conventions, modules, dtype, device, kernels=kernels, stream=stream)
