@@ -121,3 +121,28 @@ def test_replay_and_the_mcore_layout_keep_working_with_kernels(pairs: dict, repl
     native = _parity((pairs["tiny"][0], tmp_path / "native"), dtype="bf16", overrides=("indexer_kpool=learned",),
                      self_test=True, defects="kernel-indexer-ids-off-by-one")
     assert native["passed"] and native["train_layout"] == "mcore" and native["self_test"][0]["named"]
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "cut8"])
+def test_a_bf16_run_hands_no_norm_or_linear_a_mix_of_dtypes_that_cuda_refuses(pairs: dict, fixture: str) -> None:
+    """Both sides of a bf16 run, the kernel path included: every norm and linear sees one floating dtype (CUDA's
+    kernels refuse what the CPU's promote; tests/helpers/mixed_dtypes.py)."""
+    from helpers.mixed_dtypes import MixedDtypes
+
+    with MixedDtypes() as mixed:
+        r = _parity(pairs[fixture], dtype="bf16", mode="propagated")
+    assert r["passed"] and mixed.found == []
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype")  # torch's own note on the CPU's mixed path
+def test_the_mixed_dtype_watch_records_a_bf16_input_with_fp32_weights() -> None:
+    import torch
+    import torch.nn.functional as F
+    from helpers.mixed_dtypes import MixedDtypes
+
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.ones(8)
+    with MixedDtypes() as mixed:
+        F.layer_norm(x, (8,), w.bfloat16())
+        F.rms_norm(x, (8,), w)
+        F.linear(x.float(), torch.ones(2, 8))
+    assert mixed.found == ["rms_norm: torch.bfloat16, torch.float32"]
