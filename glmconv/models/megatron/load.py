@@ -143,13 +143,6 @@ class MegatronModules:
         load_from(modules, self.ckpt)
 
 
-def build_modules(config: GlmConfig, dtype: torch.dtype, device: torch.device) -> MegatronModules:
-    """Every DSA attention and MoE module of `config`, built (not loaded), as they are before a load."""
-    out = MegatronModules(config, dtype, device, hadamard=standins.install_hadamard())
-    out._held = {prefix: (layer, out._built(prefix, layer)) for prefix, layer in out.every_prefix().items()}
-    return out
-
-
 def load_modules(config: GlmConfig, mcore_dir: str | Path, layout: str, dtype: torch.dtype,
                  device: torch.device, stream: bool = False) -> MegatronModules:
     """The modules, loaded from `mcore_dir` through megatron-core's `dist_checkpointing.load` (all now; streaming,
