@@ -333,3 +333,41 @@ def test_megatron_loads_chunked_experts_at_ep2_and_needs_extra_states(tmp_path: 
     no_extra, _ = _write_all(tmp_path / "no_extra", extra=False)
     torch.save(src, tmp_path / "src.pt")
     mh.spawn(_ep2_worker, str(ckpt), str(no_extra), str(tmp_path / "src.pt"))
+
+
+# ---- stacked tensors are stored an expert a chunk --------------------------------------------------------------
+
+def _stacked_rows_written(tmp_path: Path, tensor: torch.Tensor | object) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    from glmconv.io.torch_dist.reader import DcpReader
+    from glmconv.io.torch_dist.writer import Chunk, DcpWriter
+
+    writer = DcpWriter(tmp_path / "ck")
+    writer.write_chunks([Chunk("experts", tensor, 2, (6, 3))])  # rows 2..5 of a (6, 3) stacked tensor, in one
+    writer.write_chunks([Chunk("experts", torch.zeros(2, 3, dtype=torch.bfloat16), 0, (6, 3))])
+    writer.finish({"iteration": 0})
+    reader = DcpReader(tmp_path / "ck")
+    return [offsets for offsets, _ in sorted(reader.chunks("experts"))], reader.read("experts", (2, 6))
+
+
+def test_a_chunk_of_stacked_rows_is_stored_a_row_each(tmp_path: Path) -> None:
+    """Megatron's own saves store each expert apart, and torch's reader loads a whole stored chunk per expert a
+    trainer requests: a chunk of 4 experts would be read 4 times."""
+    rows = torch.arange(12, dtype=torch.bfloat16).view(4, 3)
+    offsets, back = _stacked_rows_written(tmp_path, rows)
+    assert offsets == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
+    assert torch.equal(back, rows)
+
+
+def test_a_file_tensor_of_stacked_rows_is_stored_a_row_each_from_the_same_bytes(tmp_path: Path) -> None:
+    from glmconv.io.byte_copy import Extent
+    from glmconv.io.torch_dist.torch_save import FileTensor
+
+    rows = torch.arange(12, dtype=torch.bfloat16).view(4, 3)
+    src = tmp_path / "src.bin"
+    raw = rows.view(torch.uint8).numpy().tobytes()
+    src.write_bytes(b"head" + raw[:10] + b"gap" + raw[10:])  # two extents, split inside row 1
+    tensor = FileTensor(rows.shape, rows.dtype, (Extent(str(src), 4, 10), Extent(str(src), 17, len(raw) - 10)))
+    assert torch.equal(tensor.rows(1, 3).materialize(), rows[1:3])
+    offsets, back = _stacked_rows_written(tmp_path, tensor)
+    assert offsets == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
+    assert torch.equal(back, rows)

@@ -53,6 +53,18 @@ class FileTensor:
     def nbytes(self) -> int:
         return self.numel() * self.element_size()
 
+    def rows(self, start: int, stop: int) -> FileTensor:
+        """Rows [start, stop) along dim 0: the same files' bytes, extents clipped (nothing read)."""
+        row = self.nbytes // self.shape[0]
+        begin, end, pos = start * row, stop * row, 0
+        out: list[Extent] = []
+        for e in self.extents:
+            lo, hi = max(begin, pos), min(end, pos + e.length)
+            if lo < hi:
+                out.append(Extent(e.path, e.offset + lo - pos, hi - lo))
+            pos += e.length
+        return FileTensor(type(self.shape)([stop - start, *self.shape[1:]]), self.dtype, tuple(out))
+
     def materialize(self) -> torch.Tensor:
         """The tensor in memory (tests, and callers that must look at the values)."""
         import torch

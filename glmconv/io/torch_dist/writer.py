@@ -107,6 +107,16 @@ class Chunk:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    def per_row(self) -> list[Chunk]:
+        """A stacked tensor's rows (experts) one chunk each, as Megatron's own saves store them (each expert its own
+        ShardedTensor): torch's FileSystemReader loads a whole stored chunk for every expert a trainer requests
+        (filesystem.py `read_data`: torch.load of the item, then narrow), so a chunk of k experts is read k times."""
+        if self.shape is None or self.tensor.dim() == 0 or self.tensor.shape[0] <= 1:
+            return [self]
+        t = self.tensor
+        return [Chunk(self.name, t.rows(i, i + 1) if isinstance(t, FileTensor) else t[i:i + 1], self.row + i,
+                      self.shape) for i in range(t.shape[0])]
+
     @property
     def completes(self) -> bool:
         """This chunk holds the global tensor's last rows (a whole tensor always does)."""
@@ -207,8 +217,8 @@ class DcpWriter:
         self.write_chunks([Chunk(name, t) for name, t in tensors.items()])
 
     def write_chunks(self, chunks: Iterable[Chunk]) -> None:
-        """One group of chunks (whole tensors or dim-0 row ranges), one data file."""
-        chunks = list(chunks)
+        """One group of chunks (whole tensors or dim-0 row ranges, stored a row each), one data file."""
+        chunks = [row for c in chunks for row in c.per_row()]
         with self._recording():
             for c in chunks:
                 self._check_chunk(c)
