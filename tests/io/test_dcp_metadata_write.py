@@ -163,8 +163,8 @@ def test_dcp_reads_the_writers_own_classes(tmp_path: Path) -> None:
         "rows": "TensorStorageMetadata", "scalar": "TensorStorageMetadata"}
     rows = md.state_dict_metadata["rows"]
     assert rows.properties == dcp_md.TensorProperties(dtype=torch.float32) and rows.size == torch.Size([6, 2])
-    assert rows.chunks == [dcp_md.ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 2])),
-                           dcp_md.ChunkStorageMetadata(torch.Size([4, 0]), torch.Size([2, 2]))]
+    assert rows.chunks == [dcp_md.ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 2]))
+                           for r in range(6)]  # written as rows 0..3 and 4..5, stored a row each (per_row)
     assert md.state_dict_metadata["fp8"].properties.dtype == torch.float8_e4m3fn
     second = md.storage_data[dcp_md.MetadataIndex("rows", [4, 0])]
     assert (second.relative_path, second.offset, second.transform_descriptors) == ("__0_2.distcp", 0, None)

@@ -162,7 +162,7 @@ def test_chunked_groups_load_the_same_as_whole_tensors(tmp_path: Path) -> None:
         mh.assert_same(name, a[name], t)
         mh.assert_same(name, b[name], t)
     efc1 = _linears(plan)["efc1"]
-    assert [c.sizes[0] for c in read_metadata(chunked).state_dict_metadata[efc1].chunks] == [3, 1]
+    assert [c.sizes[0] for c in read_metadata(chunked).state_dict_metadata[efc1].chunks] == [1, 1, 1, 1]  # a row each
     assert len(read_metadata(tmp_path / "whole" / RELEASE).state_dict_metadata[efc1].chunks) == 1
 
 
@@ -204,15 +204,19 @@ def test_refusals_leave_nothing_published(tmp_path: Path) -> None:
         w.finish(build_common_state(cfg))
     w = DcpWriter(tmp_path / "b", specs=plan.mcore_index)
     w.write_stream(_chunks(plan, src, rest), group_bytes=4096)
-    w.write_chunks([Chunk(efc1, src[efc1][:2], row=0, shape=tuple(src[efc1].shape)),
-                    Chunk(efc1, src[efc1][1:], row=1, shape=tuple(src[efc1].shape))])
-    with pytest.raises(CheckpointError, match=f"{efc1}: chunks overlap"):
-        w.finish(build_common_state(cfg))
+    with pytest.raises(CheckpointError, match="a group holds the same chunk twice"):  # rows 0-1 and 1-3: row 1
+        w.write_chunks([Chunk(efc1, src[efc1][:2], row=0, shape=tuple(src[efc1].shape)),
+                        Chunk(efc1, src[efc1][1:], row=1, shape=tuple(src[efc1].shape))])
+    w = DcpWriter(tmp_path / "d", specs=plan.mcore_index)
+    w.write_stream(_chunks(plan, src, rest), group_bytes=4096)
+    w.write_chunks([Chunk(efc1, src[efc1][:2], row=0, shape=tuple(src[efc1].shape))])  # in two groups
+    with pytest.raises(CheckpointError, match=rf"{efc1}: chunk at \[1, 0, 0\] written twice"):
+        w.write_chunks([Chunk(efc1, src[efc1][1:], row=1, shape=tuple(src[efc1].shape))])
     w = DcpWriter(tmp_path / "c", specs=plan.mcore_index)
     w.write_stream(_chunks(plan, src, rest), group_bytes=4096)
     with pytest.raises(CheckpointError, match="1 planned tensors were never written"):
         w.finish(build_common_state(cfg))
-    for d in "abc":
+    for d in "abcd":
         assert not (tmp_path / d / TRACKER_NAME).exists()
         assert not (tmp_path / d / RELEASE / MCORE_METADATA_NAME).exists()
         assert not (tmp_path / d / RELEASE / DCP_METADATA_NAME).exists()

@@ -113,8 +113,8 @@ class Chunk:
         (filesystem.py `read_data`: torch.load of the item, then narrow), so a chunk of k experts is read k times."""
         if self.shape is None or self.tensor.dim() == 0 or self.tensor.shape[0] <= 1:
             return [self]
-        t = self.tensor
-        return [Chunk(self.name, t.rows(i, i + 1) if isinstance(t, FileTensor) else t[i:i + 1], self.row + i,
+        t = self.tensor  # a row of a tensor is cloned: torch.save writes a view's whole storage
+        return [Chunk(self.name, t.rows(i, i + 1) if isinstance(t, FileTensor) else t[i:i + 1].clone(), self.row + i,
                       self.shape) for i in range(t.shape[0])]
 
     @property
