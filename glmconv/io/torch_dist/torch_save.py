@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier, read_into, write_all
+from glmconv.rules.pieces import take
 
 if TYPE_CHECKING:
     import torch
@@ -56,14 +57,8 @@ class FileTensor:
     def rows(self, start: int, stop: int) -> FileTensor:
         """Rows [start, stop) along dim 0: the same files' bytes, extents clipped (nothing read)."""
         row = self.nbytes // self.shape[0]
-        begin, end, pos = start * row, stop * row, 0
-        out: list[Extent] = []
-        for e in self.extents:
-            lo, hi = max(begin, pos), min(end, pos + e.length)
-            if lo < hi:
-                out.append(Extent(e.path, e.offset + lo - pos, hi - lo))
-            pos += e.length
-        return FileTensor(type(self.shape)([stop - start, *self.shape[1:]]), self.dtype, tuple(out))
+        return FileTensor(type(self.shape)([stop - start, *self.shape[1:]]), self.dtype,
+                          tuple(take(self.extents, start * row, stop * row)))
 
     def materialize(self) -> torch.Tensor:
         """The tensor in memory (tests, and callers that must look at the values)."""
