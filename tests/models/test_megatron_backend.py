@@ -343,16 +343,18 @@ def test_a_planted_change_is_run_by_the_parameter_holding_it_and_restored() -> N
             pass
 
 
-def test_the_cli_runs_the_megatron_backend(mcore_pairs: dict[str, tuple[str, str]]) -> None:
+@pytest.mark.parametrize("stream", [[], ["--stream-layers"]], ids=["whole", "streamed"])
+def test_the_cli_runs_the_megatron_backend(mcore_pairs: dict[str, tuple[str, str]], stream: list[str]) -> None:
     """`glmconv parity HF MC --train-backend megatron` end to end (its own process: the gloo group of one is the
-    run's): exit 1 on the findings, the report naming megatron-core's modules."""
+    run's, made before anything reads it; streamed, no module is loaded before the run): exit 1 on the findings,
+    the report naming megatron-core's modules."""
     import json
     import subprocess
     import sys
 
     hf, mc = mcore_pairs["tiny"]
     res = subprocess.run([sys.executable, "-m", "glmconv", "parity", hf, mc, "--train-backend", "megatron",
-                          "--train-conventions", "serve", "--mode", "isolated", "--tokens", "32", "--json"],
+                          "--train-conventions", "serve", "--mode", "isolated", "--tokens", "32", "--json", *stream],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 1, res.stderr[-2000:]
     report = json.loads(res.stdout)

@@ -73,13 +73,15 @@ class MegatronModules:
 
     def names(self) -> tuple[str, str]:
         """The classes that run a DSA attention (module+core attention) and a MoE layer, read from the specs."""
-        return build.class_names(self.transformer_config())
+        with quiet():
+            return build.class_names(self.transformer_config())
 
     def transformer_config(self) -> Any:
         import torch
 
         if self._cfg is None:
-            with standins.cuda_device_query(self.device):
+            ensure_parallel_state()  # the config reads the TP/EP sizes of the process group
+            with quiet(), standins.cuda_device_query(self.device):
                 self._cfg = build.transformer_config(self.config, self.dtype, rotate=self.dtype == torch.bfloat16)
         return self._cfg
 
@@ -116,8 +118,7 @@ class MegatronModules:
 
     def _built(self, prefix: str, layer: int) -> Any:
         """`prefix`'s module, unloaded, in eval mode, on the CPU."""
-        ensure_parallel_state()
-        with standins.cuda_device_query(self.device):
+        with quiet(), standins.cuda_device_query(self.device):
             cfg = self.transformer_config()
             if prefix == attention_prefix(layer):
                 if not self.config.indexer_full[layer]:
