@@ -24,6 +24,7 @@ from glmconv.kernels import dsa, kda
 from glmconv.ops import dsa as dsa_ref
 from glmconv.ops import kda as kda_ref
 from glmconv.ops import kpool as kpool_ref
+from glmconv.quiet import quiet
 
 if TYPE_CHECKING:
     import torch
@@ -73,12 +74,13 @@ def kernel_ops(index_width: int) -> OpSet:
     """fla KDA, tilelang SparseMLA, triton kpool (its ids come out int32 and -1 padded as the kernel takes them)."""
     import torch
 
-    try:  # the packages the kernels call, imported now so a missing one is a one-line error, not a mid-run crash
-        import fla.modules.causal_conv1d
-        import fla.ops.kda  # noqa: F401
-        import megatron.core.transformer.experimental_attention_variant.ops.tilelang_sparse_mla_fwd  # noqa: F401
+    try:  # the packages the kernels call, imported now: a missing one is a one-line error, not a mid-run crash
+        with quiet():
+            import fla.modules.causal_conv1d
+            import fla.ops.kda  # noqa: F401
+            import megatron.core.transformer.experimental_attention_variant.ops.tilelang_sparse_mla_fwd  # noqa: F401
 
-        from glmconv.kernels import kpool  # a triton module: it compiles its kernels when imported
+            from glmconv.kernels import kpool  # a triton module: it compiles its kernels when imported
     except ImportError as exc:
         raise GlmconvError(f"--kernels auto on CUDA needs fla-core, tilelang and megatron-core ({exc}); "
                            "use --kernels reference") from None

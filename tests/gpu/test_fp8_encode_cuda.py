@@ -28,7 +28,7 @@ def _bytes(got: Fp8Blocks) -> tuple[bytes, bytes, int, int, int]:
 def test_the_gpu_encodes_the_cpus_bytes(what: str, w: torch.Tensor) -> None:
     q, s = quantize_fp8_blocks(w)
     back = dequantize_fp8_blocks(q, s, out_dtype=w.dtype).clone()
-    back.view(-1)[:: 7919] = back.view(-1)[:: 7919] * -3
+    back.view(-1)[:: 7919] = back.view(-1)[:: 7919] * -0.5  # changed blocks; x3 overflows the edges case to Inf
     gpu, cpu = CudaEncoder(), CpuEncoder(4)
     for weight, like in ((w, None), (back, (q, s)), (back, None)):
         want = encode(weight, like)

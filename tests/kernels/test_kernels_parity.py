@@ -94,3 +94,19 @@ def test_one_forward_code_with_a_kernel_op_set(tiny_ckpt: Path, monkeypatch: pyt
     checks = [c for r in dsa for c in r.kernels or () if c.op == "indexer"]
     assert checks and all((c.overlap or 0) > 0.98 and c.mismatch == 0.0 and c.within for c in checks)
     assert all(r.kernels_within for r in cap.layers if r.kernels is not None)
+
+
+def test_the_kernel_path_imports_its_packages_without_a_warning() -> None:
+    """`--kernels auto` on CUDA imports fla, tilelang's SparseMLA and megatron-core up front; their import-time
+    warnings (megatron-core: no Transformer Engine, no Apex) stay off the user's terminal (the H100 run of
+    2026-12-06 printed ten lines of them). A fresh interpreter: the imports are the first."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from glmconv.kernels import kernel_ops; print(kernel_ops(64).name)"
+    got = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "GLMCONV_FLA": "1"}, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.strip() == "kernels"
+    assert got.stderr == ""

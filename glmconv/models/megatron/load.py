@@ -9,9 +9,6 @@ is glmconv's to read. Runs in the current process group (TP1: one gloo process o
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +18,7 @@ from glmconv.defaults import MCORE
 from glmconv.errors import GlmconvError
 from glmconv.io.torch_dist.metadata import resolve_iter_dir
 from glmconv.models.megatron import build, standins
+from glmconv.quiet import quiet
 from glmconv.rules.modules import attention_prefix, mlp_prefix
 
 if TYPE_CHECKING:
@@ -186,15 +184,6 @@ def check_strict(absent: set[str], unrequested: set[str], prefixes: tuple[str, .
     if left:
         raise GlmconvError(f"{where}: {len(left)} stored key(s) under megatron-core's modules that no module "
                            f"requests, e.g. {', '.join(left[:SHOWN])}")
-
-
-@contextmanager
-def quiet() -> Iterator[None]:
-    """megatron-core's import- and load-time warnings (no Transformer Engine, no Apex, DCP deprecations) are about
-    its training paths, not what parity runs: kept off the user's terminal."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 def ensure_parallel_state() -> None:

@@ -21,9 +21,10 @@ from glmconv.errors import GlmconvError
 from glmconv.kernels import OpSet
 from glmconv.models.conventions import Conventions
 from glmconv.models.megatron import plant, standins, streams
-from glmconv.models.megatron.load import MegatronModules, load_modules, quiet
+from glmconv.models.megatron.load import MegatronModules, load_modules
 from glmconv.models.model import ATTN, MLP, GlmModel, WeightPatch
 from glmconv.models.weights import AttentionWeights, MlpWeights, WeightSource
+from glmconv.quiet import quiet
 
 if TYPE_CHECKING:
     import torch
