@@ -2,7 +2,8 @@
 
 A run used to fsync every data file inline, after its last write: the writer then waited for the disk once
 per file (11 s of a 47 s FP8 convert at real dimensions). Here a file is handed over as soon as it is complete
-and closed; `wait` (before anything is published) returns once every file handed over is on disk.
+and closed, or, while it is still being written, its open descriptor (`submit_fd`: what is written so far goes
+to disk while the rest is made); `wait` (before anything is published) returns once all of it is on disk.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from glmconv.errors import CheckpointError
+
+
+def fsync_fd(fd: int) -> None:
+    """fsync `fd`, then close it (a descriptor of the caller's own, duplicated for this)."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_path(path: Path) -> None:
@@ -34,6 +43,17 @@ class BackgroundSync:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="glmconv-fsync")
         self._pending.append((path, self._pool.submit(fsync_path, path)))
+
+    def submit_fd(self, path: Path, fd: int) -> None:
+        """`path`'s bytes written so far through `fd`, flushed in the background (a duplicate of `fd` is kept:
+        the caller may go on writing, close it, or rename the file meanwhile)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="glmconv-fsync")
+        self._pending.append((path, self._pool.submit(fsync_fd, os.dup(fd))))
+
+    def busy(self) -> bool:
+        """Whether a flush handed over is still running (another would only queue behind it)."""
+        return any(not done.done() for _, done in self._pending)
 
     def wait(self) -> None:
         """Every file submitted so far is on disk; else a CheckpointError naming the first that is not."""

@@ -239,7 +239,8 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
         return ShareResult(rank, {}, 0, [], 0, stats)
     outputs = [planned_outputs(m, job.dtypes, chunk_bytes) for m in share]
     arrival = [t for ts in outputs for t in ts]
-    writer = PlannedShardWriter(rank_dir(stage, rank), arrival, own_shards(files or output_files(job), arrival))
+    writer = PlannedShardWriter(rank_dir(stage, rank), arrival, own_shards(files or output_files(job), arrival),
+                                sync=True)  # on disk as it goes, not all at the publish
 
     def steps(like: LikeFp8 | None, like_src: HfTensorSource | None) -> Iterator[Step[Made]]:
         for m, planned in zip(share, outputs):

@@ -248,3 +248,81 @@ def test_shards_that_do_not_hold_every_planned_tensor_are_refused(tmp_path: Path
     a, b = PlannedTensor("a", "F32", (1,)), PlannedTensor("b", "F32", (1,))
     with pytest.raises(CheckpointError, match=r"^b: the shards do not hold the planned tensors exactly once$"):
         PlannedShardWriter(tmp_path / "out", [a, b], [Shard((a,), "x.safetensors")])
+
+
+# ---- flushed as it goes (sync=True: export) -------------------------------------------------------------
+
+def _four_in_two_shards() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {f"t{i}": torch.randn(300, generator=g) for i in range(4)}  # 1,200 bytes each; 2 a shard at 2,400
+
+
+def _record_flushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(inode, size) of each file as its background flush runs."""
+    import glmconv.io.background_sync as bs
+
+    flushed: list[tuple[int, int]] = []
+    real = bs.fsync_fd
+
+    def fsync_fd(fd: int) -> None:
+        st = os.fstat(fd)
+        flushed.append((st.st_ino, st.st_size))
+        real(fd)
+
+    monkeypatch.setattr(bs, "fsync_fd", fsync_fd)
+    return flushed
+
+
+def test_every_finished_shard_is_flushed_whole_before_close_names_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    flushed = _record_flushes(monkeypatch)
+    tensors = _four_in_two_shards()
+    with PlannedShardWriter(tmp_path, _planned(tensors), 2400, sync=True) as w:
+        for name, t in tensors.items():
+            w.write(name, t)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) == 2
+    assert sorted(flushed) == sorted((p.stat().st_ino, p.stat().st_size) for p in shards)
+
+
+def test_a_shard_is_flushed_every_flush_bytes_while_it_is_written(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import glmconv.io.background_sync as bs
+    import glmconv.io.safetensors.writer as sw
+
+    flushed = _record_flushes(monkeypatch)
+    monkeypatch.setattr(sw, "FLUSH_BYTES", 2000)
+    monkeypatch.setattr(bs.BackgroundSync, "busy", lambda self: False)  # no flush skipped for one still running
+    tensors = _four_in_two_shards()
+    with PlannedShardWriter(tmp_path, _planned(tensors), 10**6, sync=True) as w:  # one shard of 4,800 bytes
+        for name, t in tensors.items():
+            w.write(name, t)
+    head = len(shard_header(_planned(tensors))[0])
+    assert [size for _, size in flushed] == [head + 2400, head + 4800]  # at 2,400 written (>= 2,000), then whole
+
+
+def test_without_sync_nothing_is_flushed_by_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flushed = _record_flushes(monkeypatch)
+    tensors = _four_in_two_shards()
+    with PlannedShardWriter(tmp_path, _planned(tensors), 2400) as w:
+        for name, t in tensors.items():
+            w.write(name, t)
+    assert flushed == []
+
+
+def test_a_failed_flush_is_refused_at_close_naming_the_shard_and_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import glmconv.io.background_sync as bs
+
+    def eio(fd: int) -> None:
+        os.close(fd)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(bs, "fsync_fd", eio)
+    tensors = _four_in_two_shards()
+    w = PlannedShardWriter(tmp_path, _planned(tensors), 2400, sync=True)
+    for name, t in tensors.items():
+        w.write(name, t)
+    with pytest.raises(CheckpointError, match=r"shard-00001\.safetensors\.partial: fsync failed \(Input/output error\)"):
+        w.close()
+    assert list(tmp_path.iterdir()) == []

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Self
 
 from glmconv.errors import CheckpointError
+from glmconv.io.background_sync import BackgroundSync
 from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.dtypes import DTYPE_SIZES, torch_dtype_code
 from glmconv.io.file_names import INDEX_NAME, SHARD_NAME
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 
 _PENDING = "shard-{:05d}.safetensors.partial"
+FLUSH_BYTES = 1 << 30  # written into a shard since its last flush: handed to the disk in the background
 FORMAT_PT = {"format": "pt"}  # the `__metadata__` safetensors.torch.save_file writes
 
 # safetensors' `Dtype` enum in declaration order (its derived Ord); save_file sorts tensors by dtype,
@@ -245,9 +247,13 @@ class PlannedShardWriter(_Closing):
     CheckpointError naming it, and the writer deletes every pending shard it made (so does any failed write).
     Shards are written under pending names; `close()` checks that every planned tensor came and gives them their
     final names: theirs, or `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`.
+    With `sync`, every GiB written and every finished shard is flushed on a background thread while the writing
+    goes on, and `close()` returns once all of it is on disk: the disk writes while the next tensors are made,
+    instead of all at the end (real-cut4's FP8 export on an H100 spent 4.9 of 22 s in one fsync at its publish).
     """
 
-    def __init__(self, out_dir: str | Path, tensors: Iterable[PlannedTensor], shards: int | list[Shard]) -> None:
+    def __init__(self, out_dir: str | Path, tensors: Iterable[PlannedTensor], shards: int | list[Shard],
+                 sync: bool = False) -> None:
         planned = list(tensors)
         seen: set[str] = set()
         for t in planned:
@@ -268,6 +274,8 @@ class PlannedShardWriter(_Closing):
         self._opened: list[int] = []
         self._writing = 1  # the shard of the tensor being written, for error messages
         self._closed = False
+        self._syncer = BackgroundSync() if sync else None
+        self._unflushed = 0  # bytes written since the last flush handed over
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -284,7 +292,7 @@ class PlannedShardWriter(_Closing):
             data = tensor.detach().contiguous().reshape(-1).view(_u8()).numpy()
             self._check_size(t, data.nbytes)
             _pwrite_all(self._fd_for(t), data.data.cast("B"), self._offsets[name])
-            self._done(t)
+            self._done(t, data.nbytes)
         except BaseException as exc:
             self._fail(exc)
 
@@ -297,7 +305,7 @@ class PlannedShardWriter(_Closing):
             os.lseek(fd, self._offsets[name], os.SEEK_SET)
             copied = copier.copy(extents, fd)
             self._check_size(t, copied)
-            self._done(t)
+            self._done(t, copied)
         except BaseException as exc:
             self._fail(exc)
         return copied
@@ -319,6 +327,12 @@ class PlannedShardWriter(_Closing):
         self._closed = True
         count = len(self._shards)
         final = {i: s.name or SHARD_NAME.format(i, count) for i, s in enumerate(self._shards, 1)}
+        if self._syncer is not None:
+            try:
+                self._syncer.wait()  # every shard on disk
+            except CheckpointError:
+                self.abort()
+                raise
         try:
             for i, fname in final.items():
                 os.replace(self.out_dir / _PENDING.format(i), self.out_dir / fname)
@@ -333,6 +347,8 @@ class PlannedShardWriter(_Closing):
     def abort(self) -> None:
         """Close the open shards and delete every pending shard this writer made."""
         self._closed = True
+        if self._syncer is not None:
+            self._syncer.close()
         self._close_all()
         for i in self._opened:
             (self.out_dir / _PENDING.format(i)).unlink(missing_ok=True)
@@ -375,17 +391,27 @@ class PlannedShardWriter(_Closing):
         self._opened.append(no)  # only now: abort() deletes the opened shards, never a file it did not create
         _pwrite_all(fd, head, 0)
 
-    def _done(self, t: PlannedTensor) -> None:
+    def _done(self, t: PlannedTensor, nbytes: int) -> None:
         self._next += 1
         no = self._shard_no[t.name]
         self._left[no] -= 1
+        self._unflushed += nbytes
         if self._left[no] == 0 and no in self._fds:
             shard = self._shards[no - 1]
             size, planned = os.fstat(self._fds[no]).st_size, len(shard_head(shard)[0]) + shard.nbytes
             if size != planned:
                 raise CheckpointError(f"{self.out_dir / _PENDING.format(no)}: {size} bytes after its last "
                                       f"tensor, planned {planned}")
+            self._flush(no)
             os.close(self._fds.pop(no))
+        elif self._unflushed >= FLUSH_BYTES and self._syncer is not None and not self._syncer.busy():
+            self._flush(no)
+
+    def _flush(self, no: int) -> None:
+        """Shard `no`'s bytes so far handed to the background flush (a finished shard always)."""
+        if self._syncer is not None:
+            self._syncer.submit_fd(self.out_dir / _PENDING.format(no), self._fds[no])
+            self._unflushed = 0
 
     def _close_all(self) -> None:
         while self._fds:
