@@ -323,6 +323,7 @@ def test_a_failed_flush_is_refused_at_close_naming_the_shard_and_leaves_no_file(
     w = PlannedShardWriter(tmp_path, _planned(tensors), 2400, sync=True)
     for name, t in tensors.items():
         w.write(name, t)
-    with pytest.raises(CheckpointError, match=r"shard-00001\.safetensors\.partial: fsync failed \(Input/output error\)"):
+    failed = r"shard-00001\.safetensors\.partial: fsync failed \(Input/output error\)"
+    with pytest.raises(CheckpointError, match=failed):
         w.close()
     assert list(tmp_path.iterdir()) == []
