@@ -327,3 +327,22 @@ def test_a_failed_flush_is_refused_at_close_naming_the_shard_and_leaves_no_file(
     with pytest.raises(CheckpointError, match=failed):
         w.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_flush_bytes_count_per_shard_when_several_are_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import glmconv.io.background_sync as bs
+    import glmconv.io.safetensors.writer as sw
+
+    flushed = _record_flushes(monkeypatch)
+    monkeypatch.setattr(sw, "FLUSH_BYTES", 2000)
+    monkeypatch.setattr(bs.BackgroundSync, "busy", lambda self: False)
+    tensors = _four_in_two_shards()
+    planned = {t.name: t for t in _planned(tensors)}
+    shards = [Shard((planned["t0"], planned["t2"]), "x.safetensors"),
+              Shard((planned["t1"], planned["t3"]), "y.safetensors")]
+    with PlannedShardWriter(tmp_path, planned.values(), shards, sync=True) as w:  # t0 t1 t2 t3: both files open
+        for name, t in tensors.items():
+            w.write(name, t)
+    files = [tmp_path / "x.safetensors", tmp_path / "y.safetensors"]
+    # 2,400 bytes written in all after t1, but no file had 2,000: each is flushed once, whole
+    assert flushed == [(p.stat().st_ino, p.stat().st_size) for p in files]

@@ -275,7 +275,7 @@ class PlannedShardWriter(_Closing):
         self._writing = 1  # the shard of the tensor being written, for error messages
         self._closed = False
         self._syncer = BackgroundSync() if sync else None
-        self._unflushed = 0  # bytes written since the last flush handed over
+        self._unflushed: dict[int, int] = {}  # each open shard's bytes written since its last flush handed over
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -395,7 +395,7 @@ class PlannedShardWriter(_Closing):
         self._next += 1
         no = self._shard_no[t.name]
         self._left[no] -= 1
-        self._unflushed += nbytes
+        self._unflushed[no] = self._unflushed.get(no, 0) + nbytes
         if self._left[no] == 0 and no in self._fds:
             shard = self._shards[no - 1]
             size, planned = os.fstat(self._fds[no]).st_size, len(shard_head(shard)[0]) + shard.nbytes
@@ -404,14 +404,14 @@ class PlannedShardWriter(_Closing):
                                       f"tensor, planned {planned}")
             self._flush(no)
             os.close(self._fds.pop(no))
-        elif self._unflushed >= FLUSH_BYTES and self._syncer is not None and not self._syncer.busy():
+        elif self._unflushed[no] >= FLUSH_BYTES and self._syncer is not None and not self._syncer.busy():
             self._flush(no)
 
     def _flush(self, no: int) -> None:
         """Shard `no`'s bytes so far handed to the background flush (a finished shard always)."""
         if self._syncer is not None:
             self._syncer.submit_fd(self.out_dir / _PENDING.format(no), self._fds[no])
-            self._unflushed = 0
+        self._unflushed.pop(no, None)
 
     def _close_all(self) -> None:
         while self._fds:
