@@ -16,7 +16,9 @@
 #   issue38: issue 38 in one device call (~6 min after the start; BUDGET s, default 360, then the rest is skipped and
 #            said so): real-cut4 FP8 and a 1 GB FP8 bench made; convert, verify and export --fp8 --like --device cuda
 #            at 1 and 4 workers (exports byte for byte against the source), export against cp+sync of its output,
-#            the 1 GB convert against `import torch`, tests/gpu's FP8 tests (RC4_FROM=DIR: that real-cut4 FP8
+#            the 1 GB convert against `import torch`, the 1-worker export of the tree in bench-data/old where there
+#            is one (glmconv/ and cli/ of the commit a change is measured against: an A/B in the same call; carry it),
+#            tests/gpu's FP8 tests (RC4_FROM=DIR: that real-cut4 FP8
 #            source instead of a new one, e.g. /tmp/rc4/hf left by gpu_verdict.sh on the same machine) (the kernel and parity tests need the
 #            wheels: gpu_kernels.sh), export --device cpu last; `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
@@ -24,6 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD"
+[ -d bench-data/old/glmconv ] && link_packages /tmp/glmconv-cli-old "$PWD/bench-data/old"
 export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 WORK=${WORK:-/tmp/rel}
@@ -96,6 +99,13 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     same_files "$c-export-cuda-w$w" "$WORK/$c" "$WORK/$c-ex"
     [ "$w" = 1 ] && copy_sync "$c-cp-ex" "$WORK/$c-ex"  # the export's disk part
   done
+  if [ -d bench-data/old/glmconv ] && within_budget "$c-export-cuda-w1-old"; then  # the same export, the old tree
+    rm -rf "$WORK/$c-ex"; sync
+    (cd bench-data/old && export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli-old
+     timed "$c-export-cuda-w1-old" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 \
+       --device "$DEV" --json)
+    same_files "$c-export-cuda-w1-old" "$WORK/$c" "$WORK/$c-ex"
+  fi
   if within_budget "$c-export-cuda-t4"; then  # more reader threads feeding the GPU: does the pipeline want them?
     rm -rf "$WORK/$c-ex"; sync
     timed "$c-export-cuda-t4" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device "$DEV" \

@@ -68,6 +68,15 @@ def fixed_cost_row(times: dict[str, float], what: str, run: str, disk: str, base
             f"{FIXED_COST_S:g} s {bound:.1f} s | {fixed / bound:.2f}x | {verdict} (<= 1x) |")
 
 
+def against_old_row(times: dict[str, float], what: str, run: str) -> str:
+    """`run` against the same run of the tree in bench-data/old, in the same call (no bound: what a change did)."""
+    old = f"{run}-old"
+    if run not in times or old not in times:
+        return f"| {what} | {run} {times.get(run, 'not run')}, {old} {times.get(old, 'not run')} | | | |"
+    return (f"| {what} | {times[run]:.1f} s | {old} {times[old]:.1f} s | {times[run] / times[old]:.2f}x | "
+            "(the change's effect) |")
+
+
 def main() -> None:
     res = Path(sys.argv[1])
     times = read_times(res)
@@ -79,6 +88,8 @@ def main() -> None:
             ratio_row(times, "export --fp8 --like --device cuda, --read-threads 4", "rc4-export-cuda-t4", "rc4-cp-ex",
                       1.15),
             ratio_row(times, "export --fp8 --like --device cpu, 1 worker", "rc4-export-cpu-w1", "rc4-cp-ex", 1.15),
+            against_old_row(times, "export --fp8 --like --device cuda, 1 worker: this tree / bench-data/old's",
+                            "rc4-export-cuda-w1"),
             ratio_row(times, "convert, 1 worker", "rc4-convert-w1", "rc4-cp-out", 1.15),
             ratio_row(times, "convert, 4 workers", "rc4-convert-w4", "rc4-convert-w1", 1.05),
             ratio_row(times, "verify, 4 workers", "rc4-verify-w4", "rc4-verify-w1", 1.05),
