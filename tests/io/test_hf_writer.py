@@ -290,7 +290,10 @@ def test_a_shard_is_flushed_every_flush_bytes_while_it_is_written(tmp_path: Path
     import glmconv.io.background_sync as bs
     import glmconv.io.safetensors.writer as sw
 
-    flushed = _record_flushes(monkeypatch)
+    handed: list[int] = []  # each flush's file size as the writer hands it over (it runs later, on its thread)
+    submit_fd = bs.BackgroundSync.submit_fd
+    monkeypatch.setattr(bs.BackgroundSync, "submit_fd",
+                        lambda self, path, fd: (handed.append(os.fstat(fd).st_size), submit_fd(self, path, fd))[1])
     monkeypatch.setattr(sw, "FLUSH_BYTES", 2000)
     monkeypatch.setattr(bs.BackgroundSync, "busy", lambda self: False)  # no flush skipped for one still running
     tensors = _four_in_two_shards()
@@ -298,7 +301,7 @@ def test_a_shard_is_flushed_every_flush_bytes_while_it_is_written(tmp_path: Path
         for name, t in tensors.items():
             w.write(name, t)
     head = len(shard_header(_planned(tensors))[0])
-    assert [size for _, size in flushed] == [head + 2400, head + 4800]  # at 2,400 written (>= 2,000), then whole
+    assert handed == [head + 2400, head + 4800]  # at 2,400 written (>= 2,000), then whole
 
 
 def test_without_sync_nothing_is_flushed_by_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
