@@ -74,6 +74,26 @@ export_runs() {  # export_runs CASE [--fp8]: export at 1 and 4 workers (--like t
   copy_sync "$c-cp-ex" "$WORK/$c-ex"; rm -rf "$WORK/$c-ex"
 }
 
+evict() {  # evict DIR...: the files' pages out of the page cache (drop_caches where permitted, else
+  # posix_fadvise DONTNEED on each file after a sync: a user may do it to files it can read); what stays resident
+  # goes to times.txt (fincore), so that a "cold" figure that was not cold shows
+  sync
+  echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || python3 -c "
+import os, sys
+for root in sys.argv[1:]:
+    for d, _, names in os.walk(root, followlinks=True):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)" "$@"
+  local left
+  left=$(find -L "$@" -type f -exec fincore -b -n -o RES {} + 2>/dev/null | awk '{s += $1} END {print s + 0}')
+  echo "evicted $* resident-bytes=$left" >> "$RES/times.txt"
+}
+cold_read() {  # cold_read NAME DIR: every file of DIR read once from the disk (64 MiB reads), evicted first
+  evict "$2"; timed "$1" sh -c "find -L '$2' -type f -exec dd bs=64M status=none of=/dev/null if={} \\;"
+}
+
 within_budget() {  # within_budget NAME: whether the issue38 step still has time for NAME (else noted as skipped)
   [ "$SECONDS" -lt "${BUDGET:-360}" ] && return 0
   echo "$1 skipped: ${SECONDS}s of the ${BUDGET:-360}s budget spent" >> "$RES/times.txt"; return 1
@@ -88,8 +108,9 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
   else timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset "${PRESET38:-real-cut4}" --fp8 --seed 0 --force --json &
   fi
   timed make-fp8-1 "${G[@]}" fixture make "$WORK/fp8-1" --preset bench --size "${SIZE38:-1GB}" --fp8 --force &
+  timed make-fp8-3 "${G[@]}" fixture make "$WORK/fp8-3" --preset bench --size "${SIZE38_LARGE:-3GB}" --fp8 --force &
   wait
-  du -sbL "$WORK/rc4" "$WORK/fp8-1" >> "$RES/sizes.txt"
+  du -sbL "$WORK/rc4" "$WORK/fp8-1" "$WORK/fp8-3" >> "$RES/sizes.txt"
   rm -rf "$WORK/$c-mc"; sync; timed "$c-convert-w1" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 1 --json
   for w in 1 4; do
     within_budget "$c-export-cuda-w$w" || continue
@@ -97,8 +118,15 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     timed "$c-export-cuda-w$w" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device "$DEV" \
       --workers "$w" --json
     same_files "$c-export-cuda-w$w" "$WORK/$c" "$WORK/$c-ex"
-    [ "$w" = 1 ] && copy_sync "$c-cp-ex" "$WORK/$c-ex"  # the export's disk part
+    [ "$w" = 1 ] && copy_sync "$c-cp-ex" "$WORK/$c-ex"  # the export's write, past the page cache
+    [ "$w" = 1 ] && { cold_read "$c-mc-cold-read" "$WORK/$c-mc"; cold_read "$c-cold-read" "$WORK/$c"; }  # its reads
   done
+  if within_budget "$c-export-cuda-cold"; then  # the same export reading both inputs from the disk, not the cache
+    rm -rf "$WORK/$c-ex"; evict "$WORK/$c-mc" "$WORK/$c"
+    timed "$c-export-cuda-cold" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device "$DEV" \
+      --json
+    same_files "$c-export-cuda-cold" "$WORK/$c" "$WORK/$c-ex"
+  fi
   if [ -d bench-data/old/glmconv ] && within_budget "$c-export-cuda-w1-old"; then  # the same export, the old tree
     rm -rf "$WORK/$c-ex"; sync
     (cd bench-data/old && export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli-old
@@ -106,19 +134,7 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
        --device "$DEV" --json)
     same_files "$c-export-cuda-w1-old" "$WORK/$c" "$WORK/$c-ex"
   fi
-  if within_budget "$c-export-cuda-t4"; then  # more reader threads feeding the GPU: does the pipeline want them?
-    rm -rf "$WORK/$c-ex"; sync
-    timed "$c-export-cuda-t4" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device "$DEV" \
-      --read-threads 4 --json
-    same_files "$c-export-cuda-t4" "$WORK/$c" "$WORK/$c-ex"
-  fi
   rm -rf "$WORK/$c-ex"
-  within_budget "$c-convert-w4" && { rm -rf "$WORK/$c-mc"; sync
-    timed "$c-convert-w4" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 4 --json; }
-  within_budget "$c-cp-out" && copy_sync "$c-cp-out" "$WORK/$c-mc"
-  for w in 1 4; do
-    within_budget "$c-verify-w$w" && timed "$c-verify-w$w" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --workers "$w" --json
-  done
   if within_budget fixed-cost; then  # a 1 GB FP8 convert on the GPU against `import torch` (+ 2 s: the issue's bound)
     for i in 1 2; do
       timed import-torch python3 -c "import torch"  # one name: the summary takes the faster
@@ -129,8 +145,24 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json
     copy_sync fp8-1-cp-out "$WORK/fp8-1-mc"
   fi
+  for b in fp8-1 fp8-3; do  # the benches: export against cp+sync of its output, at two sizes (the marginal)
+    within_budget "$b-export-cuda" || continue
+    [ -d "$WORK/$b-mc" ] || { sync; timed "$b-convert-cuda" "${G[@]}" convert "$WORK/$b" "$WORK/$b-mc" --device "$DEV" --json; }
+    for i in 1 2; do
+      rm -rf "$WORK/$b-ex"; sync
+      timed "$b-export-cuda" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" --fp8 --device "$DEV" --json
+    done
+    same_files "$b-export-cuda" "$WORK/$b" "$WORK/$b-ex"
+    copy_sync "$b-cp-ex" "$WORK/$b-ex"; copy_sync "$b-cp-ex" "$WORK/$b-ex"; rm -rf "$WORK/$b-ex" "$WORK/$b-mc"
+  done
   within_budget tests && { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
       tests/gpu/test_fp8_encode_cuda.py > "$RES/gpu-tests.txt" 2>&1; echo "gpu tests rc=$?" >> "$RES/times.txt"; }
+  within_budget "$c-convert-w4" && { rm -rf "$WORK/$c-mc"; sync
+    timed "$c-convert-w4" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 4 --json; }
+  within_budget "$c-cp-out" && copy_sync "$c-cp-out" "$WORK/$c-mc"
+  for w in 1 4; do
+    within_budget "$c-verify-w$w" && timed "$c-verify-w$w" "${G[@]}" verify "$WORK/$c" "$WORK/$c-mc" --workers "$w" --json
+  done
   if within_budget "$c-export-cpu-w1"; then
     rm -rf "$WORK/$c-ex"; sync
     timed "$c-export-cpu-w1" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device cpu --json

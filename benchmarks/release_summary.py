@@ -109,7 +109,8 @@ def estimate_table(times: dict[str, list[float]], sizes: dict[str, int]) -> list
             "", "| command | reads | writes | disk part (s) | real-cut4 run scaled (s) | estimate (min) |",
             "|---|---|---|---|---|---|"]
     cases = [("convert", "rc4-convert-w1", hf / read_hf + mc / write, mc / cut_mc, "FP8", "BF16"),
-             ("export --fp8", "rc4-export-w1", mc / read_mc + hf / write, hf / cut_hf, "BF16", "FP8"),
+             ("export --fp8 --like", "rc4-export-w1", mc / read_mc + hf / read_hf + hf / write, hf / cut_hf,
+              "BF16 + --like's FP8", "FP8"),
              ("verify", "rc4-verify-t2", read_both, (hf + mc) / (cut_hf + cut_mc), "both", "-")]
     for name, run, disk, scale, reads, writes in cases:
         warm = best(times, run)

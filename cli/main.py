@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import signal
 import sys
@@ -20,15 +21,14 @@ from glmconv.runners import ranks
 from glmconv.text import printable
 from glmconv.version import __version__
 from glmconv_cli import report
-from glmconv_cli.audit_cmd import audit_names
-from glmconv_cli.bench_cmd import bench
-from glmconv_cli.convert_cmd import convert
-from glmconv_cli.export_cmd import export
-from glmconv_cli.fixture_cmd import fixture
-from glmconv_cli.megatron_args_cmd import megatron_args
-from glmconv_cli.parity_cmd import parity
-from glmconv_cli.relayout_cmd import relayout
-from glmconv_cli.verify_cmd import verify
+
+# Each command and where it lives, imported when it runs (or when --help lists them): a convert never loads the
+# parity stack, and the start of every run (Python's imports, slow on a cluster's shared filesystem) stays small.
+COMMANDS = {"audit-names": "glmconv_cli.audit_cmd:audit_names", "bench": "glmconv_cli.bench_cmd:bench",
+            "convert": "glmconv_cli.convert_cmd:convert", "export": "glmconv_cli.export_cmd:export",
+            "fixture": "glmconv_cli.fixture_cmd:fixture", "megatron-args": "glmconv_cli.megatron_args_cmd:megatron_args",
+            "parity": "glmconv_cli.parity_cmd:parity", "relayout": "glmconv_cli.relayout_cmd:relayout",
+            "verify": "glmconv_cli.verify_cmd:verify"}
 
 INTERNAL_EXIT = 3  # a bug in glmconv: 1 keeps meaning "findings"/"bound broken", 2 "bad input"
 REPORT_HINT = "please report this on the glmconv issue tracker with the command line"
@@ -41,6 +41,19 @@ class _Group(click.Group):
     exits 3 with a line asking for a report. SIGINT/SIGTERM (Interrupted, KeyboardInterrupt) are
     `interrupted`, exit 130/143; they are BaseExceptions, so the exit-3 guard never sees them.
     """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        if cmd_name not in self.commands:
+            module, attr = COMMANDS[cmd_name].split(":")
+            command = getattr(importlib.import_module(module), attr)
+            _reserving_stdout(command)
+            self.add_command(command, cmd_name)
+        return self.commands[cmd_name]
 
     def invoke(self, ctx: click.Context) -> object:
         with interrupt.catching():  # SIGINT/SIGTERM anywhere in a command: `interrupted`, exit 130/143
@@ -127,12 +140,6 @@ def cli() -> None:
     """
 
 
-def _register() -> None:
-    for command in (audit_names, bench, convert, export, fixture, megatron_args, parity, relayout, verify):
-        _reserving_stdout(command)
-        cli.add_command(command)
-
-
 def _reserving_stdout(command: click.Command) -> None:
     """Every command's body runs with stdout reserved for glmconv's output (glmconv/stdout.py): a library's prints
     and its C-level writes go to stderr. Parsing, --help, --version and usage errors, which click prints, come first
@@ -152,8 +159,6 @@ def _reserving_stdout(command: click.Command) -> None:
 
     command.callback = run
 
-
-_register()
 
 
 def main() -> None:

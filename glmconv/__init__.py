@@ -14,12 +14,31 @@ Errors a user can cause raise `GlmconvError` (subclasses `ConfigError`, `Checkpo
 message. `load_config` and `build_plan` give the tensor plan (every tensor on both sides) without reading any.
 """
 
-from glmconv.api import audit, convert, export, hf_weights, parity, relayout, verify
+from __future__ import annotations
+
+from typing import Any
+
 from glmconv.config import GlmConfig
 from glmconv.errors import CheckpointError, ConfigError, GlmconvError
 from glmconv.io.config_file import load_config
 from glmconv.plan import Plan, build_plan
 from glmconv.version import __version__
 
+API = ("audit", "convert", "export", "hf_weights", "parity", "relayout", "verify")  # glmconv.api's, on first use
+
 __all__ = ["CheckpointError", "ConfigError", "GlmConfig", "GlmconvError", "Plan", "__version__", "audit",
            "build_plan", "convert", "export", "hf_weights", "load_config", "parity", "relayout", "verify"]
+
+
+def __getattr__(name: str) -> Any:
+    """`glmconv.convert` and the other calls: `glmconv.api` is imported when one is first used (PEP 562), so that
+    `python -m glmconv CMD` and `import glmconv.plan` load only the modules they need."""
+    if name not in API:
+        raise AttributeError(f"module 'glmconv' has no attribute {name!r}")
+    from glmconv import api
+
+    return getattr(api, name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

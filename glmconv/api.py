@@ -4,7 +4,8 @@ Each takes paths and plain options and returns the summary the CLI prints with `
 raises `GlmconvError` (one line, naming the file or tensor), an argument of the wrong type, a value out of range
 or an unknown keyword included: every argument is checked by glmconv.arguments, as the CLI checks it, and named
 by its keyword (`glmconv.convert(): group_bytes='1GB': expected a number of bytes, an int ...`). Heavy imports
-(torch) happen inside the calls, so `import glmconv` stays cheap.
+(torch) happen inside the calls, so `import glmconv` stays cheap; so do the parity stack's (the models, the
+kernels' wrappers, the report): only `parity` and `hf_weights` load them, and a convert's start never pays for them.
 """
 
 from __future__ import annotations
@@ -17,11 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmconv import arguments as A
 from glmconv import defaults as D
-from glmconv import weight_sync
 from glmconv.arguments import keywords_checked
-from glmconv.compare import ParityOptions, run_parity
-from glmconv.compare.metrics import parse_bound
-from glmconv.compare.report import JSON_NAME, MD_NAME, PNG_NAME, write_report
 from glmconv.config import GlmConfig
 from glmconv.defaults import DEVICE_CHOICES, DTYPE_CHOICES, LAYOUT_CHOICES
 from glmconv.errors import GlmconvError
@@ -37,7 +34,6 @@ from glmconv.runners.ranks import torchrun_env
 from glmconv.runners.workers import worker_count
 
 if TYPE_CHECKING:
-
     import torch
 
 
@@ -77,7 +73,6 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = D.D
     are dequantised, `cpu`, `cuda` or `auto` (glmconv/numerics/dequant.py; the same bits everywhere); `read_threads`:
     threads reading and dequantising ahead of each worker's writer (0: one step at a time).
     """
-
     A.path("hf_dir", hf_dir), A.path("out_dir", out_dir)
     workers, read_threads = A.workers(workers, "workers"), A.read_threads(read_threads, "read_threads")
     A.size("group_bytes", group_bytes), A.choice("dtype", dtype, DTYPE_CHOICES)
@@ -114,7 +109,6 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     `space_check` a run (dry or real) whose output cannot fit on `out_dir`'s filesystem is refused before
     anything is written (glmconv/space.py).
     """
-
     A.path("mcore_dir", mcore_dir), A.path("out_dir", out_dir)
     A.optional(A.path, "like", like), A.optional(A.path, "config", config)
     workers, read_threads = A.workers(workers, "workers"), A.read_threads(read_threads, "read_threads")
@@ -144,7 +138,6 @@ def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool
     none: `like`, the HF checkpoint training started from, gives them (`taken_from_like`). `dry_run` returns the
     plan and writes nothing; `space_check` as for convert.
     """
-
     A.path("mcore_dir", mcore_dir), A.path("out_dir", out_dir), A.optional(A.path, "like", like)
     A.choice("to", to, LAYOUT_CHOICES), A.size("group_bytes", group_bytes)
     _flags(force=force, dry_run=dry_run, progress=progress, space_check=space_check)
@@ -166,7 +159,6 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
 
     `workers`, `read_threads` and `device` as convert's (the same mismatches, first and worst, whatever they are).
     """
-
     A.path("hf_dir", hf_dir), A.path("mcore_dir", mcore_dir)
     workers, read_threads = A.workers(workers, "workers"), A.read_threads(read_threads, "read_threads")
     A.choice("device", device, D.DEVICE_CHOICES)
@@ -191,6 +183,7 @@ def hf_weights(params: Iterable[tuple[str, torch.Tensor]] | str | Path, config: 
     shapes and groups left incomplete raise `GlmconvError`. `layout`: whose torch_dist names in-memory `params`
     carry (`miles` or `mcore`; a directory says its own).
     """
+    from glmconv import weight_sync
 
     if isinstance(params, (str, os.PathLike)):
         A.path("params", params)
@@ -264,6 +257,9 @@ def parity(hf_dir: str | Path, mcore_dir: str | Path, *, tokens: int | None = No
     the PNG is skipped and `report["report_skipped"]` says so). The other keywords are the CLI's flags of the same
     name (`overrides`: its `--train-convention KEY=VALUE`s; `progress`: print progress, off by default).
     """
+    from glmconv.compare import ParityOptions, run_parity
+    from glmconv.compare.metrics import parse_bound
+    from glmconv.compare.report import JSON_NAME, MD_NAME, PNG_NAME, write_report
 
     start = time.monotonic()
     _parity_arguments(hf_dir, mcore_dir, tokens, sequences, prompt_file, threshold, report_dir, replay_file)

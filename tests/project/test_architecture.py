@@ -18,7 +18,11 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 # What a function may import late: torch and the packages only the GPU paths, the report's plot or a real
 # trainer need (each costs seconds, or is an optional extra). Nothing of glmconv's own, but one module:
 LATE_OK = {"torch", "numpy", "safetensors", "transformers", "megatron", "fla", "triton", "tilelang", "matplotlib"}
-LATE_OK_OWN = {"glmconv.kernels.kpool"}  # a triton module: its kernels are compiled when it is imported
+LATE_OK_OWN = {"glmconv.kernels.kpool",  # a triton module: its kernels are compiled when it is imported
+               # the package's calls (glmconv/__init__.py) and the parity stack (glmconv/api.py's parity and
+               # hf_weights), on first use: every run's start is Python, torch and its own command's modules
+               "glmconv.api", "glmconv.compare", "glmconv.compare.metrics", "glmconv.compare.report",
+               "glmconv.weight_sync"}
 DEFAULTS = "glmconv.defaults"
 
 

@@ -19,7 +19,9 @@ try:
     runpy.run_module("glmconv", run_name="__main__")
 except SystemExit as exc:
     code = exc.code
+parity_stack = ("glmconv.compare", "glmconv.models", "glmconv.weight_sync", "glmconv.kernels", "glmconv_cli.parity_cmd")
 print("exit", code, "torch", "torch" in sys.modules, "dcp", "torch.distributed.checkpoint" in sys.modules,
+      "parity", ",".join(sorted({m for m in sys.modules for p in parity_stack if m == p or m.startswith(p + ".")})) or "-",
       file=sys.stderr)
 """
 
@@ -33,6 +35,12 @@ def imports_torch(*args: str) -> tuple[int, bool]:
     """(exit code, whether torch was imported) of `glmconv ARGS` in a fresh interpreter."""
     last = _run(*args)
     return int(last[1]), last[3] == "True"
+
+
+def parity_modules(*args: str) -> tuple[int, str]:
+    """(exit code, the modules of the parity stack imported, comma-separated, or "-") of `glmconv ARGS`."""
+    last = _run(*args)
+    return int(last[1]), last[7]
 
 
 def imports_dcp(*args: str) -> tuple[int, bool]:
@@ -49,8 +57,9 @@ from glmconv_cli.main import cli
 def paths(cmd, prefix):
     yield prefix
     if isinstance(cmd, click.Group):
-        for name, sub in sorted(cmd.commands.items()):
-            yield from paths(sub, [*prefix, name])
+        ctx = click.Context(cmd)
+        for name in cmd.list_commands(ctx):
+            yield from paths(cmd.get_command(ctx, name), [*prefix, name])
 
 for path in paths(cli, []):
     try:
@@ -119,3 +128,12 @@ def test_an_export_reads_its_checkpoint_without_importing_dcp(tiny_mc: Path, tmp
 
 def test_a_verify_reads_both_checkpoints_without_importing_dcp(tiny_fp8_ckpt: Path, tiny_mc: Path) -> None:
     assert imports_dcp("verify", str(tiny_fp8_ckpt), str(tiny_mc)) == (0, False)
+
+
+def test_convert_export_and_verify_import_none_of_the_parity_stack(tiny_fp8_ckpt: Path, tiny_mc: Path,
+                                                                    tmp_path: Path) -> None:
+    """Each command imports what it runs (glmconv_cli.main's COMMANDS, glmconv's lazy names): the start of a run
+    on a machine with slow imports is Python, torch and the command's own modules."""
+    assert parity_modules("convert", str(tiny_fp8_ckpt), str(tmp_path / "mc")) == (0, "-")
+    assert parity_modules("export", str(tiny_mc), str(tmp_path / "hf"), "--fp8") == (0, "-")
+    assert parity_modules("verify", str(tiny_fp8_ckpt), str(tiny_mc)) == (0, "-")
