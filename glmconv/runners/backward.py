@@ -153,8 +153,9 @@ class ThreadReaders:
     def get(self) -> DcpReader:
         reader = getattr(self._local, "reader", None)
         if reader is None:
-            reader = self._local.reader = DcpReader(self._src, check_finite=self._check_finite)
-            with self._lock:
+            with self._lock:  # the checkpoint's metadata read and checked once, shared by every thread's reader
+                ckpt = self._all[0].ckpt if self._all else None
+                reader = self._local.reader = DcpReader(self._src, check_finite=self._check_finite, ckpt=ckpt)
                 self._all.append(reader)
         return reader
 

@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 class DcpReader:
     """Random access to the tensors of one torch_dist checkpoint (tracker root or iteration directory)."""
 
-    def __init__(self, path: str | Path, *, check_finite: bool = True) -> None:
-        self.ckpt: DcpCheckpoint = inspect_torch_dist(path)  # tracker, metadata.json, data files present
+    def __init__(self, path: str | Path, *, check_finite: bool = True, ckpt: DcpCheckpoint | None = None) -> None:
+        """`ckpt`: `inspect_torch_dist(path)` already made (by another reader of the same checkpoint), shared."""
+        self.ckpt: DcpCheckpoint = ckpt if ckpt is not None else inspect_torch_dist(path)  # tracker, metadata.json, data files present
         self._check_finite = check_finite
         metadata = self.ckpt.metadata  # stand-ins of DCP's classes: DCP's package costs 0.6 s to import
         self._entries: dict[str, TensorStorageMetadata] = {  # `inspect_torch_dist` checked these are tensors'
@@ -59,6 +60,7 @@ class DcpReader:
             if k.offset is not None}
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
         self._raw: dict[tuple[str, tuple[int, ...]], Extent | None] = {}
+        self._files: dict[str, Path] = {}  # each data file's relative path -> its checked, resolved path
         self._grids: dict[str, Grid | None] = {}
         self.bytes_read = 0
 
@@ -248,8 +250,10 @@ class DcpReader:
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{rel}: {name} is stored with transforms {list(info.transform_descriptors)} "
                                   "(compressed checkpoints are not supported)")
-        return require_file(self.iter_dir, rel, f"{rel}: data file of {name} is missing from {self.iter_dir}",
-                            f"{name}: data file")
+        if rel not in self._files:  # resolved once: each of a file's chunks would follow its symlinks again
+            self._files[rel] = require_file(self.iter_dir, rel, f"{rel}: data file of {name} is missing from "
+                                            f"{self.iter_dir}", f"{name}: data file")
+        return self._files[rel]
 
 
 def _plain_data_file(rel: str) -> bool:
@@ -269,6 +273,7 @@ class _Slice(io.RawIOBase):
     def __init__(self, fh: io.BufferedReader, offset: int, length: int) -> None:
         super().__init__()
         self._fh, self._start, self._len = fh, offset, length
+        self._pos = 0  # kept here, not asked of the file: zipfile and torch.load ask often (a syscall each)
         fh.seek(offset)
 
     def readable(self) -> bool:
@@ -278,16 +283,19 @@ class _Slice(io.RawIOBase):
         return True
 
     def tell(self) -> int:
-        return self._fh.tell() - self._start
+        return self._pos
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.tell(), io.SEEK_END: self._len}[whence]
-        self._fh.seek(self._start + min(max(base + pos, 0), self._len))
-        return self.tell()
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = min(max(base + pos, 0), self._len)
+        self._fh.seek(self._start + self._pos)
+        return self._pos
 
     def readinto(self, buf: Any) -> int:
-        n = min(len(buf), self._len - self.tell())
-        return self._fh.readinto(memoryview(buf)[:n]) if n > 0 else 0
+        n = min(len(buf), self._len - self._pos)
+        got = (self._fh.readinto(memoryview(buf)[:n]) or 0) if n > 0 else 0
+        self._pos += got
+        return got
 
 
 def _intersect(name: str, size: tuple[int, ...], chunk: Any, start: int, stop: int) -> Box | None:

@@ -1,0 +1,70 @@
+"""What a torch_dist reader does once, not per chunk (issue 38: a bench of small tensors spent its time there): a
+run's thread readers share one inspection of the checkpoint, and a pickle passed by the bounds scan is not scanned
+again, while a pickle the scan refused is refused every time."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import glmconv
+from glmconv.io.torch_dist import stored_objects
+from glmconv.runners.backward import ThreadReaders
+
+
+@pytest.fixture(scope="module")
+def tiny_mc(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("once") / "mc"
+    glmconv.convert(tiny_ckpt, out)
+    return out
+
+
+def _archive(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getvalue()
+
+
+def test_every_threads_reader_shares_the_first_readers_inspection(tiny_mc: Path) -> None:
+    readers = ThreadReaders(tiny_mc, check_finite=True)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(readers.get())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(r) for r in got}) == 3
+    assert len({id(r.ckpt) for r in got}) == 1
+
+
+def test_a_pickle_within_bounds_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    scanned: list[bytes] = []
+    monkeypatch.setattr(stored_objects, "_BOUNDED", set())
+    monkeypatch.setattr(stored_objects, "check_pickle_bounds", scanned.append)
+    same_shape = [_archive(torch.randn(4, 8)) for _ in range(3)]  # other values, the same pickle
+    other_shape = _archive(torch.randn(8, 4))
+    for archive in [*same_shape, other_shape]:
+        stored_objects.bounded_pickles(io.BytesIO(archive))
+    assert len(scanned) == 2
+    assert scanned[0] != scanned[1]
+
+
+def test_a_pickle_the_scan_refused_is_scanned_and_refused_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[bytes] = []
+
+    def refuse(pkl: bytes) -> None:
+        calls.append(pkl)
+        raise pickle.UnpicklingError("planted: out of bounds")
+
+    monkeypatch.setattr(stored_objects, "_BOUNDED", set())
+    monkeypatch.setattr(stored_objects, "check_pickle_bounds", refuse)
+    archive = _archive(torch.randn(4, 8))
+    for _ in range(2):
+        with pytest.raises(pickle.UnpicklingError, match="planted"):
+            stored_objects.bounded_pickles(io.BytesIO(archive))
+    assert len(calls) == 2
