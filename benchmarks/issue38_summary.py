@@ -106,8 +106,8 @@ def main() -> None:
     rows = ["| figure | run | against | ratio | bound |", "|---|---|---|---|---|",
             ratio_row(times, "real-cut4 export --fp8 --like --device cuda, 1 worker (page cache warm) vs its disk part",
                       "rc4-export-cuda-w1", DISK_PART, 1.15),
-            ratio_row(times, "real-cut4 export --fp8 --like --device cuda, both inputs read from the disk (cold) vs its "
-                      "disk part", "rc4-export-cuda-cold", DISK_PART, 1.15),
+            ratio_row(times, "real-cut4 export --fp8 --like --device cuda, both inputs read from the disk (cold) vs "
+                      "its disk part", "rc4-export-cuda-cold", DISK_PART, 1.15),
             ratio_row(times, "export --fp8 --like --device cuda, 4 workers", "rc4-export-cuda-w4", "rc4-export-cuda-w1",
                       1.05, note=f"; {capped}" if capped else ""),
             ratio_row(times, "export --fp8 --like --device cpu, 1 worker (warm) vs its disk part", "rc4-export-cpu-w1",

@@ -26,9 +26,9 @@ from glmconv_cli import report
 # parity stack, and the start of every run (Python's imports, slow on a cluster's shared filesystem) stays small.
 COMMANDS = {"audit-names": "glmconv_cli.audit_cmd:audit_names", "bench": "glmconv_cli.bench_cmd:bench",
             "convert": "glmconv_cli.convert_cmd:convert", "export": "glmconv_cli.export_cmd:export",
-            "fixture": "glmconv_cli.fixture_cmd:fixture", "megatron-args": "glmconv_cli.megatron_args_cmd:megatron_args",
-            "parity": "glmconv_cli.parity_cmd:parity", "relayout": "glmconv_cli.relayout_cmd:relayout",
-            "verify": "glmconv_cli.verify_cmd:verify"}
+            "fixture": "glmconv_cli.fixture_cmd:fixture",
+            "megatron-args": "glmconv_cli.megatron_args_cmd:megatron_args", "parity": "glmconv_cli.parity_cmd:parity",
+            "relayout": "glmconv_cli.relayout_cmd:relayout", "verify": "glmconv_cli.verify_cmd:verify"}
 
 INTERNAL_EXIT = 3  # a bug in glmconv: 1 keeps meaning "findings"/"bound broken", 2 "bad input"
 REPORT_HINT = "please report this on the glmconv issue tracker with the command line"

@@ -13,7 +13,11 @@ import pytest
 def tiny_pair(factory: pytest.TempPathFactory, name: str, init: str) -> tuple[Path, Path]:
     given = os.environ.get("GLMCONV_GPU_FIXTURES")
     if given:
-        return Path(given) / f"hf-{name}", Path(given) / f"mc-{name}"
+        hf, mc = Path(given) / f"hf-{name}", Path(given) / f"mc-{name}"
+        if not (hf / "config.json").is_file() or not mc.is_dir():  # a recipe that carried the wrong set: say so
+            pytest.fail(f"GLMCONV_GPU_FIXTURES={given} lacks hf-{name} or mc-{name}: make them with `glmconv fixture "
+                        f"make {hf} --preset tiny --init {init}` and `glmconv convert {hf} {mc}`", pytrace=False)
+        return hf, mc
     from glmconv.fixtures.generate import make_fixture
     from glmconv.runners.convert import RunOptions, convert, prepare
 

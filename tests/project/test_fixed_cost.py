@@ -19,10 +19,10 @@ try:
     runpy.run_module("glmconv", run_name="__main__")
 except SystemExit as exc:
     code = exc.code
-parity_stack = ("glmconv.compare", "glmconv.models", "glmconv.weight_sync", "glmconv.kernels", "glmconv_cli.parity_cmd")
+stack = ("glmconv.compare", "glmconv.models", "glmconv.weight_sync", "glmconv.kernels", "glmconv_cli.parity_cmd")
+parity = sorted({m for m in sys.modules for p in stack if m == p or m.startswith(p + ".")})
 print("exit", code, "torch", "torch" in sys.modules, "dcp", "torch.distributed.checkpoint" in sys.modules,
-      "parity", ",".join(sorted({m for m in sys.modules for p in parity_stack if m == p or m.startswith(p + ".")})) or "-",
-      file=sys.stderr)
+      "parity", ",".join(parity) or "-", file=sys.stderr)
 """
 
 

@@ -50,7 +50,8 @@ class DcpReader:
 
     def __init__(self, path: str | Path, *, check_finite: bool = True, ckpt: DcpCheckpoint | None = None) -> None:
         """`ckpt`: `inspect_torch_dist(path)` already made (by another reader of the same checkpoint), shared."""
-        self.ckpt: DcpCheckpoint = ckpt if ckpt is not None else inspect_torch_dist(path)  # tracker, metadata.json, data files present
+        # the tracker, metadata.json, the data files present
+        self.ckpt: DcpCheckpoint = ckpt if ckpt is not None else inspect_torch_dist(path)
         self._check_finite = check_finite
         metadata = self.ckpt.metadata  # stand-ins of DCP's classes: DCP's package costs 0.6 s to import
         self._entries: dict[str, TensorStorageMetadata] = {  # `inspect_torch_dist` checked these are tensors'
