@@ -134,8 +134,8 @@ def main() -> None:
         if any(k in line for k in ("byte-identical", "differs", "skipped", "rc=", "evicted")):
             print(line)
     print()
-    print("| run | wall | device | workers | phases (s) | wall - phases (exit, what no phase times) |")
-    print("|---|---|---|---|---|---|")
+    print("| run | wall | device | workers | phases (s) | wall - phases (exit, no phase) | busy (thread s) |")
+    print("|---|---|---|---|---|---|---|")
     for name in sorted(times):
         s = summary_of(res, name)
         if "phases" in s:
@@ -143,8 +143,9 @@ def main() -> None:
             workers = s.get("workers", "-")
             workers = len(workers) if isinstance(workers, list) else workers  # convert lists each worker's share
             rest = times[name] - sum(s["phases"].values())
+            busy = ", ".join(f"{k} {v:g}" for k, v in (s.get("busy") or {}).items()) or "-"
             print(f"| {name} | {times[name]:.1f} s | {s.get('device', '-')} | {workers} "
-                  f"(asked {s.get('workers_requested', '-')}) | {phases} | {rest:.2f} s |")
+                  f"(asked {s.get('workers_requested', '-')}) | {phases} | {rest:.2f} s | {busy} |")
 
 
 if __name__ == "__main__":

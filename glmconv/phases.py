@@ -4,7 +4,9 @@ Each process keeps its own sums (a worker's travel back in rank 0's summary, the
 planning, the fsyncs and the publish), so the summary's figures add up along the run's critical path. Names:
 startup (the interpreter and glmconv's own imports), plan, import (torch), worker_start (a --workers process: its
 Python, torch and gloo group), cuda_init, read (the writer waiting for its input), write, flush, verify (verify:
-compare), fsync, publish.
+compare), fsync, publish. Beside them, `busy`: what the threads ahead of the writer spent their time on, summed
+over threads (export: load, the Megatron chunks read and checked; like, --like's codes; encode, FP8 on its device;
+scan, the bytes copied file to file checked for NaN/Inf): where a long `read` wait comes from.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _TIMES: dict[str, float] = {}
+_BUSY: dict[str, float] = {}  # seconds the reader/encoder threads spent, by step (`busy`)
 _LOCK = threading.Lock()
 _STARTED: list[bool] = []
 
@@ -37,6 +40,27 @@ def timed(name: str) -> Iterator[None]:
         yield
     finally:
         add(name, time.monotonic() - start)
+
+
+@contextmanager
+def busy(name: str) -> Iterator[None]:
+    """The block's wall time added to `name` among the threads' busy seconds (summed over the threads that run it,
+    beside the phases, not on the run's critical path: what the writer's `read` wait is made of)."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        seconds = time.monotonic() - start
+        with _LOCK:
+            _BUSY[name] = _BUSY.get(name, 0.0) + seconds
+
+
+def take_busy() -> dict[str, float]:
+    """This process's busy seconds so far (ms), and a clean slate."""
+    with _LOCK:
+        out = {k: round(v, 3) for k, v in _BUSY.items()}
+        _BUSY.clear()
+    return out
 
 
 def timed_iter(items: Iterable[T], name: str) -> Iterator[T]:
@@ -57,7 +81,7 @@ def begin() -> None:
     """A command's first step: a clean slate (what a failed run before it left is dropped), and once per process
     the time since the process began (`startup`: the interpreter, glmconv's and click's imports), where the system
     says when that was (Linux)."""
-    take()
+    take(), take_busy()
     if _STARTED:
         return
     _STARTED.append(True)

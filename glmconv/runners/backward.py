@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from glmconv import phases
 from glmconv.defaults import DEFAULT_CHUNK_BYTES
 from glmconv.errors import CheckpointError
 from glmconv.io.dtypes import torch_dtype
@@ -66,16 +67,16 @@ def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int,
 
 
 def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
-                     like: LikeFp8 | None = None,
-                     fp8: EncodeFp8 | None = None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
+                     like: LikeFp8 | None = None, fp8: EncodeFp8 | None = None,
+                     finite: bool = False) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
     """`mapping_hf` step by step: the Megatron bytes each step reads and what makes its HF tensors, so that
     export can run steps ahead on threads (`stats` is added to under a lock; `fp8` encodes FP8 weights, None:
-    `fp8_reuse.encode` here)."""
+    `fp8_reuse.encode` here; `finite`: `read` refuses NaN/Inf itself, so FP8 weights are not scanned again)."""
     steps = m.row_steps(chunk_bytes)
     if steps is None:
         def whole() -> list[Named]:
             hf = m.rule.transform.backward([read(t.name, None) for t in m.mcore], [t.shape for t in m.hf])
-            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like, fp8)
+            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like, fp8, finite)
 
         yield m.mcore_bytes, whole
         return
@@ -83,20 +84,22 @@ def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes
     for rows, picks in steps:
         def part(rows: range = rows, picks: list[int] = picks) -> list[Named]:
             hf = m.rule.transform.backward([read(m.mcore[0].name, (rows.start, rows.stop))], [])
-            return _encoded(m, picks, hf, dtypes, stats, like, fp8)
+            return _encoded(m, picks, hf, dtypes, stats, like, fp8, finite)
 
         yield len(rows) * row_bytes, part
 
 
 def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
-             stats: Fp8Stats, like: LikeFp8 | None, fp8: EncodeFp8 | None) -> list[Named]:
+             stats: Fp8Stats, like: LikeFp8 | None, fp8: EncodeFp8 | None, finite: bool) -> list[Named]:
     return [out for i, tensor in zip(picks, tensors, strict=True)
-            for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like, fp8)]
+            for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like, fp8, finite)]
 
 
 def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
-           stats: Fp8Stats, like: LikeFp8 | None = None, fp8: EncodeFp8 | None = None) -> Iterator[Named]:
-    """One HF tensor in the dtype it is written as; an FP8 one as codes and then its block scales."""
+           stats: Fp8Stats, like: LikeFp8 | None = None, fp8: EncodeFp8 | None = None,
+           finite: bool = False) -> Iterator[Named]:
+    """One HF tensor in the dtype it is written as; an FP8 one as codes and then its block scales (`finite`: its
+    values were found finite where they were read: a backward transform moves values, it makes none)."""
 
     if tuple(t.shape) != spec.shape:
         raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
@@ -107,8 +110,12 @@ def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: 
     if scale is None:
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
 
-    require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
-    got = (fp8 or encode_fp8)(t, like.pair(spec.name) if like is not None else None)
+    if not finite:
+        require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
+    with phases.busy("like"):
+        pair = like.pair(spec.name) if like is not None else None
+    with phases.busy("encode"):
+        got = (fp8 or encode_fp8)(t, pair)
     with _STATS_LOCK:  # export encodes on reader threads
         stats.add(Fp8Stats(1, got.scales.numel(), got.scale_adjusted, got.inexact, int(got.requantized > 0),
                            got.requantized))
@@ -138,14 +145,19 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
 def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int]) -> Read:
     """How `mapping_hf` reads `m`'s Megatron tensors: whole ones as stored, a padded vocabulary by its first rows."""
     plain = {t.name: (0, t.shape[0]) if t.name in stored_rows else None for t in m.mcore}
-    return lambda name, rows: reader().read(name, plain[name] if rows is None else rows)
+
+    def read(name: str, rows: Rows) -> torch.Tensor:
+        with phases.busy("load"):
+            return reader().read(name, plain[name] if rows is None else rows)
+
+    return read
 
 
 class ThreadReaders:
     """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
 
     def __init__(self, src: Path, check_finite: bool) -> None:
-        self._src, self._check_finite = src, check_finite
+        self._src, self.check_finite = src, check_finite
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[DcpReader] = []
@@ -155,7 +167,7 @@ class ThreadReaders:
         if reader is None:
             with self._lock:  # the checkpoint's metadata read and checked once, shared by every thread's reader
                 ckpt = self._all[0].ckpt if self._all else None
-                reader = self._local.reader = DcpReader(self._src, check_finite=self._check_finite, ckpt=ckpt)
+                reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=ckpt)
                 self._all.append(reader)
         return reader
 

@@ -272,16 +272,23 @@ def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReader
     """One mapping's work for `run_ahead`: its byte route (extents, no memory), else its read-and-encode steps,
     each on its thread's own DcpReader (which keeps the one stored chunk it last loaded: steps of a mapping that
     share a chunk on one thread read it once); a mapping SRC lacks (`job.from_like`) is made from --like's."""
+    finite = False  # whether `read` refuses NaN/Inf itself (the .distcp readers of a checking export do)
     if m.key in job.from_like:
         assert like_src is not None
         read = from_hf(m, like_src)
     elif (route := byte_route(m, readers.get(), job.dtypes) if zero_copy else None) is not None:
-        yield Step(0, lambda: [(t.name, scanned_extents(readers.get(), route[t.name], t)) for t in planned])
+        yield Step(0, lambda: scanned(readers.get(), route, planned))
         return
     else:
-        read = stored_read(m, readers.get, job.stored_rows)
-    for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like, fp8):
+        read, finite = stored_read(m, readers.get, job.stored_rows), readers.check_finite
+    for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like, fp8, finite):
         yield Step(nbytes, make)
+
+
+def scanned(reader: DcpReader, route: dict[str, list[Span]], planned: list[PlannedTensor]) -> list[Made]:
+    """Each planned HF tensor as the extents its bytes are copied from, checked for NaN/Inf."""
+    with phases.busy("scan"):
+        return [(t.name, scanned_extents(reader, route[t.name], t)) for t in planned]
 
 
 def own_shards(files: LikeFiles, arrival: list[PlannedTensor]) -> list[Shard]:

@@ -113,7 +113,7 @@ def run_plan(run: PlanRun[R], stage: Path, rank: int, world: int, group: Group) 
         with phases.timed("verify"):
             verdict = try_(lambda: run.finish(stage, results, world)) if rank == 0 else None
     if isinstance(verdict, dict):  # rank 0's own phases travel with its summary (from a worker process too)
-        verdict = {**verdict, "phases": phases.take()}
+        verdict = {**verdict, "phases": phases.take(), "busy": phases.take_busy()}
     return _summary(broadcast(group, verdict))
 
 
@@ -124,7 +124,8 @@ def publish_run(run: PlanRun[R], out: Path, inputs: dict[str, Path | None], forc
     with workers_bar(workers, run.show_progress):  # a worker killed with its bar up: erased before the message
         summary = run_on_output(out, inputs, force, run_plan, (run,), workers, run.verb, space_check=space_check,
                                 on_publish=lambda: say(run.verb, PUBLISH, str(out), enabled=run.show_progress))
-    return {**summary, "phases": phases.merged(summary.get("phases"), phases.take())}
+    return {**summary, "phases": phases.merged(summary.get("phases"), phases.take()),
+            "busy": phases.merged(summary.get("busy"), phases.take_busy())}
 
 
 def shares(mappings: list[Mapping], n: int) -> list[list[Mapping]]:

@@ -28,6 +28,14 @@ def test_convert_export_and_verify_report_their_phases(tiny_fp8_ckpt: Path, tmp_
     _ok(verified["phases"], {"plan", "compare"})
 
 
+def test_an_fp8_export_says_what_its_threads_were_busy_with(tiny_fp8_ckpt: Path, tmp_path: Path) -> None:
+    glmconv.convert(tiny_fp8_ckpt, tmp_path / "mc")
+    exported = glmconv.export(tmp_path / "mc", tmp_path / "hf", fp8=True, like=tiny_fp8_ckpt)
+    assert set(exported["busy"]) == {"load", "like", "encode", "scan"}  # BF16 tensors are copied and scanned
+    assert all(v > 0 for v in exported["busy"].values()), exported["busy"]
+    assert phases.take_busy() == {}  # drained into the summary
+
+
 def test_a_run_reports_only_its_own_time() -> None:
     phases.add("read", 5.0)  # what a run that failed before left behind
     phases.begin()
