@@ -142,7 +142,7 @@ def _from_checkpoint(src: Path, config: GlmConfig | str | Path | None, fp8: bool
     if isinstance(config, GlmConfig):
         raise GlmconvError("hf_weights: for a torch_dist directory, pass the config as a path (or none)")
     job = source_job(src, config=config, fp8=fp8, config_option=None)
-    check_loadable(job.src)
+    check_loadable(job.src, job.source)
     want = {**job.dtypes, **(dtypes or {})}
 
     def stream() -> Iterator[Named]:

@@ -18,6 +18,7 @@ from glmconv.defaults import DEFAULT_CHUNK_BYTES
 from glmconv.errors import CheckpointError
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.like_fp8 import LikeFp8
+from glmconv.io.torch_dist.metadata import DcpCheckpoint
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.numerics.finite import require_finite
 from glmconv.numerics.fp8_reuse import Fp8Blocks
@@ -156,8 +157,9 @@ def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[s
 class ThreadReaders:
     """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
 
-    def __init__(self, src: Path, check_finite: bool) -> None:
-        self._src, self.check_finite = src, check_finite
+    def __init__(self, src: Path, check_finite: bool, ckpt: DcpCheckpoint | None = None) -> None:
+        """`ckpt`: `src` already inspected (else the first reader inspects it): every reader shares it."""
+        self._src, self.check_finite, self._ckpt = src, check_finite, ckpt
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[DcpReader] = []
@@ -166,7 +168,7 @@ class ThreadReaders:
         reader = getattr(self._local, "reader", None)
         if reader is None:
             with self._lock:  # the checkpoint's metadata read and checked once, shared by every thread's reader
-                ckpt = self._all[0].ckpt if self._all else None
+                ckpt = self._all[0].ckpt if self._all else self._ckpt
                 reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=ckpt)
                 self._all.append(reader)
         return reader

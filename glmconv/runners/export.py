@@ -233,7 +233,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     transforming and FP8-encoding (`fp8`; None: `fp8_reuse.encode`) on `threads` threads ahead of the writer (at
     most `ahead_bytes` made ahead); the files are those of one process, byte for byte."""
 
-    readers = ThreadReaders(job.src, check_finite)
+    readers = ThreadReaders(job.src, check_finite, job.source)
     stats, consumed, copied = Fp8Stats(), list[str](), 0
     if not share:
         return ShareResult(rank, {}, 0, [], 0, stats)
@@ -398,10 +398,11 @@ def export(job: ExportJob, opts: ExportOptions, *, force: bool = False) -> dict[
     start = time.monotonic()
     require_device(opts.device)  # no GPU: refused before anything is written
     phases.import_torch()
-    check_loadable(job.src)
+    with phases.timed("plan"):  # the stored objects' check and the output's files: before any tensor is read
+        check_loadable(job.src, job.source)
+        run = ExportRun(job, opts)
+        workers, why = worker_cap(job, opts, run.groups)
     inputs = _inputs(job.src, job.like, job.config_path)
-    run = ExportRun(job, opts)
-    workers, why = worker_cap(job, opts, run.groups)
     run.opts = dataclasses.replace(opts, workers=workers)
     summary = publish_run(run, job.out, inputs, force, workers,
                           (lambda: space_plan(job, True)) if opts.space_check else None)

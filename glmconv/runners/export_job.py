@@ -69,6 +69,7 @@ class ExportJob(PlanJob):
     dtypes_from: str = PLAN  # LIKE, CONVERTED (glmconv.json's record) or PLAN (an older glmconv's checkpoint)
     sidecars_from: str | None = None  # LIKE, CONVERTED or None
     from_like: frozenset[tuple[str, ...]] = frozenset()  # keys of homeless mappings SRC lacks, taken from --like
+    source: DcpCheckpoint | None = None  # SRC as inspected (metadata read and checked): read once per run
 
 
 def source_job(src: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
@@ -109,7 +110,7 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         dtypes=dtypes, stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
         like=Path(like) if like is not None else None, config_path=Path(config) if config is not None else None,
         source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
-        sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from, from_like=from_like)
+        sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from, from_like=from_like, source=ck)
 
 
 def homeless_from_like(plan: Plan, ck: DcpCheckpoint, like: HfCheckpoint | None) -> frozenset[tuple[str, ...]]:
@@ -268,12 +269,12 @@ def like_tensors(like: Path | None, share: list[Mapping],
     return HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
 
 
-def check_loadable(src: Path) -> None:
+def check_loadable(src: Path, ck: DcpCheckpoint | None = None) -> None:
     """Every stored object of `src` (each `_extra_state`, the common state) loads as a trainer's torch.load would:
-    a run checks it before any work (a dry run does not: it imports no torch)."""
+    a run checks it before any work (a dry run does not: it imports no torch). `ck`: `src` already inspected."""
 
-    ck = inspect_torch_dist(src)
-    check_stored_objects(ck.iter_dir, ck.objects)
+    ck = ck if ck is not None else inspect_torch_dist(src)
+    check_stored_objects(ck.iter_dir, ck.objects, ck.metadata)
 
 
 def from_like_summary(plan: Plan, from_like: frozenset[tuple[str, ...]], src: Path,

@@ -86,7 +86,7 @@ def _prepare(hf_dir: str | Path, mcore_dir: str | Path) -> VerifyJob:
     check_pair("verify", hf_dir, mcore_dir)  # the arguments swapped, or a checkpoint of the wrong kind
     ignored = check_same_model(hf_dir, mcore_dir)  # a checkpoint of another model: before its args are read
     mc = export_job.source_job(mcore_dir, config=hf_dir)
-    export_job.check_loadable(mc.src)  # every stored object a trainer will load
+    export_job.check_loadable(mc.src, mc.source)  # every stored object a trainer will load
     hf = convert.source_job(hf_dir, layout=mc.plan.layout)  # the pairs meet under the Megatron side's names
     of_hf = hf.plan.mapping_of_mcore
     unpaired = [n for n in mc.plan.mcore_index if n not in of_hf]
@@ -154,7 +154,7 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Progress, opts: VerifyO
     """Compare pairs `mine` on `opts.threads` threads (each with its own DcpReader), FP8 dequantised where
     convert would dequantise it; mismatches tagged with their pair's index."""
 
-    readers = ThreadReaders(job.mcore.src, check_finite=True)  # a non-finite value is refused, never compared
+    readers = ThreadReaders(job.mcore.src, True, job.mcore.source)  # a non-finite value is refused, never compared
     fp8 = convert.fp8_bytes([job.pairs[i][0] for i in mine])
     found: list[tuple[int, Mismatch]] = []
 

@@ -1,6 +1,6 @@
-"""What a torch_dist reader does once, not per chunk (issue 38: a bench of small tensors spent its time there): a
-run's thread readers share one inspection of the checkpoint, and a pickle passed by the bounds scan is not scanned
-again, while a pickle the scan refused is refused every time."""
+"""What reading a torch_dist checkpoint does once, not per chunk or per look (issue 38: runs of small tensors spent
+their time there): a run's thread readers share one inspection of the checkpoint, and a pickle passed by the bounds
+scan (a chunk's, the `.metadata`) is not scanned again, while a pickle the scan refused is refused every time."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import glmconv
-from glmconv.io.torch_dist import stored_objects
+from glmconv.io.torch_dist import safe_unpickle, stored_objects
 from glmconv.runners.backward import ThreadReaders
 
 
@@ -44,8 +44,8 @@ def test_every_threads_reader_shares_the_first_readers_inspection(tiny_mc: Path)
 
 def test_a_pickle_within_bounds_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
     scanned: list[bytes] = []
-    monkeypatch.setattr(stored_objects, "_BOUNDED", set())
-    monkeypatch.setattr(stored_objects, "check_pickle_bounds", scanned.append)
+    monkeypatch.setattr(safe_unpickle, "_PASSED", set())
+    monkeypatch.setattr(safe_unpickle, "_scan_bounds", lambda pkl, nesting: scanned.append(pkl))
     same_shape = [_archive(torch.randn(4, 8)) for _ in range(3)]  # other values, the same pickle
     other_shape = _archive(torch.randn(8, 4))
     for archive in [*same_shape, other_shape]:
@@ -57,14 +57,28 @@ def test_a_pickle_within_bounds_is_scanned_once(monkeypatch: pytest.MonkeyPatch)
 def test_a_pickle_the_scan_refused_is_scanned_and_refused_again(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[bytes] = []
 
-    def refuse(pkl: bytes) -> None:
+    def refuse(pkl: bytes, nesting: int) -> None:
         calls.append(pkl)
         raise pickle.UnpicklingError("planted: out of bounds")
 
-    monkeypatch.setattr(stored_objects, "_BOUNDED", set())
-    monkeypatch.setattr(stored_objects, "check_pickle_bounds", refuse)
+    monkeypatch.setattr(safe_unpickle, "_PASSED", set())
+    monkeypatch.setattr(safe_unpickle, "_scan_bounds", refuse)
     archive = _archive(torch.randn(4, 8))
     for _ in range(2):
         with pytest.raises(pickle.UnpicklingError, match="planted"):
             stored_objects.bounded_pickles(io.BytesIO(archive))
     assert len(calls) == 2
+
+
+def test_a_checkpoints_metadata_is_scanned_once_a_process(tiny_mc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from glmconv.io.torch_dist.metadata import inspect_torch_dist
+
+    scanned: list[int] = []
+    scan = safe_unpickle._scan_bounds
+    monkeypatch.setattr(safe_unpickle, "_PASSED", set())
+    monkeypatch.setattr(safe_unpickle, "_scan_bounds", lambda pkl, nesting: scanned.append(len(pkl)) or scan(pkl,
+                                                                                                              nesting))
+    first = inspect_torch_dist(tiny_mc)
+    again = inspect_torch_dist(tiny_mc)
+    assert first.tensors == again.tensors
+    assert len(scanned) == 1

@@ -460,18 +460,22 @@ def read_bytes_entry(ckpt_dir: str | Path, key: str, *, limit: int | None = None
     return next(iter_bytes_entries(ckpt_dir, [key], limits=limits))[1]
 
 
-def iter_bytes_entries(ckpt_dir: str | Path, keys: list[str], *,
-                       limits: Mapping[str, tuple[int, str]] | None = None) -> Iterator[tuple[str, bytes]]:
+def iter_bytes_entries(ckpt_dir: str | Path, keys: list[str], *, limits: Mapping[str, tuple[int, str]] | None = None,
+                       metadata: Any = None) -> Iterator[tuple[str, bytes]]:
     """(data file name, raw bytes) of each BYTE_IO entry `keys`, in order; `.metadata` is read once, as
-    `StandIn`s, so this needs no torch. `limits`: key -> (most bytes, what the entry should be): a longer entry
-    is refused before it is read."""
+    `StandIn`s, so this needs no torch (`metadata`: it, already read by `inspect_torch_dist`). `limits`: key ->
+    (most bytes, what the entry should be): a longer entry is refused before it is read."""
     d = Path(ckpt_dir)
     path = d / DCP_METADATA_NAME
     if not path.exists():
         raise CheckpointError(f"{path}: missing; not a torch_dist checkpoint")
-    md = load_metadata(path, stand_ins=True)
+    md = metadata if metadata is not None else load_metadata(path, stand_ins=True)
+    stored: dict[str, Any] = {}  # each object's first entry, found in one pass (not one pass a key)
+    for k, v in (md.storage_data or {}).items():
+        if k.offset is None:
+            stored.setdefault(k.fqn, v)
     for key in keys:
-        info = next((v for k, v in (md.storage_data or {}).items() if k.fqn == key and k.offset is None), None)
+        info = stored.get(key)
         if not is_a(md.state_dict_metadata.get(key), "BytesStorageMetadata") or info is None:
             raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
         if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):

@@ -11,6 +11,7 @@ as the stand-in the member's value would give).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 import pickletools
@@ -198,6 +199,8 @@ def _actions() -> dict[int, tuple[int, bool, int, int]]:
 
 
 _ACTIONS: dict[int, tuple[int, bool, int, int]] = {}
+_PASSED: set[tuple[bytes, int]] = set()  # (SHA-256, nesting) of the pickles the scan passed
+_PASSED_MAX = 1 << 16  # 64K of them at most: a few MB
 
 
 def check_pickle_bounds(pkl: bytes, nesting: int = MAX_TUPLE_NESTING) -> None:
@@ -211,7 +214,19 @@ def check_pickle_bounds(pkl: bytes, nesting: int = MAX_TUPLE_NESTING) -> None:
     fixed when it is built (tuples are immutable); a list, dict or set resets it (a list or dict is unhashable, a
     frozenset caches its hash); a call (REDUCE, NEWOBJ, ...) is given the deepest of its inputs. Malformed
     opcodes, stack underflow and a missing memo entry are `pickle.UnpicklingError`, as the unpickler would say.
-    Linear in the pickle's size: about 1 s a million opcodes."""
+    Linear in the pickle's size: about 1 s a million opcodes. A pickle passed once is not scanned again in this
+    process (by its SHA-256): a checkpoint's chunks of one shape carry the same pickle byte for byte, and a run
+    reads the same `.metadata` more than once."""
+    key = (hashlib.sha256(pkl).digest(), nesting)
+    if key in _PASSED:
+        return
+    _scan_bounds(pkl, nesting)
+    if len(_PASSED) < _PASSED_MAX:
+        _PASSED.add(key)
+
+
+def _scan_bounds(pkl: bytes, nesting: int) -> None:
+    """`check_pickle_bounds`' scan."""
 
     if not _ACTIONS:
         _ACTIONS.update(_actions())

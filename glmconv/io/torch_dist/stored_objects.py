@@ -42,10 +42,6 @@ def check_object(data: bytes, where: str) -> None:
         raise CheckpointError(f"{where}: stored object is not loadable by torch.load ({_line(exc)})") from None
 
 
-_BOUNDED: set[bytes] = set()  # small pickles `check_pickle_bounds` passed
-_BOUNDED_MAX, _BOUNDED_BYTES = 4096, 1 << 14  # at most 4096 of at most 16 KiB each are kept (a tensor's: ~1 KB)
-
-
 def check_tensor_archive(fh: Any, where: str, dtype: Any, sizes: tuple[int, ...]) -> None:
     """A tensor archive whose data bytes are copied unread: its pickles' bounds, then every other check torch.load
     makes, on the meta device; `fh` is the archive's window (seekable, positioned anywhere)."""
@@ -65,15 +61,10 @@ def check_tensor_archive(fh: Any, where: str, dtype: Any, sizes: tuple[int, ...]
 
 
 def bounded_pickles(fh: Any) -> list[bytes]:
-    """The archive's pickles, each within `check_pickle_bounds` (else `PickleOutOfBounds`): what may be unpickled.
-    A pickle already found within bounds is not scanned again: a checkpoint's chunks of one shape carry the same
-    pickle byte for byte (an expert's thousands of chunks: one scan)."""
+    """The archive's pickles, each within `check_pickle_bounds` (else `PickleOutOfBounds`): what may be unpickled."""
     pickles = _pickles_of(fh)
     for pkl in pickles:
-        if pkl not in _BOUNDED:
-            check_pickle_bounds(pkl)
-            if len(_BOUNDED) < _BOUNDED_MAX and len(pkl) <= _BOUNDED_BYTES:
-                _BOUNDED.add(pkl)
+        check_pickle_bounds(pkl)
     return pickles
 
 
