@@ -13,9 +13,11 @@
 #          and the conversions, made with the project's own env)
 #   fp8 | bf16: the 2 GB / 6 GB matrix of that source dtype (bf16 also: the single-file source); rc4: real-cut4;
 #   parity: real-cut4's streamed parity (after rc4); tiny: tiny convert vs `import torch`. Each deletes what it made (the disk holds about 60 GB).
-#   issue38: issue 38 in one device call (~6 min after the start; BUDGET s, default 360, then the rest is skipped and
-#            said so): real-cut4 FP8 and a 1 GB FP8 bench made; convert, verify and export --fp8 --like --device cuda
-#            at 1 and 4 workers (exports byte for byte against the source), export against cp+sync of its output,
+#   issue38: issue 38 in one device call (~9 min after the start; BUDGET s, default 360, then the rest is skipped and
+#            said so): real-cut4 FP8 and 1 GB / 3 GB FP8 benches made; convert, verify and export --fp8 --like --device
+#            cuda at 1 and 4 workers (exports byte for byte against the source), export against its disk part (its
+#            inputs' cold reads, evicted first, + cp+sync of its output), warm and cold, the benches' exports against
+#            cp+sync at their margin,
 #            the 1 GB convert against `import torch`, the 1-worker export of the tree in bench-data/old where there
 #            is one (glmconv/ and cli/ of the commit a change is measured against: an A/B in the same call; carry it),
 #            tests/gpu's FP8 tests (RC4_FROM=DIR: that real-cut4 FP8
