@@ -16,18 +16,38 @@ from typing import TYPE_CHECKING, Protocol
 
 from glmconv.numerics.dequant import SLAB_ROWS, ThreadStreams, cuda_device, resolve_device, slab_worker
 from glmconv.numerics.fp8 import FP8_BLOCK
-from glmconv.numerics.fp8_reuse import Fp8Blocks, comparable, encode
+from glmconv.numerics.fp8_reuse import Fp8Blocks, comparable, encode, encode_stacked, split_stacked
 
 if TYPE_CHECKING:
     import torch
 
 
+Pair = tuple["torch.Tensor", "torch.Tensor"]  # --like's codes and scales of one weight
+
+
 class Fp8Encoder(Protocol):
     """`fp8_reuse.encode` somewhere: a weight (and --like's pair) in, its FP8 bytes and counts out, on the CPU."""
 
-    def __call__(self, w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> Fp8Blocks: ...
+    def __call__(self, w: torch.Tensor, like: Pair | None) -> Fp8Blocks: ...
+
+    def many(self, ws: list[torch.Tensor], likes: list[Pair | None]) -> list[Fp8Blocks]:
+        """Each weight as `__call__` gives it (a mapping step's experts: one call where the device gains by it)."""
+        ...
 
     def close(self) -> None: ...
+
+
+def stackable(ws: list[torch.Tensor], likes: list[Pair | None]) -> bool:
+    """Whether `fp8_reuse.encode_stacked` gives these weights' bytes: more than one, 2-D, one shape and dtype, whole
+    128-row blocks, and --like's pairs for all (each comparable) or for none."""
+    first = ws[0]
+    if len(ws) < 2 or first.dim() != 2 or first.shape[0] % FP8_BLOCK:
+        return False
+    if any(w.shape != first.shape or w.dtype != first.dtype for w in ws):
+        return False
+    if all(p is None for p in likes):
+        return True
+    return all(p is not None and comparable(w, *p) for w, p in zip(ws, likes))
 
 
 class CpuEncoder:
@@ -51,6 +71,14 @@ class CpuEncoder:
             return encode(w[start:stop], pair)
 
         return joined(list(self._pool.map(slab, range(0, rows, SLAB_ROWS))))
+
+    def many(self, ws: list[torch.Tensor], likes: list[Pair | None]) -> list[Fp8Blocks]:
+        """Small weights of one shape as one (no pool: each under a slab), larger ones each by slabs."""
+        import torch
+
+        if stackable(ws, likes) and ws[0].shape[0] <= SLAB_ROWS:
+            return stacked_on(torch.device("cpu"), ws, likes)
+        return [self(w, p) for w, p in zip(ws, likes, strict=True)]
 
     def close(self) -> None:
         if self._pool is not None:
@@ -82,8 +110,45 @@ class CudaEncoder(ThreadStreams):
         stream.synchronize()
         return Fp8Blocks(codes.view(torch.float8_e4m3fn), scales, got.requantized, got.scale_adjusted, got.inexact)
 
+    def many(self, ws: list[torch.Tensor], likes: list[Pair | None]) -> list[Fp8Blocks]:
+        """Small weights of one shape (a step's experts) stacked: one copy each way and one synchronisation for all
+        of them, where one each cost more than their encoding (tests/gpu: the bytes are the CPU's)."""
+        import torch
+
+        if not stackable(ws, likes):
+            return [self(w, p) for w, p in zip(ws, likes, strict=True)]
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            got = stacked_on(self.device, ws, likes)
+        stream.synchronize()
+        return got
+
     def close(self) -> None:
         pass
+
+
+def stacked_on(device: torch.device, ws: list[torch.Tensor], likes: list[Pair | None]) -> list[Fp8Blocks]:
+    """`stackable` weights encoded as one on `device` (one copy there of them and of --like's pairs, one back of
+    the codes and scales: none where every block is --like's, whose tensors in hand are the bytes)."""
+    import torch
+
+    like = stacked_pairs(likes)
+    pair = None if like is None else (like[0].to(device), like[1].to(device))
+    codes, scales, counts = encode_stacked(torch.cat(ws).to(device), pair, len(ws))  # counts: read back inside
+    if pair is not None and codes is pair[0]:
+        return [Fp8Blocks(p[0], p[1], 0, 0, 0) for p in likes if p is not None]
+    return split_stacked(codes.view(torch.uint8).to("cpu").view(torch.float8_e4m3fn), scales.to("cpu"), counts)
+
+
+def stacked_pairs(likes: list[Pair | None]) -> Pair | None:
+    """--like's pairs stacked by rows as their weights are (None: no pair at all)."""
+    import torch
+
+    if any(p is None for p in likes):
+        return None
+    pairs = [p for p in likes if p is not None]
+    return (torch.cat([c.view(torch.uint8) for c, _ in pairs]).view(torch.float8_e4m3fn),
+            torch.cat([s for _, s in pairs]))
 
 
 def make_encoder(device: str, threads: int, rank: int = 0) -> Fp8Encoder:

@@ -48,6 +48,38 @@ def encode(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> F
                      int((inexact & new).sum()))
 
 
+def encode_stacked(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None,
+                   n: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """`n` weights of one shape, each whole 128-row blocks, stacked by rows (and --like's pairs stacked alike),
+    encoded in one call: `encode` is block-local, so each weight's rows of the codes and scales are the bytes
+    `encode` gives it alone, and its counts (requantized, scale_adjusted, inexact) are its own blocks'. Returns the
+    stack's codes and scales (--like's own tensors when every block is reused) and each weight's counts: one
+    transfer and one synchronisation on a GPU for many small weights."""
+    import torch
+
+    keep = reusable_blocks(w, *like) if like is not None else None
+    if like is not None and keep is not None and bool(keep.all()):
+        return like[0], like[1], [(0, 0, 0)] * n
+    q, s, moved, inexact = quantize_fp8_exact_blocks(w)
+    if like is None or keep is None:
+        codes, scales, new = q, s, torch.ones_like(moved)
+    else:
+        new = keep.logical_not()
+        codes = torch.where(_elements(new, tuple(w.shape)), q.view(torch.uint8),
+                            like[0].view(torch.uint8)).view(torch.float8_e4m3fn)
+        scales = torch.where(new, s, like[1]).contiguous()
+    per_weight = torch.stack([new, moved & new, inexact & new]).reshape(3, n, -1).sum(dim=2).tolist()
+    return codes, scales, list(zip(*per_weight))
+
+
+def split_stacked(codes: torch.Tensor, scales: torch.Tensor, counts: list[tuple[int, int, int]]) -> list[Fp8Blocks]:
+    """`encode_stacked`'s result as each weight's own `Fp8Blocks` (views of the stack's rows)."""
+    n = len(counts)
+    rows, block_rows = codes.shape[0] // n, scales.shape[0] // n
+    return [Fp8Blocks(codes[i * rows:(i + 1) * rows], scales[i * block_rows:(i + 1) * block_rows], *c)
+            for i, c in enumerate(counts)]
+
+
 def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """Per block: do --like's codes and scale give back `w` exactly (and is the scale valid)? None: not comparable."""
     import torch

@@ -26,7 +26,7 @@ def _nbytes(shape: Shape, itemsize: int) -> int:
 
 class Transform(ABC):
     """One reversible HF <-> Megatron operation. It moves values and makes none (no arithmetic): export checks a
-    weight for NaN/Inf once, where it is read (`runners.backward.encode`'s `finite`)."""
+    weight for NaN/Inf once, where it is read (`runners.backward`'s `finite`)."""
 
     # `backward` undoes `forward` exactly and the reverse (bytes only move): checking one direction proves the
     # other (verify). A transform that pads, drops or duplicates values must leave it False.

@@ -21,6 +21,7 @@ from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.torch_dist.metadata import DcpCheckpoint
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.numerics.finite import require_finite
+from glmconv.numerics.fp8_encode import Fp8Encoder
 from glmconv.numerics.fp8_reuse import Fp8Blocks
 from glmconv.numerics.fp8_reuse import encode as encode_fp8
 from glmconv.plan import FP8, Mapping, TensorSpec
@@ -35,9 +36,6 @@ Rows = tuple[int, int] | None
 Read = Callable[[str, Rows], "torch.Tensor"]  # a Megatron tensor of the mapping, whole or rows [start, stop)
 
 Named = tuple[str, "torch.Tensor"]
-
-# a weight (and --like's codes and scales of it) as FP8: `fp8_reuse.encode` here, or export's device encoder
-EncodeFp8 = Callable[["torch.Tensor", "tuple[torch.Tensor, torch.Tensor] | None"], Fp8Blocks]
 
 _STATS_LOCK = threading.Lock()
 
@@ -68,7 +66,7 @@ def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int,
 
 
 def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
-                     like: LikeFp8 | None = None, fp8: EncodeFp8 | None = None,
+                     like: LikeFp8 | None = None, fp8: Fp8Encoder | None = None,
                      finite: bool = False) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
     """`mapping_hf` step by step: the Megatron bytes each step reads and what makes its HF tensors, so that
     export can run steps ahead on threads (`stats` is added to under a lock; `fp8` encodes FP8 weights, None:
@@ -91,37 +89,51 @@ def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes
 
 
 def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
-             stats: Fp8Stats, like: LikeFp8 | None, fp8: EncodeFp8 | None, finite: bool) -> list[Named]:
-    return [out for i, tensor in zip(picks, tensors, strict=True)
-            for out in encode(m.hf[i], m.scales[i], tensor, dtypes, stats, like, fp8, finite)]
+             stats: Fp8Stats, like: LikeFp8 | None, fp8: Fp8Encoder | None, finite: bool) -> list[Named]:
+    """A step's HF tensors in the dtypes they are written as, an FP8 one as codes and then its block scales; the
+    step's FP8 weights encoded together (`Fp8Encoder.many`: a GPU takes a step's small experts in one call)."""
+    specs = [(m.hf[i], m.scales[i]) for i in picks]
+    is_fp8 = [_is_fp8(spec, scale, t, dtypes, finite) for (spec, scale), t in zip(specs, tensors, strict=True)]
+    weights = [(spec, t) for (spec, _), t, f in zip(specs, tensors, is_fp8) if f]
+    blocks = iter(_encode_fp8(weights, like, fp8) if weights else [])
+    out: list[Named] = []
+    for (spec, scale), t, f in zip(specs, tensors, is_fp8):
+        if not f:
+            out.append((spec.name, t.to(torch_dtype(dtypes.get(spec.name, spec.dtype))).contiguous()))
+            continue
+        got = next(blocks)
+        with _STATS_LOCK:  # export encodes on reader threads
+            stats.add(Fp8Stats(1, got.scales.numel(), got.scale_adjusted, got.inexact, int(got.requantized > 0),
+                               got.requantized))
+        assert scale is not None  # _is_fp8 refused an FP8 weight without one
+        out += [(spec.name, got.codes), (scale.name, got.scales)]
+    return out
 
 
-def encode(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
-           stats: Fp8Stats, like: LikeFp8 | None = None, fp8: EncodeFp8 | None = None,
-           finite: bool = False) -> Iterator[Named]:
-    """One HF tensor in the dtype it is written as; an FP8 one as codes and then its block scales (`finite`: its
-    values were found finite where they were read: a backward transform moves values, it makes none)."""
-
+def _is_fp8(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
+            finite: bool) -> bool:
+    """Whether `t`, of the planned shape, is written as FP8 (then with a scale and finite: `finite`, its values
+    were found finite where they were read: a backward transform moves values, it makes none)."""
     if tuple(t.shape) != spec.shape:
         raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
-    dtype = dtypes.get(spec.name, spec.dtype)
-    if dtype != FP8:
-        yield spec.name, t.to(torch_dtype(dtype)).contiguous()
-        return
+    if dtypes.get(spec.name, spec.dtype) != FP8:
+        return False
     if scale is None:
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
-
     if not finite:
         require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
+    return True
+
+
+def _encode_fp8(weights: list[tuple[TensorSpec, torch.Tensor]], like: LikeFp8 | None,
+                fp8: Fp8Encoder | None) -> list[Fp8Blocks]:
+    """The weights' FP8 bytes (--like's blocks where they reproduce a weight), in order."""
     with phases.busy("like"):
-        pair = like.pair(spec.name) if like is not None else None
+        pairs = [like.pair(spec.name) if like is not None else None for spec, _ in weights]
     with phases.busy("encode"):
-        got = (fp8 or encode_fp8)(t, pair)
-    with _STATS_LOCK:  # export encodes on reader threads
-        stats.add(Fp8Stats(1, got.scales.numel(), got.scale_adjusted, got.inexact, int(got.requantized > 0),
-                           got.requantized))
-    yield spec.name, got.codes
-    yield scale.name, got.scales
+        if fp8 is None:
+            return [encode_fp8(t, pair) for (_, t), pair in zip(weights, pairs)]
+        return fp8.many([t for _, t in weights], pairs)
 
 
 def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str, str] | None = None, *,

@@ -66,13 +66,12 @@ from glmconv.io.torch_dist.byte_route import Span, locate, scanned_extents
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import expect_torch_dist
 from glmconv.numerics.dequant import require_device
-from glmconv.numerics.fp8_encode import share_encoder
+from glmconv.numerics.fp8_encode import Fp8Encoder, share_encoder
 from glmconv.plan import FP8, Mapping
 from glmconv.progress import Progress
 from glmconv.rules import names
 from glmconv.runners import audit as audit_mod
 from glmconv.runners.backward import (
-    EncodeFp8,
     Fp8Stats,
     ThreadReaders,
     mapping_hf_steps,
@@ -228,7 +227,7 @@ def rank_dir(stage: Path, rank: int) -> Path:
 def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog: Progress,
               chunk_bytes: int, check_finite: bool = False, zero_copy: bool = True, threads: int = DEFAULT_THREADS,
               ahead_bytes: int = DEFAULT_AHEAD_BYTES, files: LikeFiles | None = None,
-              fp8: EncodeFp8 | None = None) -> ShareResult:
+              fp8: Fp8Encoder | None = None) -> ShareResult:
     """Export one worker's mappings into its own files (`files`, `output_files`: whole files per worker), reading,
     transforming and FP8-encoding (`fp8`; None: `fp8_reuse.encode`) on `threads` threads ahead of the writer (at
     most `ahead_bytes` made ahead); the files are those of one process, byte for byte."""
@@ -268,7 +267,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
 
 def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReaders, job: ExportJob, chunk_bytes: int,
                  stats: Fp8Stats, like: LikeFp8 | None, *, zero_copy: bool,
-                 like_src: HfTensorSource | None = None, fp8: EncodeFp8 | None = None) -> Iterator[Step[Made]]:
+                 like_src: HfTensorSource | None = None, fp8: Fp8Encoder | None = None) -> Iterator[Step[Made]]:
     """One mapping's work for `run_ahead`: its byte route (extents, no memory), else its read-and-encode steps,
     each on its thread's own DcpReader (which keeps the one stored chunk it last loaded: steps of a mapping that
     share a chunk on one thread read it once); a mapping SRC lacks (`job.from_like`) is made from --like's."""

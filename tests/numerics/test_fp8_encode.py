@@ -9,7 +9,7 @@ from helpers.fp8_cases import CASES, random_weight
 
 from glmconv.numerics.finite import NonFiniteError
 from glmconv.numerics.fp8 import E4M3_MAX, FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
-from glmconv.numerics.fp8_encode import CpuEncoder, make_encoder, share_encoder
+from glmconv.numerics.fp8_encode import CpuEncoder, make_encoder, share_encoder, stackable, stacked_on
 from glmconv.numerics.fp8_reuse import Fp8Blocks, encode
 
 B = FP8_BLOCK
@@ -106,6 +106,65 @@ def test_cpu_slabs_give_the_whole_weights_bytes(what: str, w: torch.Tensor, thre
             assert (got.scale_adjusted, got.inexact) == (want.scale_adjusted, want.inexact)
     finally:
         encoder.close()
+
+
+def _experts(n: int, rows: int, cols: int) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`n` (at least 4) weights that --like's pairs reproduce, then one block of the second changed and the fourth
+    all new."""
+    gen = torch.Generator().manual_seed(0)
+    likes = []
+    for _ in range(n):
+        codes = (torch.randn(rows, cols, generator=gen) * 50).clamp(-440, 440).to(torch.float8_e4m3fn)
+        likes.append((codes, torch.rand(-(-rows // B), -(-cols // B), generator=gen) * 0.01 + 1e-3))
+    ws = [dequantize_fp8_blocks(c, sc, out_dtype=torch.bfloat16) for c, sc in likes]
+    ws[1] = ws[1].clone()
+    ws[1][3, 5] += 1
+    ws[3] = torch.randn(rows, cols, generator=gen).bfloat16()
+    return ws, likes
+
+
+def _counts(got: Fp8Blocks) -> tuple[int, int, int]:
+    return got.requantized, got.scale_adjusted, got.inexact
+
+
+@pytest.mark.parametrize("with_like", [True, False])
+def test_stacked_weights_get_each_ones_own_bytes_and_counts(with_like: bool) -> None:
+    ws, likes = _experts(5, 256, 320)
+    pairs = likes if with_like else [None] * len(ws)
+    got = stacked_on(torch.device("cpu"), ws, pairs)
+    want = [encode(w, p) for w, p in zip(ws, pairs)]
+    assert [_bytes(g) for g in got] == [_bytes(w) for w in want]
+    assert [_counts(g) for g in got] == [_counts(w) for w in want]
+    if with_like:
+        assert [g.requantized for g in got] == [0, 1, 0, 6, 0]
+
+
+def test_stacked_weights_all_reproduced_are_likes_own_tensors() -> None:
+    ws, likes = _experts(5, 256, 320)
+    kept = [0, 2, 4]
+    got = stacked_on(torch.device("cpu"), [ws[i] for i in kept], [likes[i] for i in kept])
+    assert all(g.codes is likes[i][0] and g.scales is likes[i][1] for g, i in zip(got, kept))
+
+
+def test_the_cpu_encoder_takes_a_steps_small_weights_together() -> None:
+    ws, likes = _experts(4, 128, 200)
+    encoder = CpuEncoder(2)
+    try:
+        got = encoder.many(ws, list(likes))
+    finally:
+        encoder.close()
+    assert [_bytes(g) for g in got] == [_bytes(encode(w, p)) for w, p in zip(ws, likes)]
+
+
+def test_only_weights_encode_stacked_gives_the_bytes_of_are_stacked() -> None:
+    ws, likes = _experts(4, 256, 320)
+    ws, likes = ws[:3], likes[:3]
+    assert stackable(ws, list(likes)) and stackable(ws, [None] * 3)
+    assert not stackable(ws[:1], list(likes[:1]))  # one weight: nothing to gain
+    assert not stackable([ws[0], ws[1][:128]], [None, None])  # two shapes
+    assert not stackable([w[:200] for w in ws], [None] * 3)  # rows not whole 128-row blocks
+    assert not stackable(ws, [likes[0], None, likes[2]])  # --like's pairs for some only
+    assert not stackable(ws, [likes[0], (likes[1][0][:128], likes[1][1]), likes[2]])  # a pair that does not compare
 
 
 def test_a_nan_is_refused_as_before() -> None:
