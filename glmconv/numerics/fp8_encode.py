@@ -4,7 +4,9 @@
 --like alone), so a weight cut into slabs of whole 128-row blocks, each encoded alone on a pool thread, gives the
 whole weight's bytes, and the cores share the work (torch's own intra-op threads then stay at one, as for
 dequantisation). On the GPU the same torch code runs on device copies: fp32 reductions, IEEE divisions by tensors
-and round-to-nearest-even casts only (glmconv/numerics/fp8.py), so the bytes are the CPU's (tests/gpu).
+and round-to-nearest-even casts only (glmconv/numerics/fp8.py), so the bytes are the CPU's (tests/gpu). A mapping
+step's small weights of one shape (experts) are encoded stacked, for the same reason: one call for many weights
+(`Fp8Encoder.many`; on a GPU one copy each way and one synchronisation instead of one per weight).
 """
 
 from __future__ import annotations
