@@ -20,7 +20,7 @@
 #            cp+sync at their margin,
 #            the 1 GB convert against `import torch`, the 1-worker export of the tree in bench-data/old where there
 #            is one (glmconv/ and cli/ of the commit a change is measured against: an A/B in the same call; carry it),
-#            tests/gpu's FP8 tests (RC4_FROM=DIR: that real-cut4 FP8
+#            tests/gpu's FP8 tests (while the sources are made: the GPU's bytes first) (RC4_FROM=DIR: that real-cut4 FP8
 #            source instead of a new one, e.g. /tmp/rc4/hf left by gpu_verdict.sh on the same machine) (the kernel and parity tests need the
 #            wheels: gpu_kernels.sh), export --device cpu last; `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
@@ -111,6 +111,8 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
   fi
   timed make-fp8-1 "${G[@]}" fixture make "$WORK/fp8-1" --preset bench --size "${SIZE38:-1GB}" --fp8 --force &
   timed make-fp8-3 "${G[@]}" fixture make "$WORK/fp8-3" --preset bench --size "${SIZE38_LARGE:-3GB}" --fp8 --force &
+  { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py tests/gpu/test_fp8_encode_cuda.py \
+      > "$RES/gpu-tests.txt" 2>&1; echo "gpu tests rc=$?" >> "$RES/times.txt"; } &  # first: the GPU's bytes
   wait
   du -sbL "$WORK/rc4" "$WORK/fp8-1" "$WORK/fp8-3" >> "$RES/sizes.txt"
   rm -rf "$WORK/$c-mc"; sync; timed "$c-convert-w1" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 1 --json
@@ -148,8 +150,6 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     same_files "$b-export-cuda" "$WORK/$b" "$WORK/$b-ex"
     copy_sync "$b-cp-ex" "$WORK/$b-ex"; copy_sync "$b-cp-ex" "$WORK/$b-ex"; rm -rf "$WORK/$b-ex" "$WORK/$b-mc"
   done
-  within_budget tests && { python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
-      tests/gpu/test_fp8_encode_cuda.py > "$RES/gpu-tests.txt" 2>&1; echo "gpu tests rc=$?" >> "$RES/times.txt"; }
   within_budget "$c-convert-w4" && { rm -rf "$WORK/$c-mc"; sync
     timed "$c-convert-w4" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 4 --json; }
   within_budget "$c-cp-out" && copy_sync "$c-cp-out" "$WORK/$c-mc"
