@@ -99,26 +99,19 @@ def joined(parts: list[Fp8Blocks]) -> Fp8Blocks:
 class CudaEncoder(ThreadStreams):
     """The weight (and --like's pair) to the GPU on the calling thread's stream, encoded there, the bytes back."""
 
-    def __call__(self, w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> Fp8Blocks:
-        import torch
-
-        stream = self._stream()
-        with torch.cuda.stream(stream):
-            pair = None if like is None else (like[0].to(self.device), like[1].to(self.device))
-            got = encode(w.to(self.device), pair)  # its counts are read back (synchronised) inside
-            if like is not None and pair is not None and got.codes is pair[0]:  # --like's bytes whole: those in hand
-                return Fp8Blocks(like[0], like[1], 0, 0, 0)
-            codes, scales = got.codes.view(torch.uint8).to("cpu"), got.scales.to("cpu")
-        stream.synchronize()
-        return Fp8Blocks(codes.view(torch.float8_e4m3fn), scales, got.requantized, got.scale_adjusted, got.inexact)
+    def __call__(self, w: torch.Tensor, like: Pair | None) -> Fp8Blocks:
+        return self._on_stream([w], [like])[0]
 
     def many(self, ws: list[torch.Tensor], likes: list[Pair | None]) -> list[Fp8Blocks]:
         """Small weights of one shape (a step's experts) stacked: one copy each way and one synchronisation for all
         of them, where one each cost more than their encoding (tests/gpu: the bytes are the CPU's)."""
-        import torch
-
         if not stackable(ws, likes):
             return [self(w, p) for w, p in zip(ws, likes, strict=True)]
+        return self._on_stream(ws, likes)
+
+    def _on_stream(self, ws: list[torch.Tensor], likes: list[Pair | None]) -> list[Fp8Blocks]:
+        import torch
+
         stream = self._stream()
         with torch.cuda.stream(stream):
             got = stacked_on(self.device, ws, likes)
@@ -136,7 +129,7 @@ def stacked_on(device: torch.device, ws: list[torch.Tensor], likes: list[Pair | 
 
     like = stacked_pairs(likes)
     pair = None if like is None else (like[0].to(device), like[1].to(device))
-    codes, scales, counts = encode_stacked(torch.cat(ws).to(device), pair, len(ws))  # counts: read back inside
+    codes, scales, counts = encode_stacked(_rows(ws).to(device), pair, len(ws))  # counts: read back inside
     if pair is not None and codes is pair[0]:
         return [Fp8Blocks(p[0], p[1], 0, 0, 0) for p in likes if p is not None]
     return split_stacked(codes.view(torch.uint8).to("cpu").view(torch.float8_e4m3fn), scales.to("cpu"), counts)
@@ -149,8 +142,14 @@ def stacked_pairs(likes: list[Pair | None]) -> Pair | None:
     if any(p is None for p in likes):
         return None
     pairs = [p for p in likes if p is not None]
-    return (torch.cat([c.view(torch.uint8) for c, _ in pairs]).view(torch.float8_e4m3fn),
-            torch.cat([s for _, s in pairs]))
+    return _rows([c.view(torch.uint8) for c, _ in pairs]).view(torch.float8_e4m3fn), _rows([s for _, s in pairs])
+
+
+def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors stacked by rows (one alone: itself, not a copy)."""
+    import torch
+
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def make_encoder(device: str, threads: int, rank: int = 0) -> Fp8Encoder:

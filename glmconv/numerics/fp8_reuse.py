@@ -33,19 +33,7 @@ class Fp8Blocks:
 
 def encode(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None) -> Fp8Blocks:
     """`w` as FP8: --like's blocks where they reproduce `w` bit for bit, the others re-quantised."""
-    import torch
-
-    keep = reusable_blocks(w, *like) if like is not None else None
-    if like is not None and keep is not None and bool(keep.all()):
-        return Fp8Blocks(like[0], like[1], 0, 0, 0)
-    q, s, moved, inexact = quantize_fp8_exact_blocks(w)
-    if like is None or keep is None:
-        return Fp8Blocks(q, s, s.numel(), int(moved.sum()), int(inexact.sum()))
-    new = keep.logical_not()
-    codes = torch.where(_elements(new, tuple(w.shape)), q.view(torch.uint8), like[0].view(torch.uint8))
-    scales = torch.where(new, s, like[1])
-    return Fp8Blocks(codes.view(torch.float8_e4m3fn), scales.contiguous(), int(new.sum()), int((moved & new).sum()),
-                     int((inexact & new).sum()))
+    return split_stacked(*encode_stacked(w, like, 1))[0]
 
 
 def encode_stacked(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None,
@@ -75,6 +63,8 @@ def encode_stacked(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | No
 def split_stacked(codes: torch.Tensor, scales: torch.Tensor, counts: list[tuple[int, int, int]]) -> list[Fp8Blocks]:
     """`encode_stacked`'s result as each weight's own `Fp8Blocks` (views of the stack's rows)."""
     n = len(counts)
+    if n == 1:
+        return [Fp8Blocks(codes, scales, *counts[0])]
     rows, block_rows = codes.shape[0] // n, scales.shape[0] // n
     return [Fp8Blocks(codes[i * rows:(i + 1) * rows], scales[i * block_rows:(i + 1) * block_rows], *c)
             for i, c in enumerate(counts)]

@@ -180,8 +180,8 @@ class ThreadReaders:
         reader = getattr(self._local, "reader", None)
         if reader is None:
             with self._lock:  # the checkpoint's metadata read and checked once, shared by every thread's reader
-                ckpt = self._all[0].ckpt if self._all else self._ckpt
-                reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=ckpt)
+                reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=self._ckpt)
+                self._ckpt = reader.ckpt
                 self._all.append(reader)
         return reader
 
