@@ -37,6 +37,7 @@ def test_an_fp8_export_says_what_its_threads_were_busy_with(tiny_fp8_ckpt: Path,
 
 
 def test_a_run_reports_only_its_own_time() -> None:
+    phases.begin()  # this process's first run (its `startup`, once), whichever test ran before on this worker
     phases.add("read", 5.0)  # what a run that failed before left behind
     phases.begin()
     with phases.timed("write"):
