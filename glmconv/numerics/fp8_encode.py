@@ -30,6 +30,8 @@ Pair = tuple["torch.Tensor", "torch.Tensor"]  # --like's codes and scales of one
 class Fp8Encoder(Protocol):
     """`fp8_reuse.encode` somewhere: a weight (and --like's pair) in, its FP8 bytes and counts out, on the CPU."""
 
+    pinned: bool  # whether weights are best read into pinned memory (they are copied to a GPU)
+
     def __call__(self, w: torch.Tensor, like: Pair | None) -> Fp8Blocks: ...
 
     def many(self, ws: list[torch.Tensor], likes: list[Pair | None]) -> list[Fp8Blocks]:
@@ -54,6 +56,8 @@ def stackable(ws: list[torch.Tensor], likes: list[Pair | None]) -> bool:
 
 class CpuEncoder:
     """`encode`, slab by slab of whole 128-row blocks on `threads` threads (1: the reference call itself)."""
+
+    pinned = False
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
@@ -99,6 +103,8 @@ def joined(parts: list[Fp8Blocks]) -> Fp8Blocks:
 class CudaEncoder(ThreadStreams):
     """The weight (and --like's pair) to the GPU on the calling thread's stream, encoded there, the bytes back."""
 
+    pinned = True
+
     def __call__(self, w: torch.Tensor, like: Pair | None) -> Fp8Blocks:
         return self._on_stream([w], [like])[0]
 
@@ -128,11 +134,16 @@ def stacked_on(device: torch.device, ws: list[torch.Tensor], likes: list[Pair | 
     import torch
 
     like = stacked_pairs(likes)
-    pair = None if like is None else (like[0].to(device), like[1].to(device))
-    codes, scales, counts = encode_stacked(_rows(ws).to(device), pair, len(ws))  # counts: read back inside
+    pair = None if like is None else (_to(like[0], device), _to(like[1], device))
+    codes, scales, counts = encode_stacked(_to(_rows(ws), device), pair, len(ws))  # counts: read back inside
     if pair is not None and codes is pair[0]:
         return [Fp8Blocks(p[0], p[1], 0, 0, 0) for p in likes if p is not None]
     return split_stacked(codes.view(torch.uint8).to("cpu").view(torch.float8_e4m3fn), scales.to("cpu"), counts)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; from pinned memory without blocking the thread (the stream is synchronised after)."""
+    return t.to(device, non_blocking=t.is_pinned())
 
 
 def stacked_pairs(likes: list[Pair | None]) -> Pair | None:
@@ -146,10 +157,26 @@ def stacked_pairs(likes: list[Pair | None]) -> Pair | None:
 
 
 def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors stacked by rows (one alone: itself, not a copy)."""
+    """The tensors stacked by rows: a view where they already lie one after another in one storage (a read chunk's
+    experts, --like's codes read together), else a copy (one alone: itself)."""
     import torch
 
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    if len(tensors) == 1:
+        return tensors[0]
+    adjacent = _adjacent_rows(tensors)
+    return adjacent if adjacent is not None else torch.cat(tensors)
+
+
+def _adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one view when each starts where the one before ends, in one storage, rows of one shape."""
+    first = tensors[0]
+    at, rows = first.data_ptr(), 0
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or t.data_ptr() != at
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        at, rows = at + t.numel() * t.element_size(), rows + t.shape[0]
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def make_encoder(device: str, threads: int, rank: int = 0) -> Fp8Encoder:

@@ -21,7 +21,7 @@ from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.torch_dist.metadata import DcpCheckpoint
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.numerics.finite import require_finite
-from glmconv.numerics.fp8_encode import Fp8Encoder
+from glmconv.numerics.fp8_encode import Fp8Encoder, Pair
 from glmconv.numerics.fp8_reuse import Fp8Blocks
 from glmconv.numerics.fp8_reuse import encode as encode_fp8
 from glmconv.plan import FP8, Mapping, TensorSpec
@@ -127,13 +127,22 @@ def _is_fp8(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes:
 
 def _encode_fp8(weights: list[tuple[TensorSpec, torch.Tensor]], like: LikeFp8 | None,
                 fp8: Fp8Encoder | None) -> list[Fp8Blocks]:
-    """The weights' FP8 bytes (--like's blocks where they reproduce a weight), in order."""
+    """The weights' FP8 bytes (--like's blocks where they reproduce a weight), in order. They are encoded in the
+    order they lie in memory, with --like's pairs read together in that order: a step's experts, split from one
+    read chunk, then stack without a copy (`Fp8Encoder.many`); encoding is per weight, so the order changes no byte."""
+    order = sorted(range(len(weights)), key=lambda i: weights[i][1].data_ptr())
+    ws = [weights[i][1] for i in order]
     with phases.busy("like"):
-        pairs = [like.pair(spec.name) if like is not None else None for spec, _ in weights]
+        names = [weights[i][0].name for i in order]
+        pairs: list[Pair | None] = [None] * len(names)
+        if like is not None:
+            pairs = like.pairs(names, pin=fp8 is not None and fp8.pinned)
     with phases.busy("encode"):
-        if fp8 is None:
-            return [encode_fp8(t, pair) for (_, t), pair in zip(weights, pairs)]
-        return fp8.many([t for _, t in weights], pairs)
+        got = [encode_fp8(t, pair) for t, pair in zip(ws, pairs)] if fp8 is None else fp8.many(ws, pairs)
+    out: list[Fp8Blocks | None] = [None] * len(weights)
+    for i, blocks in zip(order, got, strict=True):
+        out[i] = blocks
+    return [b for b in out if b is not None]
 
 
 def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str, str] | None = None, *,
@@ -169,9 +178,10 @@ def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[s
 class ThreadReaders:
     """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
 
-    def __init__(self, src: Path, check_finite: bool, ckpt: DcpCheckpoint | None = None) -> None:
-        """`ckpt`: `src` already inspected (else the first reader inspects it): every reader shares it."""
-        self._src, self.check_finite, self._ckpt = src, check_finite, ckpt
+    def __init__(self, src: Path, check_finite: bool, ckpt: DcpCheckpoint | None = None, pin: bool = False) -> None:
+        """`ckpt`: `src` already inspected (else the first reader inspects it): every reader shares it; `pin`: read
+        into pinned memory (what is read goes to a GPU)."""
+        self._src, self.check_finite, self._ckpt, self._pin = src, check_finite, ckpt, pin
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[DcpReader] = []
@@ -180,7 +190,8 @@ class ThreadReaders:
         reader = getattr(self._local, "reader", None)
         if reader is None:
             with self._lock:  # the checkpoint's metadata read and checked once, shared by every thread's reader
-                reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=self._ckpt)
+                reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=self._ckpt,
+                                                             pin=self._pin)
                 self._ckpt = reader.ckpt
                 self._all.append(reader)
         return reader

@@ -232,7 +232,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
     transforming and FP8-encoding (`fp8`; None: `fp8_reuse.encode`) on `threads` threads ahead of the writer (at
     most `ahead_bytes` made ahead); the files are those of one process, byte for byte."""
 
-    readers = ThreadReaders(job.src, check_finite, job.source)
+    readers = ThreadReaders(job.src, check_finite, job.source, pin=fp8 is not None and fp8.pinned)
     stats, consumed, copied = Fp8Stats(), list[str](), 0
     if not share:
         return ShareResult(rank, {}, 0, [], 0, stats)

@@ -14,6 +14,7 @@ import torch
 
 import glmconv
 from glmconv.io.torch_dist import safe_unpickle, stored_objects
+from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.runners.backward import ThreadReaders
 
 
@@ -82,3 +83,26 @@ def test_a_checkpoints_metadata_is_scanned_once_a_process(tiny_mc: Path, monkeyp
     again = inspect_torch_dist(tiny_mc)
     assert first.tensors == again.tensors
     assert len(scanned) == 1
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_a_located_read_gives_torch_loads_bytes_without_loading_an_archive(tiny_mc: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = DcpReader(tiny_mc)
+    loaded.locatable = lambda name: False  # type: ignore[method-assign]  # every read through torch.load
+    want = {n: (loaded.read(n), loaded.read(n, (1, 2))) for n in loaded.names() if len(loaded.shape(n)) >= 2}
+    load = torch.load
+
+    def meta_only(*a: object, **k: object) -> object:  # locating a chunk checks its archive on the meta device
+        assert k.get("map_location") == "meta", "a located chunk was loaded"
+        return load(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "load", meta_only)
+    located = DcpReader(tiny_mc)
+    got = {n: (located.read(n), located.read(n, (1, 2))) for n in want}
+    assert len(want) > 10
+    assert {n: tuple(map(_bits, ts)) for n, ts in got.items()} == {n: tuple(map(_bits, ts)) for n, ts in want.items()}
+    assert located.bytes_read == sum(sum(t.numel() * t.element_size() for t in ts) for ts in got.values())

@@ -9,8 +9,10 @@ from helpers.fp8_cases import CASES, random_weight
 
 from glmconv.numerics.finite import NonFiniteError
 from glmconv.numerics.fp8 import E4M3_MAX, FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
-from glmconv.numerics.fp8_encode import CpuEncoder, make_encoder, share_encoder, stackable, stacked_on
+from glmconv.numerics.fp8_encode import CpuEncoder, _rows, make_encoder, share_encoder, stackable, stacked_on
 from glmconv.numerics.fp8_reuse import Fp8Blocks, encode
+from glmconv.plan import TensorSpec
+from glmconv.runners.backward import _encode_fp8
 
 B = FP8_BLOCK
 SHRINK = 2.0**-20
@@ -182,3 +184,26 @@ def test_share_encoder_on_the_cpu_runs_torch_on_one_thread() -> None:
     assert isinstance(make_encoder("cpu", 1), CpuEncoder)
     with share_encoder("cuda", 0, 2) as (device, encoder):  # nothing to encode: no CUDA context, torch left alone
         assert device == "cpu" and torch.get_num_threads() == before
+
+
+def test_weights_adjacent_in_memory_stack_as_a_view_others_as_a_copy() -> None:
+    stack = torch.randn(4 * 128, 64).bfloat16()
+    parts = list(stack.split(128))
+    assert _rows(parts).data_ptr() == stack.data_ptr() and torch.equal(_rows(parts), stack)
+    swapped = [parts[1], parts[0], parts[2]]
+    assert _rows(swapped).data_ptr() != stack.data_ptr() and torch.equal(_rows(swapped), torch.cat(swapped))
+    assert _rows([parts[0], parts[2]]).data_ptr() != stack.data_ptr()  # a gap between them
+
+
+def test_a_steps_weights_in_any_order_get_their_own_bytes_stacked_without_a_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ws, _ = _experts(4, 128, 256)
+    views = list(torch.cat(ws).split(128))  # a read chunk's experts, handed over in another order
+    order = [2, 0, 3, 1]
+    cat = torch.cat
+    copies: list[int] = []
+    monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: copies.append(len(ts)) or cat(ts, *a, **k))
+    encoder = CpuEncoder(1)  # 128-row weights: encoded stacked
+    got = _encode_fp8([(TensorSpec(f"w{i}", (128, 256), "F8_E4M3"), views[i]) for i in order], None, encoder)
+    assert copies == []
+    assert [_bytes(g) for g in got] == [_bytes(encode(views[i], None)) for i in order]

@@ -29,7 +29,13 @@ class LikeFp8(Closing):
 
     def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(codes, scales) of FP8 weight `name` in --like, or None where --like does not store it as FP8."""
-        scale = names.scale_name(name)
-        if self._stored.get(name) != FP8 or self._stored.get(scale) != F32:
-            return None
-        return self._source.raw(name), self._source.raw(scale)
+        return self.pairs([name])[0]
+
+    def pairs(self, weights: list[str], pin: bool = False) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each weight's `pair`; the codes read into one buffer and the scales into another (`pin`: pinned), in
+        order, so that a step's experts stack without a copy."""
+        stored = [w for w in weights if self._stored.get(w) == FP8 and self._stored.get(names.scale_name(w)) == F32]
+        codes = self._source.raw_many(stored, pin)
+        scales = self._source.raw_many([names.scale_name(w) for w in stored], pin)
+        found = dict(zip(stored, zip(codes, scales)))
+        return [found.get(w) for w in weights]

@@ -81,6 +81,20 @@ class HfTensorSource(Closing):
         self._shards.read_into([extent], out.numpy().data)
         return out.view(torch_dtype(e.dtype)).reshape(shape)
 
+    def raw_many(self, names: list[str], pin: bool = False) -> list[torch.Tensor]:
+        """The tensors exactly as stored, read into one buffer in order (`pin`: pinned): consecutive rows of one
+        stack where they share a shape and dtype, so that stacking them copies nothing (`fp8_encode`)."""
+        import torch
+
+        found = [self.entry(n) for n in names]
+        out = torch.empty(sum(x.length for _, x in found), dtype=torch.uint8, pin_memory=pin)
+        self._shards.read_into([x for _, x in found], out.numpy().data)
+        got, at = [], 0
+        for e, x in found:
+            got.append(out[at:at + x.length].view(torch_dtype(e.dtype)).reshape(list(e.shape)))
+            at += x.length
+        return got
+
     def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks.
 
