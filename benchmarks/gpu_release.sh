@@ -146,10 +146,20 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     within_budget "$b-export-cuda" || continue
     [ -d "$WORK/$b-mc" ] || { sync; timed "$b-convert-cuda" "${G[@]}" convert "$WORK/$b" "$WORK/$b-mc" --device "$DEV" --json; }
     rm -rf "$WORK/$b-ex"; sync
-    timed "$b-export-cuda" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" --fp8 --device "$DEV" --json
-    same_files "$b-export-cuda" "$WORK/$b" "$WORK/$b-ex"
+    for t in 2 4; do  # the default read threads, and 4 (more cores copying and checking ahead of the writer)
+      rm -rf "$WORK/$b-ex"; sync
+      timed "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" \
+        --fp8 --device "$DEV" --read-threads $t --json
+      same_files "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "$WORK/$b" "$WORK/$b-ex"
+    done
     copy_sync "$b-cp-ex" "$WORK/$b-ex"; copy_sync "$b-cp-ex" "$WORK/$b-ex"; rm -rf "$WORK/$b-ex" "$WORK/$b-mc"
   done
+  if within_budget "$c-export-cuda-cold-t4"; then  # the cold export with 4 read threads: more reads in flight
+    rm -rf "$WORK/$c-ex"; evict "$WORK/$c-mc" "$WORK/$c"
+    timed "$c-export-cuda-cold-t4" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 \
+      --device "$DEV" --read-threads 4 --json
+    same_files "$c-export-cuda-cold-t4" "$WORK/$c" "$WORK/$c-ex"; rm -rf "$WORK/$c-ex"
+  fi
   within_budget "$c-convert-w4" && { rm -rf "$WORK/$c-mc"; sync
     timed "$c-convert-w4" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 4 --json; }
   within_budget "$c-cp-out" && copy_sync "$c-cp-out" "$WORK/$c-mc"
