@@ -22,7 +22,7 @@ from glmconv.config import DSA, KDA, MOE, GlmConfig
 from glmconv.defaults import DEFAULT_LAYOUT
 from glmconv.errors import CheckpointError
 from glmconv.io.config_file import load_config
-from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.metadata import config_path, resolve_iter_dir
 from glmconv.io.torch_dist.reader import DcpReader
@@ -325,7 +325,7 @@ class HfWeights(WeightSource):
         if ck.text_prefix is None:
             raise CheckpointError(f"{hf_dir}: no text-model tensors under a known prefix")
         super().__init__(ck.config, ck.text_prefix)
-        self._src = HfTensorSource({n: shard_path(Path(hf_dir), t.file) for n, t in ck.tensors.items()})
+        self._src = HfTensorSource(ck.tensor_files())
         self._fp8 = {n for n, t in ck.tensors.items() if t.dtype == FP8}
         self._f32 = {n for n, t in ck.tensors.items() if t.dtype == "F32"}
         self.rounded: frozenset[str] = frozenset()  # names read rounded to BF16 (`round_like`)

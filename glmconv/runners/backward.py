@@ -176,7 +176,8 @@ def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[s
 
 
 class ThreadReaders:
-    """One DcpReader per thread, their bytes read summed. Memory: each holds at most one stored chunk."""
+    """One DcpReader per thread (sharing what the first inspected and located), their bytes read summed. Memory:
+    each holds at most one stored chunk."""
 
     def __init__(self, src: Path, check_finite: bool, ckpt: DcpCheckpoint | None = None, pin: bool = False) -> None:
         """`ckpt`: `src` already inspected (else the first reader inspects it): every reader shares it; `pin`: read
@@ -189,10 +190,10 @@ class ThreadReaders:
     def get(self) -> DcpReader:
         reader = getattr(self._local, "reader", None)
         if reader is None:
-            with self._lock:  # the checkpoint's metadata read and checked once, shared by every thread's reader
+            with self._lock:  # the checkpoint inspected and each chunk located once, shared by every thread's reader
+                sibling = self._all[0] if self._all else None
                 reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=self._ckpt,
-                                                             pin=self._pin)
-                self._ckpt = reader.ckpt
+                                                        pin=self._pin, sibling=sibling)
                 self._all.append(reader)
         return reader
 

@@ -30,7 +30,7 @@ from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.jsonfile import JsonObject
 from glmconv.io.output import check_overlap, manifest_fields, write_new
-from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import Dequantize, HfTensorSource
 from glmconv.io.torch_dist.torch_save import FileTensor
 from glmconv.io.torch_dist.writer import Chunk, DcpWriter, empty_extra_state
@@ -119,7 +119,7 @@ def source_job(src: str | Path, *, mtp: bool = True, vision: bool = True, dtype:
                           if m.optional_part(full.config.num_layers) == part)
                 for part, keep in (("mtp", plan.mtp), ("vision", plan.vision)) if getattr(full, part) and not keep}
     ck = inspect_hf_checkpoint(src_p)
-    files = {n: shard_path(src_p, t.file) for n, t in ck.tensors.items()}
+    files = ck.tensor_files()
     return ConvertJob(src=src_p, out=src_p, plan=plan, files=files, left_out=left_out,
                       sidecars=sidecars.find(src_p))
 

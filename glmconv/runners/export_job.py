@@ -25,7 +25,7 @@ from glmconv.io.file_names import (
     MANIFEST_NAME,
 )
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint
 from glmconv.io.safetensors.like_files import LikeFiles
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.common_state import read_common_state
@@ -266,7 +266,7 @@ def like_tensors(like: Path | None, share: list[Mapping],
     if like is None or not any(m.key in from_like for m in share):
         return nullcontext(None)
     ck = inspect_hf_checkpoint(like)
-    return HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
+    return HfTensorSource(ck.tensor_files())
 
 
 def check_loadable(src: Path, ck: DcpCheckpoint | None = None) -> None:

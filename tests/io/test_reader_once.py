@@ -1,6 +1,8 @@
 """What reading a torch_dist checkpoint does once, not per chunk or per look (issue 38: runs of small tensors spent
 their time there): a run's thread readers share one inspection of the checkpoint, and a pickle passed by the bounds
-scan (a chunk's, the `.metadata`) is not scanned again, while a pickle the scan refused is refused every time."""
+scan (a chunk's, the `.metadata`) is not scanned again, while a pickle the scan refused is refused every time; each
+chunk is located once a run, a tensor archive of a kind that passed is not loaded again (one changed anywhere but in
+its data is), and an HF checkpoint's shards are resolved once each."""
 
 from __future__ import annotations
 
@@ -13,8 +15,12 @@ import pytest
 import torch
 
 import glmconv
+from glmconv.errors import CheckpointError
+from glmconv.io.safetensors import checkpoint
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.torch_dist import safe_unpickle, stored_objects
 from glmconv.io.torch_dist.reader import DcpReader
+from glmconv.io.torch_dist.torch_save import no_crc32
 from glmconv.runners.backward import ThreadReaders
 
 
@@ -106,3 +112,75 @@ def test_a_located_read_gives_torch_loads_bytes_without_loading_an_archive(tiny_
     assert len(want) > 10
     assert {n: tuple(map(_bits, ts)) for n, ts in got.items()} == {n: tuple(map(_bits, ts)) for n, ts in want.items()}
     assert located.bytes_read == sum(sum(t.numel() * t.element_size() for t in ts) for ts in got.values())
+
+
+def _dcp_archive(tensor: torch.Tensor) -> bytes:
+    """As glmconv's DCP writer saves a chunk: torch.save without the zip CRC-32."""
+    with no_crc32():
+        return _archive(tensor)
+
+
+def test_an_archive_like_one_that_passed_but_for_its_data_is_passed_unloaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", set())
+    first, second = _dcp_archive(torch.randn(4, 8)), _dcp_archive(torch.randn(4, 8))  # other values and ids
+    stored_objects.check_tensor_archive(io.BytesIO(first), "first", torch.float32, (4, 8))
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("an archive of a known kind was loaded"))
+    stored_objects.check_tensor_archive(io.BytesIO(second), "second", torch.float32, (4, 8))
+    assert len(stored_objects._ARCHIVES_PASSED) == 1
+
+
+def test_archives_whose_crcs_differ_are_each_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save's own CRC-32 of the data differs with the values: such archives (a trainer's) are all loaded."""
+    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", set())
+    load, loads = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or load(*a, **k))
+    for _ in range(2):
+        stored_objects.check_tensor_archive(io.BytesIO(_archive(torch.randn(4, 8))), "crc", torch.float32, (4, 8))
+    assert len(loads) == 2
+
+
+@pytest.mark.parametrize(("what", "old", "new"), [
+    ("its pickle", b"_rebuild_tensor_v2", b"_rebuild_tensor_v9"),  # a global torch has not
+    ("its serialization id", None, b"\xff"),  # not UTF-8: torch.load cannot log it
+])
+def test_an_archive_changed_outside_its_data_is_checked_and_refused(monkeypatch: pytest.MonkeyPatch, what: str,
+                                                                    old: bytes | None, new: bytes) -> None:
+    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", set())
+    good = _dcp_archive(torch.randn(4, 8))
+    stored_objects.check_tensor_archive(io.BytesIO(good), "good", torch.float32, (4, 8))
+    changed = bytearray(_dcp_archive(torch.randn(4, 8)))
+    at = changed.index(old) if old is not None else changed.index(b"serialization_id") + len(b"serialization_id")
+    at = at if old is not None else at + next(i for i, c in enumerate(changed[at:]) if chr(c).isdigit())
+    changed[at:at + len(new)] = new
+    with pytest.raises(CheckpointError, match="changed: chunk is not a readable tensor"):
+        stored_objects.check_tensor_archive(io.BytesIO(bytes(changed)), "changed", torch.float32, (4, 8))
+
+
+def test_thread_readers_locate_each_chunk_once(tiny_mc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    located: list[tuple[str, tuple[int, ...]]] = []
+    locate = DcpReader._locate
+    monkeypatch.setattr(DcpReader, "_locate", lambda self, name, chunk: located.append(
+        (name, tuple(chunk.offsets))) or locate(self, name, chunk))
+    readers = ThreadReaders(tiny_mc, check_finite=True)
+    names = readers.get().names()
+
+    def read_all() -> None:
+        for name in names:
+            readers.get().locatable(name)
+
+    threads = [threading.Thread(target=read_all) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    chunks = sum(len(readers.get().chunks(n)) for n in names)
+    assert len(located) == len(set(located)) == chunks
+
+
+def test_each_shard_of_an_hf_checkpoint_is_resolved_once(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ck = inspect_hf_checkpoint(tiny_ckpt)
+    resolved: list[str] = []
+    monkeypatch.setattr(checkpoint, "shard_path", lambda root, name: resolved.append(name) or root / name)
+    files = ck.tensor_files()
+    assert sorted(resolved) == sorted({t.file for t in ck.tensors.values()})
+    assert files == {n: tiny_ckpt / t.file for n, t in ck.tensors.items()}

@@ -54,6 +54,11 @@ class HfCheckpoint:
     text_prefix: str | None
     problems: list[Problem] = field(default_factory=list)
 
+    def tensor_files(self) -> dict[str, Path]:
+        """Each tensor's shard file, each shard resolved once (`shard_path`: a release has ~1,000 tensors a shard)."""
+        shards = {name: shard_path(self.path, name) for name in {t.file for t in self.tensors.values()}}
+        return {n: shards[t.file] for n, t in self.tensors.items()}
+
     @property
     def quantized(self) -> bool:
         """The config declares FP8 quantisation (the `_scale_inv` tensors are the ground truth)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmconv.io.closing import Closing
-from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, shard_path
+from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.rules import names
 from glmconv.rules.table import F32, FP8
@@ -22,7 +22,7 @@ class LikeFp8(Closing):
     def __init__(self, like: Path) -> None:
         ck = inspect_hf_checkpoint(like)
         self._stored = {n: t.dtype for n, t in ck.tensors.items()}
-        self._source: HfTensorSource = HfTensorSource({n: shard_path(like, t.file) for n, t in ck.tensors.items()})
+        self._source: HfTensorSource = HfTensorSource(ck.tensor_files())
 
     def close(self) -> None:
         self._source.close()

@@ -20,6 +20,7 @@ import io
 import math
 import pickle
 import struct
+import threading
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -45,14 +46,21 @@ if TYPE_CHECKING:
     import torch
 
 
+_UNSEEN = object()  # a chunk not located yet (None: located, not locatable)
+
+
 class DcpReader:
     """Random access to the tensors of one torch_dist checkpoint (tracker root or iteration directory)."""
 
     def __init__(self, path: str | Path, *, check_finite: bool = True, ckpt: DcpCheckpoint | None = None,
-                 pin: bool = False) -> None:
+                 pin: bool = False, sibling: DcpReader | None = None) -> None:
         """`ckpt`: `inspect_torch_dist(path)` already made (by another reader of the same checkpoint), shared;
-        `pin`: located reads go into pinned memory (for a GPU: no page faults once its cache holds the buffers)."""
+        `sibling`: another reader of it (another thread's) whose inspection and located chunks this one shares, so
+        that each chunk's archive is checked once a run; `pin`: located reads go into pinned memory (for a GPU: no
+        page faults once its cache holds the buffers)."""
         # the tracker, metadata.json, the data files present
+        if sibling is not None:
+            ckpt = sibling.ckpt
         self.ckpt: DcpCheckpoint = ckpt if ckpt is not None else inspect_torch_dist(path)
         self._check_finite, self._pin = check_finite, pin
         metadata = self.ckpt.metadata  # stand-ins of DCP's classes: DCP's package costs 0.6 s to import
@@ -62,9 +70,11 @@ class DcpReader:
             _chunk_key(k.fqn, k.offset): v for k, v in (metadata.storage_data or {}).items()
             if k.offset is not None}
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
-        self._raw: dict[tuple[str, tuple[int, ...]], Extent | None] = {}
-        self._files: dict[str, Path] = {}  # each data file's relative path -> its checked, resolved path
-        self._grids: dict[str, Grid | None] = {}
+        # shared with siblings: the chunks located (under one lock: each once), the files resolved, the grids
+        self._raw: dict[tuple[str, tuple[int, ...]], Extent | None] = sibling._raw if sibling is not None else {}
+        self._locating: threading.Lock = sibling._locating if sibling is not None else threading.Lock()
+        self._files: dict[str, Path] = sibling._files if sibling is not None else {}  # rel path -> checked path
+        self._grids: dict[str, Grid | None] = sibling._grids if sibling is not None else {}
         self.bytes_read = 0
 
     @property
@@ -189,9 +199,13 @@ class DcpReader:
     def raw_extent(self, name: str, chunk: Any) -> Extent | None:
         """The file bytes holding exactly `chunk`'s data (C order), or None when the item is not as expected."""
         key = _chunk_key(name, chunk.offsets)
-        if key not in self._raw:
-            self._raw[key] = self._locate(name, chunk)
-        return self._raw[key]
+        found = self._raw.get(key, _UNSEEN)
+        if found is _UNSEEN:
+            with self._locating:
+                found = self._raw.get(key, _UNSEEN)
+                if found is _UNSEEN:
+                    found = self._raw[key] = self._locate(name, chunk)
+        return found  # type: ignore[return-value]
 
     def _locate(self, name: str, chunk: Any) -> Extent | None:
         info = self._storage.get(_chunk_key(name, chunk.offsets))
