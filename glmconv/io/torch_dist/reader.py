@@ -10,8 +10,10 @@ request plus one chunk. `.metadata` is read through the allow-listed unpickler; 
 stored, uncompressed zip record `<archive>/data/<key>` of the item's torch.save archive), so that a caller can
 have the kernel copy them; chunks split along dim 1 (or any dims) are copied row piece by row piece
 (`chunk_grid`). It only answers when the archive is exactly what it expects -- one stored record of
-exactly the chunk's bytes, little-endian, the pickle a plain contiguous tensor over the whole storage -- and
-answers None otherwise: the caller then reads through `read` (torch.load), which reports any real damage.
+exactly the chunk's bytes, little-endian, the pickle a plain contiguous tensor over the whole storage, the rest
+checked as torch.load would (`stored_objects.check_tensor_archive`) -- and answers None otherwise. `read` itself
+takes the bytes so located straight from the file (one copy, no archive parsed per read), the others through
+torch.load, which reports any real damage.
 """
 
 from __future__ import annotations
