@@ -2,7 +2,8 @@
 their time there): a run's thread readers share one inspection of the checkpoint, and a pickle passed by the bounds
 scan (a chunk's, the `.metadata`) is not scanned again, while a pickle the scan refused is refused every time; each
 chunk is located once a run, a tensor archive of a kind that passed is not loaded again (one changed anywhere but in
-its data is), and an HF checkpoint's shards are resolved once each."""
+its data is), a stored object that passed is not loaded again (one that failed is refused every time), and an HF
+checkpoint's shards are resolved once each."""
 
 from __future__ import annotations
 
@@ -184,3 +185,20 @@ def test_each_shard_of_an_hf_checkpoint_is_resolved_once(tiny_ckpt: Path, monkey
     files = ck.tensor_files()
     assert sorted(resolved) == sorted({t.file for t in ck.tensors.values()})
     assert files == {n: tiny_ckpt / t.file for n, t in ck.tensors.items()}
+
+
+def test_a_stored_object_that_passed_passes_again_unloaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stored_objects, "_OBJECTS_PASSED", set())
+    data = _archive(torch.tensor([1.0]))
+    stored_objects.check_object(data, "first")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("an object that passed was loaded again"))
+    stored_objects.check_object(data, "again")
+
+
+def test_a_stored_object_that_failed_is_checked_and_refused_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stored_objects, "_OBJECTS_PASSED", set())
+    bad = pickle.dumps(eval)  # a global outside the allow-list
+    for where in ("first", "again"):
+        with pytest.raises(CheckpointError, match=f"{where}: stored object is not loadable"):
+            stored_objects.check_object(bad, where)
+    assert stored_objects._OBJECTS_PASSED == set()
