@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +61,7 @@ from glmconv.io.output import check_overlap, manifest_fields, write_new
 from glmconv.io.safetensors.like_files import LikeFiles, fit
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.safetensors.reader import HfTensorSource
-from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, Shard, size_shards
+from glmconv.io.safetensors.writer import PlannedShardWriter, PlannedTensor, Shard, TensorBytes, size_shards
 from glmconv.io.torch_dist.byte_route import Span, locate, scanned_extents
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.mistakes import expect_torch_dist
@@ -94,7 +94,7 @@ from glmconv.runners.workers import capped
 if TYPE_CHECKING:
     import torch
 
-Made = tuple[str, "torch.Tensor | list[Extent]"]  # an HF tensor, made, or its bytes' extents in the .distcp files
+Made = tuple[str, TensorBytes | list[Extent]]  # an HF tensor, made, or its bytes' extents in the .distcp files
 _RANK_DIR = ".rank-{:05d}"
 
 
@@ -256,7 +256,7 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
                     copied += n
                 else:
                     writer.write(name, data)
-                    n = data.numel() * data.element_size()
+                    n = data.nbytes
                 prog.advance(n)  # once written: bytes and tensors as they reach the shard
     except BaseException:
         writer.abort()
@@ -281,7 +281,12 @@ def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReader
     else:
         read, finite = stored_read(m, readers.get, job.stored_rows), readers.check_finite
     for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like, fp8, finite):
-        yield Step(nbytes, make)
+        yield Step(nbytes, _with_bytes(make))
+
+
+def _with_bytes(make: Callable[[], list[tuple[str, torch.Tensor]]]) -> Callable[[], list[Made]]:
+    """`make`, each tensor's bytes taken on the thread that made it (`TensorBytes`: the writer's thread only writes)."""
+    return lambda: [(name, TensorBytes.of(t)) for name, t in make()]
 
 
 def scanned(reader: DcpReader, route: dict[str, list[Span]], planned: list[PlannedTensor]) -> list[Made]:

@@ -22,6 +22,7 @@ from glmconv.io.safetensors.writer import (
     PlannedTensor,
     Shard,
     ShardWriter,
+    TensorBytes,
     plan_shards,
     shard_header,
 )
@@ -176,6 +177,24 @@ def test_a_tensor_written_twice_is_refused_and_leaves_no_file(tmp_path: Path) ->
     w = _started(tmp_path)
     with pytest.raises(CheckpointError, match=r"^b: written twice$"):
         w.write("b", torch.zeros(2))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tensors_whose_bytes_were_taken_ahead_are_written_as_the_tensors(tmp_path: Path) -> None:
+    tensors = _mixed()
+    tensors["strided"] = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # not contiguous
+    _write(tmp_path / "plain", tensors, 10**9)
+    with PlannedShardWriter(tmp_path / "ahead", _planned(tensors), 10**9) as w:
+        for name, t in tensors.items():
+            w.write(name, TensorBytes.of(t))
+    shard = "model-00001-of-00001.safetensors"
+    assert (tmp_path / "ahead" / shard).read_bytes() == (tmp_path / "plain" / shard).read_bytes()
+
+
+def test_bytes_taken_ahead_of_another_shape_are_refused_and_leave_no_file(tmp_path: Path) -> None:
+    w = _started(tmp_path)
+    with pytest.raises(CheckpointError, match=r"^c: F32 \[5\] written, planned F32 \[4\]$"):
+        w.write("c", TensorBytes.of(torch.zeros(5)))
     assert list(tmp_path.iterdir()) == []
 
 

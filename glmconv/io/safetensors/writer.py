@@ -146,7 +146,7 @@ class ShardWriter(_Closing):
             try:
                 _pwrite_all(fd, head, 0)
                 for name, tensor in self._buffer.items():
-                    _pwrite_all(fd, tensor.reshape(-1).view(_u8()).numpy().data.cast("B"), offsets[name])
+                    _pwrite_all(fd, TensorBytes.of(tensor).data, offsets[name])
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -282,17 +282,18 @@ class PlannedShardWriter(_Closing):
     def shards(self) -> int:
         return len(self._shards)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """The next planned tensor, from memory."""
+    def write(self, name: str, tensor: torch.Tensor | TensorBytes) -> None:
+        """The next planned tensor, from memory (its bytes taken here, or already by `TensorBytes.of`)."""
         t = self._expect(name)
         try:
-            got = _dtype_code(tensor)
-            if got != t.dtype or tuple(tensor.shape) != t.shape:
-                raise CheckpointError(f"{name}: {got} {list(tensor.shape)} written, planned {t.dtype} {list(t.shape)}")
-            data = tensor.detach().contiguous().reshape(-1).view(_u8()).numpy()
-            self._check_size(t, data.nbytes)
-            _pwrite_all(self._fd_for(t), data.data.cast("B"), self._offsets[name])
-            self._done(t, data.nbytes)
+            ready = tensor if isinstance(tensor, TensorBytes) else TensorBytes.of(tensor)
+            got = _dtype_code(ready.tensor)
+            if got != t.dtype or tuple(ready.tensor.shape) != t.shape:
+                raise CheckpointError(f"{name}: {got} {list(ready.tensor.shape)} written, planned {t.dtype} "
+                                      f"{list(t.shape)}")
+            self._check_size(t, ready.nbytes)
+            _pwrite_all(self._fd_for(t), ready.data, self._offsets[name])
+            self._done(t, ready.nbytes)
         except BaseException as exc:
             self._fail(exc)
 
@@ -432,6 +433,24 @@ def _check_cover(planned: list[PlannedTensor], shards: list[Shard], shard_no: di
     if len(listed) != len(shard_no) or set(listed) != set(planned):
         odd = sorted({t.name for t in set(listed) ^ set(planned)} or {t.name for t in listed})
         raise CheckpointError(f"{odd[0]}: the shards do not hold the planned tensors exactly once")
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """A tensor and its bytes in C order, taken on the thread that made it: a writer's thread then only checks and
+    writes (each torch call there waits for the interpreter lock the threads making tensors hold)."""
+
+    tensor: torch.Tensor
+    data: memoryview
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorBytes:
+        flat = tensor.detach().contiguous().reshape(-1).view(_u8())
+        return TensorBytes(tensor, flat.numpy().data.cast("B"))  # the array keeps `flat` alive
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, pos: int) -> None:
