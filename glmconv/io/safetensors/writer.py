@@ -271,6 +271,7 @@ class PlannedShardWriter(_Closing):
         self._next = 0  # index into _order of the tensor expected next
         self._fds: dict[int, int] = {}  # open shards
         self._offsets: dict[str, int] = {}
+        self._planned_size: dict[int, int] = {}  # each opened shard's size once complete: header and data
         self._opened: list[int] = []
         self._writing = 1  # the shard of the tensor being written, for error messages
         self._closed = False
@@ -386,6 +387,7 @@ class PlannedShardWriter(_Closing):
     def _open_shard(self, no: int) -> None:
         head, offsets = shard_head(self._shards[no - 1])
         self._offsets.update(offsets)
+        self._planned_size[no] = len(head) + self._shards[no - 1].nbytes
         path = self.out_dir / _PENDING.format(no)
         fd = create_new(path)
         self._fds[no] = fd
@@ -398,8 +400,7 @@ class PlannedShardWriter(_Closing):
         self._left[no] -= 1
         self._unflushed[no] = self._unflushed.get(no, 0) + nbytes
         if self._left[no] == 0 and no in self._fds:
-            shard = self._shards[no - 1]
-            size, planned = os.fstat(self._fds[no]).st_size, len(shard_head(shard)[0]) + shard.nbytes
+            size, planned = os.fstat(self._fds[no]).st_size, self._planned_size[no]
             if size != planned:
                 raise CheckpointError(f"{self.out_dir / _PENDING.format(no)}: {size} bytes after its last "
                                       f"tensor, planned {planned}")
