@@ -139,10 +139,8 @@ def _encode_fp8(weights: list[tuple[TensorSpec, torch.Tensor]], like: LikeFp8 | 
             pairs = like.pairs(names, pin=fp8 is not None and fp8.pinned)
     with phases.busy("encode"):
         got = [encode_fp8(t, pair) for t, pair in zip(ws, pairs)] if fp8 is None else fp8.many(ws, pairs)
-    out: list[Fp8Blocks | None] = [None] * len(weights)
-    for i, blocks in zip(order, got, strict=True):
-        out[i] = blocks
-    return [b for b in out if b is not None]
+    by_weight = dict(zip(order, got, strict=True))
+    return [by_weight[i] for i in range(len(weights))]
 
 
 def export_mappings(reader: DcpReader, mappings: list[Mapping], dtypes: dict[str, str] | None = None, *,
