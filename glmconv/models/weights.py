@@ -325,7 +325,7 @@ class HfWeights(WeightSource):
         if ck.text_prefix is None:
             raise CheckpointError(f"{hf_dir}: no text-model tensors under a known prefix")
         super().__init__(ck.config, ck.text_prefix)
-        self._src = HfTensorSource(ck.tensor_files())
+        self._src = HfTensorSource(ck.tensor_files(), headers=ck.headers)
         self._fp8 = {n for n, t in ck.tensors.items() if t.dtype == FP8}
         self._f32 = {n for n, t in ck.tensors.items() if t.dtype == "F32"}
         self.rounded: frozenset[str] = frozenset()  # names read rounded to BF16 (`round_like`)

@@ -266,7 +266,7 @@ def like_tensors(like: Path | None, share: list[Mapping],
     if like is None or not any(m.key in from_like for m in share):
         return nullcontext(None)
     ck = inspect_hf_checkpoint(like)
-    return HfTensorSource(ck.tensor_files())
+    return HfTensorSource(ck.tensor_files(), headers=ck.headers)
 
 
 def check_loadable(src: Path, ck: DcpCheckpoint | None = None) -> None:

@@ -3,7 +3,7 @@ their time there): a run's thread readers share one inspection of the checkpoint
 scan (a chunk's, the `.metadata`) is not scanned again, while a pickle the scan refused is refused every time; each
 chunk is located once a run, a tensor archive of a kind that passed is not loaded again (one changed anywhere but in
 its data is), a stored object that passed is not loaded again (one that failed is refused every time), and an HF
-checkpoint's shards are resolved once each."""
+checkpoint's shards are resolved and their headers read once each."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ import torch
 
 import glmconv
 from glmconv.errors import CheckpointError
+from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors import checkpoint
+from glmconv.io.safetensors import reader as safetensors_reader
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
+from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist import safe_unpickle, stored_objects
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.io.torch_dist.torch_save import no_crc32
@@ -202,3 +205,13 @@ def test_a_stored_object_that_failed_is_checked_and_refused_again(monkeypatch: p
         with pytest.raises(CheckpointError, match=f"{where}: stored object is not loadable"):
             stored_objects.check_object(bad, where)
     assert stored_objects._OBJECTS_PASSED == set()
+
+
+def test_a_tensor_source_of_an_inspected_checkpoint_reads_no_header_again(tiny_ckpt: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ck = inspect_hf_checkpoint(tiny_ckpt)
+    monkeypatch.setattr(safetensors_reader, "read_header", lambda path: pytest.fail(f"{path} read again"))
+    with HfTensorSource(ck.tensor_files(), headers=ck.headers) as src:
+        got = {n: src.raw(n) for n in ck.tensors}
+    assert {n: (tuple(t.shape), t.dtype) for n, t in got.items()} == {
+        n: (t.shape, torch_dtype(t.dtype)) for n, t in ck.tensors.items()}

@@ -12,7 +12,7 @@ from glmconv.io.checkpoint_files import check_checkpoint_dir, optional_file, req
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.safetensors.header import read_header
+from glmconv.io.safetensors.header import SafetensorsHeader, read_header
 from glmconv.numerics.fp8 import check_block_size
 from glmconv.rules.names import detect_text_prefix, scale_owner
 from glmconv.text import show
@@ -53,6 +53,8 @@ class HfCheckpoint:
     tensors: dict[str, HfTensor]
     text_prefix: str | None
     problems: list[Problem] = field(default_factory=list)
+    headers: dict[Path, SafetensorsHeader] = field(default_factory=dict, repr=False, compare=False)  # as read: a
+    # reader of the tensors (`HfTensorSource(headers=...)`) need not read each shard's header again
 
     def tensor_files(self) -> dict[str, Path]:
         """Each tensor's shard file, each shard resolved once (`shard_path`: a release has ~1,000 tensors a shard)."""
@@ -79,14 +81,14 @@ def inspect_hf_checkpoint(path: str | Path, *, strict: bool = True) -> HfCheckpo
     config_file = require_file(root, CONFIG_NAME, f"{root}: no {CONFIG_NAME} (not an HF checkpoint directory)")
     config = load_config(config_file)
     index_file, weight_map = _weight_map(root)
-    tensors, problems = _read_shards(root, weight_map, index_file)
+    tensors, problems, headers = _read_shards(root, weight_map, index_file)
     if strict and problems:
         p = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(f"{show(p.file)}: {p.message}{more}")
     check_config_block_size(config_file, config, tensors)
     return HfCheckpoint(path=root, config=config, index_file=index_file, tensors=tensors,
-                        text_prefix=detect_text_prefix(set(tensors)), problems=problems)
+                        text_prefix=detect_text_prefix(set(tensors)), problems=problems, headers=headers)
 
 
 def check_config_block_size(config_file: Path, config: GlmConfig, tensors: dict[str, HfTensor]) -> None:
@@ -130,13 +132,16 @@ def shard_path(root: Path, name: str) -> Path:
     return require_file(root, name, f"{show(name)}: shard listed in {INDEX_NAME} is missing", f"{INDEX_NAME}: shard")
 
 
-def _read_shards(root: Path, weight_map: dict[str, str] | None,
-                 index_file: str | None) -> tuple[dict[str, HfTensor], list[Problem]]:
+def _read_shards(root: Path, weight_map: dict[str, str] | None, index_file: str | None
+                 ) -> tuple[dict[str, HfTensor], list[Problem], dict[Path, SafetensorsHeader]]:
     shards = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_NAME]
     tensors: dict[str, HfTensor] = {}
     problems: list[Problem] = []
+    headers: dict[Path, SafetensorsHeader] = {}
     for shard in shards:
-        for e in read_header(shard_path(root, shard)).entries.values():
+        path = shard_path(root, shard)
+        header = headers[path] = read_header(path)
+        for e in header.entries.values():
             if e.name in tensors:
                 problems.append(Problem("duplicate", e.name, shard, "stored once",
                                         f"stored twice: in {show(tensors[e.name].file)} and {show(shard)}"))
@@ -151,4 +156,4 @@ def _read_shards(root: Path, weight_map: dict[str, str] | None,
         if name not in tensors:
             problems.append(Problem("index", name, shard, f"in {show(shard)} as {index_file} says",
                                     "absent from every shard"))
-    return tensors, problems
+    return tensors, problems, headers

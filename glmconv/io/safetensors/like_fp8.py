@@ -22,7 +22,7 @@ class LikeFp8(Closing):
     def __init__(self, like: Path) -> None:
         ck = inspect_hf_checkpoint(like)
         self._stored = {n: t.dtype for n, t in ck.tensors.items()}
-        self._source: HfTensorSource = HfTensorSource(ck.tensor_files())
+        self._source: HfTensorSource = HfTensorSource(ck.tensor_files(), headers=ck.headers)
 
     def close(self) -> None:
         self._source.close()

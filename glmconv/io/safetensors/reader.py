@@ -33,11 +33,12 @@ class HfTensorSource(Closing):
     """
 
     def __init__(self, files: dict[str, Path], *, check_finite: bool = True,
-                 dequantize: Dequantize | None = None) -> None:
+                 dequantize: Dequantize | None = None, headers: dict[Path, SafetensorsHeader] | None = None) -> None:
+        """`headers`: the shards' headers as inspecting the checkpoint read them (`HfCheckpoint.headers`)."""
         self._files = files
         self._check_finite = check_finite
         self._dequantize = dequantize
-        self._headers: dict[Path, SafetensorsHeader] = {}
+        self._headers: dict[Path, SafetensorsHeader] = dict(headers or {})
         self._shards = FileCopier()
 
     def close(self) -> None:
