@@ -23,6 +23,7 @@ from glmconv.io.safetensors import reader as safetensors_reader
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist import safe_unpickle, stored_objects
+from glmconv.io.torch_dist.passed import Passed
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.io.torch_dist.torch_save import no_crc32
 from glmconv.runners.backward import ThreadReaders
@@ -55,7 +56,7 @@ def test_every_threads_reader_shares_the_first_readers_inspection(tiny_mc: Path)
 
 def test_a_pickle_within_bounds_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
     scanned: list[bytes] = []
-    monkeypatch.setattr(safe_unpickle, "_PASSED", set())
+    monkeypatch.setattr(safe_unpickle, "_PASSED", Passed())
     monkeypatch.setattr(safe_unpickle, "_scan_bounds", lambda pkl, nesting: scanned.append(pkl))
     same_shape = [_archive(torch.randn(4, 8)) for _ in range(3)]  # other values, the same pickle
     other_shape = _archive(torch.randn(8, 4))
@@ -72,7 +73,7 @@ def test_a_pickle_the_scan_refused_is_scanned_and_refused_again(monkeypatch: pyt
         calls.append(pkl)
         raise pickle.UnpicklingError("planted: out of bounds")
 
-    monkeypatch.setattr(safe_unpickle, "_PASSED", set())
+    monkeypatch.setattr(safe_unpickle, "_PASSED", Passed())
     monkeypatch.setattr(safe_unpickle, "_scan_bounds", refuse)
     archive = _archive(torch.randn(4, 8))
     for _ in range(2):
@@ -86,7 +87,7 @@ def test_a_checkpoints_metadata_is_scanned_once_a_process(tiny_mc: Path, monkeyp
 
     scanned: list[int] = []
     scan = safe_unpickle._scan_bounds
-    monkeypatch.setattr(safe_unpickle, "_PASSED", set())
+    monkeypatch.setattr(safe_unpickle, "_PASSED", Passed())
     monkeypatch.setattr(safe_unpickle, "_scan_bounds", lambda pkl, nesting: scanned.append(len(pkl)) or scan(pkl,
                                                                                                               nesting))
     first = inspect_torch_dist(tiny_mc)
@@ -125,7 +126,7 @@ def _dcp_archive(tensor: torch.Tensor) -> bytes:
 
 
 def test_an_archive_like_one_that_passed_but_for_its_data_is_passed_unloaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", set())
+    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", Passed())
     first, second = _dcp_archive(torch.randn(4, 8)), _dcp_archive(torch.randn(4, 8))  # other values and ids
     stored_objects.check_tensor_archive(io.BytesIO(first), "first", torch.float32, (4, 8))
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("an archive of a known kind was loaded"))
@@ -135,7 +136,7 @@ def test_an_archive_like_one_that_passed_but_for_its_data_is_passed_unloaded(mon
 
 def test_archives_whose_crcs_differ_are_each_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.save's own CRC-32 of the data differs with the values: such archives (a trainer's) are all loaded."""
-    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", set())
+    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", Passed())
     load, loads = torch.load, []
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or load(*a, **k))
     for _ in range(2):
@@ -149,7 +150,7 @@ def test_archives_whose_crcs_differ_are_each_checked(monkeypatch: pytest.MonkeyP
 ])
 def test_an_archive_changed_outside_its_data_is_checked_and_refused(monkeypatch: pytest.MonkeyPatch, what: str,
                                                                     old: bytes | None, new: bytes) -> None:
-    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", set())
+    monkeypatch.setattr(stored_objects, "_ARCHIVES_PASSED", Passed())
     good = _dcp_archive(torch.randn(4, 8))
     stored_objects.check_tensor_archive(io.BytesIO(good), "good", torch.float32, (4, 8))
     changed = bytearray(_dcp_archive(torch.randn(4, 8)))
@@ -191,7 +192,7 @@ def test_each_shard_of_an_hf_checkpoint_is_resolved_once(tiny_ckpt: Path, monkey
 
 
 def test_a_stored_object_that_passed_passes_again_unloaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stored_objects, "_OBJECTS_PASSED", set())
+    monkeypatch.setattr(stored_objects, "_OBJECTS_PASSED", Passed())
     data = _archive(torch.tensor([1.0]))
     stored_objects.check_object(data, "first")
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("an object that passed was loaded again"))
@@ -199,7 +200,7 @@ def test_a_stored_object_that_passed_passes_again_unloaded(monkeypatch: pytest.M
 
 
 def test_a_stored_object_that_failed_is_checked_and_refused_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stored_objects, "_OBJECTS_PASSED", set())
+    monkeypatch.setattr(stored_objects, "_OBJECTS_PASSED", Passed())
     bad = pickle.dumps(eval)  # a global outside the allow-list
     for where in ("first", "again"):
         with pytest.raises(CheckpointError, match=f"{where}: stored object is not loadable"):

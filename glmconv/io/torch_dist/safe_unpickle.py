@@ -21,6 +21,7 @@ from typing import Any
 from glmconv.errors import CheckpointError
 from glmconv.io.dtypes import DTYPE_NAMES
 from glmconv.io.torch_dist.dcp_classes import CLASSES, StandIn, origin_of
+from glmconv.io.torch_dist.passed import Passed
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"
@@ -199,8 +200,7 @@ def _actions() -> dict[int, tuple[int, bool, int, int]]:
 
 
 _ACTIONS: dict[int, tuple[int, bool, int, int]] = {}
-_PASSED: set[tuple[bytes, int]] = set()  # (SHA-256, nesting) of the pickles the scan passed
-_PASSED_MAX = 1 << 16  # 64K of them at most: a few MB
+_PASSED = Passed()  # (SHA-256, nesting) of the pickles the scan passed
 
 
 def check_pickle_bounds(pkl: bytes, nesting: int = MAX_TUPLE_NESTING) -> None:
@@ -217,12 +217,7 @@ def check_pickle_bounds(pkl: bytes, nesting: int = MAX_TUPLE_NESTING) -> None:
     Linear in the pickle's size: about 1 s a million opcodes. A pickle passed once is not scanned again in this
     process (by its SHA-256): a checkpoint's chunks of one shape carry the same pickle byte for byte, and a run
     reads the same `.metadata` more than once."""
-    key = (hashlib.sha256(pkl).digest(), nesting)
-    if key in _PASSED:
-        return
-    _scan_bounds(pkl, nesting)
-    if len(_PASSED) < _PASSED_MAX:
-        _PASSED.add(key)
+    _PASSED.once((hashlib.sha256(pkl).digest(), nesting), lambda: _scan_bounds(pkl, nesting))
 
 
 def _scan_bounds(pkl: bytes, nesting: int) -> None:

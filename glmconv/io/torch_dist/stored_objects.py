@@ -21,6 +21,7 @@ import zipfile
 from typing import Any
 
 from glmconv.errors import CheckpointError
+from glmconv.io.torch_dist.passed import Passed
 from glmconv.io.torch_dist.pickle_allow import load_allow_list
 from glmconv.io.torch_dist.safe_unpickle import check_pickle_bounds
 from glmconv.io.torch_dist.zip_records import record_start, stored_record
@@ -32,15 +33,10 @@ def check_object(data: bytes, where: str) -> None:
     """One stored object: its pickles' bounds (`check_pickle_bounds`, before anything is unpickled), then
     weights-only torch.load, then its pickles through the real unpickler (inert globals). Bytes that passed pass
     again unloaded (by their SHA-256): a checkpoint's `_extra_state`s are mostly one object (a bench's 1,736: 2)."""
-    key = hashlib.sha256(data).digest()
-    if key in _OBJECTS_PASSED:
-        return
-    _check_object(data, where)
-    if len(_OBJECTS_PASSED) < _PASSED_MAX:
-        _OBJECTS_PASSED.add(key)
+    _OBJECTS_PASSED.once(hashlib.sha256(data).digest(), lambda: _check_object(data, where))
 
 
-_OBJECTS_PASSED: set[bytes] = set()  # SHA-256 of the stored objects that passed
+_OBJECTS_PASSED = Passed()  # SHA-256 of the stored objects that passed
 
 
 def _check_object(data: bytes, where: str) -> None:
@@ -63,16 +59,10 @@ def check_tensor_archive(fh: Any, where: str, dtype: Any, sizes: tuple[int, ...]
     logs), passes too: a checkpoint glmconv wrote has its chunks of one shape checked once a process (a bench
     checkpoint: 2,040 chunks, 38 kinds); a trainer's torch.save writes each data record's CRC-32, so its chunks
     differ and each is checked."""
-    key = _archive_key(fh, dtype, sizes)
-    if key is not None and key in _ARCHIVES_PASSED:
-        return
-    _check_tensor_archive(fh, where, dtype, sizes)
-    if key is not None and len(_ARCHIVES_PASSED) < _PASSED_MAX:
-        _ARCHIVES_PASSED.add(key)
+    _ARCHIVES_PASSED.once(_archive_key(fh, dtype, sizes), lambda: _check_tensor_archive(fh, where, dtype, sizes))
 
 
-_ARCHIVES_PASSED: set[bytes] = set()  # SHA-256 of `_archive_key`s whose archives passed
-_PASSED_MAX = 1 << 16
+_ARCHIVES_PASSED = Passed()  # `_archive_key`s of the archives that passed
 _KEY_BYTES_MAX = 1 << 20  # an archive with more than this outside its data records: checked, not keyed
 _SERIALIZATION_ID = "/.data/serialization_id"  # torch.load only logs it, as a str (torch 2.13 serialization.py)
 
