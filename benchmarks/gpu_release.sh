@@ -136,9 +136,9 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     within_budget "$b-export-cuda" || continue
     [ -d "$WORK/$b-mc" ] || { sync; timed "$b-convert-cuda" "${G[@]}" convert "$WORK/$b" "$WORK/$b-mc" --device "$DEV" --json; }
     rm -rf "$WORK/$b-ex"; sync
-    for t in $(for _ in $(seq "${BENCH_REPEATS:-2}"); do echo 2 4; done); do  # the default read threads and 4 (more
-      # cores copying and checking ahead of the writer), interleaved, each twice: the summary takes the faster (the
-      # margin is seconds; a run's `import` phase alone varied by 1.4 s)
+    for t in $(for _ in $(seq "${BENCH_REPEATS:-2}"); do echo "${BENCH_THREADS:-2 4}"; done); do  # the default read
+      # threads and 4 (more cores copying and checking ahead of the writer), interleaved, each twice: the summary
+      # takes the faster (the margin is seconds; a run's `import` phase alone varied by 1.4 s)
       rm -rf "$WORK/$b-ex"; sync
       timed "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" \
         --fp8 --device "$DEV" --read-threads $t --json
