@@ -22,7 +22,8 @@
 #            is one (glmconv/ and cli/ of the commit a change is measured against: an A/B in the same call; carry it),
 #            tests/gpu's FP8 tests (while the sources are made: the GPU's bytes first) (RC4_FROM=DIR: that real-cut4 FP8
 #            source instead of a new one, e.g. /tmp/rc4/hf left by gpu_verdict.sh on the same machine) (the kernel and parity tests need the
-#            wheels: gpu_kernels.sh), export --device cpu last; `benchmarks/issue38_summary.py` reads the figures
+#            wheels: gpu_kernels.sh), export --device cpu last (RC4=0: real-cut4 neither made nor run, a short call;
+#            BENCH_THREADS: the benches' read threads, default "2 4"); `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
 #   command's own output). Every call ends with it: only $OUT comes back.
 set -uo pipefail
@@ -100,52 +101,9 @@ within_budget() {  # within_budget NAME: whether the issue38 step still has time
   [ "$SECONDS" -lt "${BUDGET:-360}" ] && return 0
   echo "$1 skipped: ${SECONDS}s of the ${BUDGET:-360}s budget spent" >> "$RES/times.txt"; return 1
 }
-issue38() {  # the issue 38 matrix, most wanted figures first (see the usage above); a dry run of the script on a
-  # CPU host: DEV=cpu PRESET38=tiny SIZE38=0.05GB (the names keep `cuda`)
-  local c=rc4 w DEV=${DEV:-cuda}
-  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
-    df -h /tmp | tail -1; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__)"; } \
-    > "$RES/env.txt" 2>&1
-  # four processes side by side: the cores shared out (each torch's own 16 intra-op threads made the two 1 GB / 3 GB
-  # makes take 130 s, ~10x one alone on the 2-core host: oversubscribed)
-  local omp=$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))
-  if [ -n "${RC4_FROM:-}" ]; then rm -rf "$WORK/rc4"; ln -sfn "$RC4_FROM" "$WORK/rc4"  # gpu_verdict.sh's, same seed
-  else OMP_NUM_THREADS=$omp timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset "${PRESET38:-real-cut4}" --fp8 \
-         --seed 0 --force --json &
-  fi
-  OMP_NUM_THREADS=$omp timed make-fp8-1 "${G[@]}" fixture make "$WORK/fp8-1" --preset bench --size "${SIZE38:-1GB}" \
-    --fp8 --force &
-  OMP_NUM_THREADS=$omp timed make-fp8-3 "${G[@]}" fixture make "$WORK/fp8-3" --preset bench \
-    --size "${SIZE38_LARGE:-3GB}" --fp8 --force &
-  { OMP_NUM_THREADS=$omp python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
-      tests/gpu/test_fp8_encode_cuda.py > "$RES/gpu-tests.txt" 2>&1; echo "gpu tests rc=$?" >> "$RES/times.txt"; } &
-  wait  # the GPU tests first: the GPU's bytes
-  du -sbL "$WORK/rc4" "$WORK/fp8-1" "$WORK/fp8-3" >> "$RES/sizes.txt"
-  # the figures still open first (the benches' margin, the fixed cost), then real-cut4's
-  if within_budget fixed-cost; then  # a 1 GB FP8 convert on the GPU against `import torch` (+ 2 s: the issue's bound)
-    for i in 1 2; do
-      timed import-torch python3 -c "import torch"  # one name: the summary takes the faster
-      rm -rf "$WORK/fp8-1-mc"; sync
-      timed fp8-1-convert-cuda "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
-    done
-    rm -rf "$WORK/fp8-1-mc"; sync  # --device auto: the CPU's slabs under 1 GiB of codes
-    timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json
-    copy_sync fp8-1-cp-out "$WORK/fp8-1-mc"
-  fi
-  for b in fp8-1 fp8-3; do  # the benches: export against cp+sync of its output, at two sizes (the marginal)
-    within_budget "$b-export-cuda" || continue
-    [ -d "$WORK/$b-mc" ] || { sync; timed "$b-convert-cuda" "${G[@]}" convert "$WORK/$b" "$WORK/$b-mc" --device "$DEV" --json; }
-    rm -rf "$WORK/$b-ex"; sync
-    for t in $(for _ in $(seq "${BENCH_REPEATS:-2}"); do echo "${BENCH_THREADS:-2 4}"; done); do  # the default read
-      # threads and 4 (more cores copying and checking ahead of the writer), interleaved, each twice: the summary
-      # takes the faster (the margin is seconds; a run's `import` phase alone varied by 1.4 s)
-      rm -rf "$WORK/$b-ex"; sync
-      timed "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" \
-        --fp8 --device "$DEV" --read-threads $t --json
-      same_files "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "$WORK/$b" "$WORK/$b-ex"
-    done
-    copy_sync "$b-cp-ex" "$WORK/$b-ex"; copy_sync "$b-cp-ex" "$WORK/$b-ex"; rm -rf "$WORK/$b-ex" "$WORK/$b-mc"
-  done
+issue38_rc4() {  # issue 38 on real-cut4 ($WORK/rc4): convert, export at 1 and 4 workers, warm and cold, verify, the
+  # old tree's and the CPU's export
+  local c=rc4 w
   rm -rf "$WORK/$c-mc"; sync
   within_budget "$c-convert-w1" && timed "$c-convert-w1" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 1 --json
   for w in 1 4; do
@@ -184,6 +142,54 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     timed "$c-export-cpu-w1" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 --device cpu --json
     same_files "$c-export-cpu-w1" "$WORK/$c" "$WORK/$c-ex"
   fi
+}
+issue38() {  # the issue 38 matrix, most wanted figures first (see the usage above); a dry run of the script on a
+  # CPU host: DEV=cpu PRESET38=tiny SIZE38=0.05GB (the names keep `cuda`)
+  local c=rc4 w DEV=${DEV:-cuda}
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
+    df -h /tmp | tail -1; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__)"; } \
+    > "$RES/env.txt" 2>&1
+  # four processes side by side: the cores shared out (each torch's own 16 intra-op threads made the two 1 GB / 3 GB
+  # makes take 130 s, ~10x one alone on the 2-core host: oversubscribed)
+  local omp=$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))
+  if [ -n "${RC4_FROM:-}" ]; then rm -rf "$WORK/rc4"; ln -sfn "$RC4_FROM" "$WORK/rc4"  # gpu_verdict.sh's, same seed
+  elif [ "${RC4:-1}" != 0 ]; then OMP_NUM_THREADS=$omp timed make-rc4 "${G[@]}" fixture make "$WORK/rc4" --preset "${PRESET38:-real-cut4}" --fp8 \
+         --seed 0 --force --json &
+  fi
+  OMP_NUM_THREADS=$omp timed make-fp8-1 "${G[@]}" fixture make "$WORK/fp8-1" --preset bench --size "${SIZE38:-1GB}" \
+    --fp8 --force &
+  OMP_NUM_THREADS=$omp timed make-fp8-3 "${G[@]}" fixture make "$WORK/fp8-3" --preset bench \
+    --size "${SIZE38_LARGE:-3GB}" --fp8 --force &
+  { OMP_NUM_THREADS=$omp python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
+      tests/gpu/test_fp8_encode_cuda.py > "$RES/gpu-tests.txt" 2>&1; echo "gpu tests rc=$?" >> "$RES/times.txt"; } &
+  wait  # the GPU tests first: the GPU's bytes
+  du -sbL "$WORK/rc4" "$WORK/fp8-1" "$WORK/fp8-3" >> "$RES/sizes.txt"
+  # the figures still open first (the benches' margin, the fixed cost), then real-cut4's
+  if within_budget fixed-cost; then  # a 1 GB FP8 convert on the GPU against `import torch` (+ 2 s: the issue's bound)
+    for i in 1 2; do
+      timed import-torch python3 -c "import torch"  # one name: the summary takes the faster
+      rm -rf "$WORK/fp8-1-mc"; sync
+      timed fp8-1-convert-cuda "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
+    done
+    rm -rf "$WORK/fp8-1-mc"; sync  # --device auto: the CPU's slabs under 1 GiB of codes
+    timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json
+    copy_sync fp8-1-cp-out "$WORK/fp8-1-mc"
+  fi
+  for b in fp8-1 fp8-3; do  # the benches: export against cp+sync of its output, at two sizes (the marginal)
+    within_budget "$b-export-cuda" || continue
+    [ -d "$WORK/$b-mc" ] || { sync; timed "$b-convert-cuda" "${G[@]}" convert "$WORK/$b" "$WORK/$b-mc" --device "$DEV" --json; }
+    rm -rf "$WORK/$b-ex"; sync
+    for t in $(for _ in $(seq "${BENCH_REPEATS:-2}"); do echo "${BENCH_THREADS:-2 4}"; done); do  # the default read
+      # threads and 4 (more cores copying and checking ahead of the writer), interleaved, each twice: the summary
+      # takes the faster (the margin is seconds; a run's `import` phase alone varied by 1.4 s)
+      rm -rf "$WORK/$b-ex"; sync
+      timed "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" \
+        --fp8 --device "$DEV" --read-threads $t --json
+      same_files "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "$WORK/$b" "$WORK/$b-ex"
+    done
+    copy_sync "$b-cp-ex" "$WORK/$b-ex"; copy_sync "$b-cp-ex" "$WORK/$b-ex"; rm -rf "$WORK/$b-ex" "$WORK/$b-mc"
+  done
+  [ "${RC4:-1}" = 0 ] || issue38_rc4  # RC4=0: the benches and the fixed cost alone (a short call)
   python3 benchmarks/issue38_summary.py "$RES" > "$RES/issue38.md" 2>&1
   cp "$RES/issue38.md" "$OUT"/ 2>/dev/null; cat "$RES/issue38.md"
 }
