@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 LINE = re.compile(r"^(\S+) wall ([\d.]+) s, peak RSS (\d+) KB$")
+FIXED_PHASES = ("startup", "import", "cuda_init")  # a run's phases that do not grow with its bytes
 FIXED_COST_S = 2.0  # the issue's bound: a small convert within `import torch` + this
 # real-cut4 export's disk part, as release_summary.py counts one (reads at the disk's cold rate, then the write; one
 # disk): the .distcp input and --like's safetensors (an --like export reads every FP8 code of it), each evicted from
@@ -31,6 +32,22 @@ def read_times(res: Path) -> dict[str, float]:
         if m:
             times[m[1]] = min(float(m[2]), times.get(m[1], float("inf")))
     return times
+
+
+def net_times(res: Path, names: list[str]) -> dict[str, float]:
+    """Each named run's wall less its startup, import and CUDA-context phases (its last run: the one whose --json
+    NAME.txt keeps): what grows with the bytes, free of the `import` phase's noise (1.6 s between two runs)."""
+    last: dict[str, float] = {}
+    for line in (res / "times.txt").read_text().splitlines():
+        m = LINE.match(line)
+        if m:
+            last[m[1]] = float(m[2])
+    out = {}
+    for name in names:
+        phases = summary_of(res, name).get("phases") or {}
+        if name in last and phases:
+            out[name] = last[name] - sum(float(phases.get(k, 0.0)) for k in FIXED_PHASES)
+    return out
 
 
 def summary_of(res: Path, name: str) -> dict[str, Any]:
@@ -113,6 +130,9 @@ def main() -> None:
             ratio_row(times, "export --fp8 --like --device cpu, 1 worker (warm) vs its disk part", "rc4-export-cpu-w1",
                       DISK_PART, 1.15),
             marginal_row(times, "bench export --fp8 --like --device cuda, 1 GB -> 3 GB, vs cp+sync of its output",
+                         "fp8-1-export-cuda", "fp8-3-export-cuda", "fp8-1-cp-ex", "fp8-3-cp-ex", 1.15),
+            marginal_row({**times, **net_times(res, ["fp8-1-export-cuda", "fp8-3-export-cuda"])},
+                         "the same, each export's startup, import and cuda_init phases left out (its last run)",
                          "fp8-1-export-cuda", "fp8-3-export-cuda", "fp8-1-cp-ex", "fp8-3-cp-ex", 1.15),
             marginal_row(times, "the same, 4 read threads", "fp8-1-export-cuda-t4", "fp8-3-export-cuda-t4",
                          "fp8-1-cp-ex", "fp8-3-cp-ex", 1.15),
