@@ -145,7 +145,7 @@ issue38_rc4() {  # issue 38 on real-cut4 ($WORK/rc4): convert, export at 1 and 4
 }
 issue38() {  # the issue 38 matrix, most wanted figures first (see the usage above); a dry run of the script on a
   # CPU host: DEV=cpu PRESET38=tiny SIZE38=0.05GB (the names keep `cuda`)
-  local c=rc4 w DEV=${DEV:-cuda}
+  local DEV=${DEV:-cuda}
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
     df -h /tmp | tail -1; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__)"; } \
     > "$RES/env.txt" 2>&1
