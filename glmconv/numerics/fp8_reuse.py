@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from glmconv.numerics.fp8 import FP8_BLOCK, dequantize_fp8_blocks, scale_shape
+from glmconv.numerics.fp8 import E4M3_MAX, FP8_BLOCK, dequantize_fp8_blocks, scale_shape
 from glmconv.numerics.fp8_exact import block_any, quantize_fp8_exact_blocks
 
 if TYPE_CHECKING:
@@ -71,7 +71,10 @@ def split_stacked(codes: torch.Tensor, scales: torch.Tensor, counts: list[tuple[
 
 
 def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
-    """Per block: do --like's codes and scale give back `w` exactly (and is the scale valid)? None: not comparable."""
+    """Per block: do --like's codes and scale give back `w` exactly (and is the scale valid)? None: not comparable.
+
+    A valid scale times the largest code is finite in `w`'s dtype and codes are never NaN (dequantisation refuses
+    them), so a reused block proves its values of `w` finite: export needs no other NaN/Inf check of them."""
     import torch
 
     if not comparable(w, codes, scales):
@@ -79,7 +82,7 @@ def reusable_blocks(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     bits = torch.int16 if w.element_size() == 2 else torch.int32
     got = dequantize_fp8_blocks(codes, scales, out_dtype=w.dtype)
     same = block_any(got.view(bits) != w.contiguous().view(bits)).logical_not()
-    valid = torch.isfinite(scales) & (scales >= torch.finfo(torch.float32).tiny)
+    valid = torch.isfinite((scales * E4M3_MAX).to(w.dtype)) & (scales >= torch.finfo(torch.float32).tiny)
     return same & valid
 
 

@@ -20,7 +20,7 @@ from glmconv.io.dtypes import torch_dtype
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.torch_dist.metadata import DcpCheckpoint
 from glmconv.io.torch_dist.reader import DcpReader
-from glmconv.numerics.finite import require_finite
+from glmconv.numerics.finite import NonFiniteError, require_finite
 from glmconv.numerics.fp8_encode import Fp8Encoder, Pair
 from glmconv.numerics.fp8_reuse import Fp8Blocks
 from glmconv.numerics.fp8_reuse import encode as encode_fp8
@@ -66,16 +66,16 @@ def mapping_hf(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int,
 
 
 def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes: int, stats: Fp8Stats,
-                     like: LikeFp8 | None = None, fp8: Fp8Encoder | None = None,
-                     finite: bool = False) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
+                     like: LikeFp8 | None = None,
+                     fp8: Fp8Encoder | None = None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
     """`mapping_hf` step by step: the Megatron bytes each step reads and what makes its HF tensors, so that
     export can run steps ahead on threads (`stats` is added to under a lock; `fp8` encodes FP8 weights, None:
-    `fp8_reuse.encode` here; `finite`: `read` refuses NaN/Inf itself, so FP8 weights are not scanned again)."""
+    `fp8_reuse.encode` here). An FP8 weight holding NaN/Inf is refused by its encoding (`_encode_fp8`)."""
     steps = m.row_steps(chunk_bytes)
     if steps is None:
         def whole() -> list[Named]:
             hf = m.rule.transform.backward([read(t.name, None) for t in m.mcore], [t.shape for t in m.hf])
-            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like, fp8, finite)
+            return _encoded(m, range(len(m.hf)), hf, dtypes, stats, like, fp8)
 
         yield m.mcore_bytes, whole
         return
@@ -83,17 +83,17 @@ def mapping_hf_steps(m: Mapping, read: Read, dtypes: Dict[str, str], chunk_bytes
     for rows, picks in steps:
         def part(rows: range = rows, picks: list[int] = picks) -> list[Named]:
             hf = m.rule.transform.backward([read(m.mcore[0].name, (rows.start, rows.stop))], [])
-            return _encoded(m, picks, hf, dtypes, stats, like, fp8, finite)
+            return _encoded(m, picks, hf, dtypes, stats, like, fp8)
 
         yield len(rows) * row_bytes, part
 
 
 def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtypes: Dict[str, str],
-             stats: Fp8Stats, like: LikeFp8 | None, fp8: Fp8Encoder | None, finite: bool) -> list[Named]:
+             stats: Fp8Stats, like: LikeFp8 | None, fp8: Fp8Encoder | None) -> list[Named]:
     """A step's HF tensors in the dtypes they are written as, an FP8 one as codes and then its block scales; the
     step's FP8 weights encoded together (`Fp8Encoder.many`: a GPU takes a step's small experts in one call)."""
     specs = [(m.hf[i], m.scales[i]) for i in picks]
-    is_fp8 = [_is_fp8(spec, scale, t, dtypes, finite) for (spec, scale), t in zip(specs, tensors, strict=True)]
+    is_fp8 = [_is_fp8(spec, scale, t, dtypes) for (spec, scale), t in zip(specs, tensors, strict=True)]
     weights = [(spec, t) for (spec, _), t, f in zip(specs, tensors, is_fp8) if f]
     blocks = iter(_encode_fp8(weights, like, fp8) if weights else [])
     out: list[Named] = []
@@ -110,18 +110,14 @@ def _encoded(m: Mapping, picks: Iterable[int], tensors: list[torch.Tensor], dtyp
     return out
 
 
-def _is_fp8(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str],
-            finite: bool) -> bool:
-    """Whether `t`, of the planned shape, is written as FP8 (then with a scale and finite: `finite`, its values
-    were found finite where they were read: a backward transform moves values, it makes none)."""
+def _is_fp8(spec: TensorSpec, scale: TensorSpec | None, t: torch.Tensor, dtypes: Dict[str, str]) -> bool:
+    """Whether `t`, of the planned shape, is written as FP8 (then with a scale)."""
     if tuple(t.shape) != spec.shape:
         raise CheckpointError(f"{spec.name}: backward transform gave {list(t.shape)}, the plan says {list(spec.shape)}")
     if dtypes.get(spec.name, spec.dtype) != FP8:
         return False
     if scale is None:
         raise CheckpointError(f"{spec.name}: FP8 in the plan without a {names.SCALE_SUFFIX} tensor")
-    if not finite:
-        require_finite(t, spec.name, "export --fp8")  # a NaN or Inf would wipe its 128x128 block
     return True
 
 
@@ -138,7 +134,15 @@ def _encode_fp8(weights: list[tuple[TensorSpec, torch.Tensor]], like: LikeFp8 | 
         if like is not None:
             pairs = like.pairs(names, pin=fp8 is not None and fp8.pinned)
     with phases.busy("encode"):
-        got = [encode_fp8(t, pair) for t, pair in zip(ws, pairs)] if fp8 is None else fp8.many(ws, pairs)
+        try:
+            got = [encode_fp8(t, pair) for t, pair in zip(ws, pairs)] if fp8 is None else fp8.many(ws, pairs)
+        except NonFiniteError:  # found where it was encoded (a GPU): named from the copies in hand
+            for spec, t in weights:
+                require_finite(t, spec.name, "export --fp8")
+            for name, pair in zip(names, pairs, strict=True):
+                if pair is not None:
+                    require_finite(pair[0], name, "--like")
+            raise
     by_weight = dict(zip(order, got, strict=True))
     return [by_weight[i] for i in range(len(weights))]
 
@@ -162,15 +166,46 @@ def mapping_tensors(m: Mapping, reader: DcpReader, dtypes: dict[str, str], store
         reader.drop_cache()
 
 
-def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int]) -> Read:
-    """How `mapping_hf` reads `m`'s Megatron tensors: whole ones as stored, a padded vocabulary by its first rows."""
+def stored_read(m: Mapping, reader: Callable[[], DcpReader], stored_rows: dict[str, int],
+                check: bool | None = None) -> Read:
+    """How `mapping_hf` reads `m`'s Megatron tensors: whole ones as stored, a padded vocabulary by its first rows
+    (`check`: NaN/Inf refused as read, None: as the reader does)."""
     plain = {t.name: (0, t.shape[0]) if t.name in stored_rows else None for t in m.mcore}
 
     def read(name: str, rows: Rows) -> torch.Tensor:
         with phases.busy("load"):
-            return reader().read(name, plain[name] if rows is None else rows)
+            return reader().read(name, plain[name] if rows is None else rows, check)
 
     return read
+
+
+def stored_steps(m: Mapping, readers: ThreadReaders, stored_rows: dict[str, int], dtypes: Dict[str, str],
+                 chunk_bytes: int, stats: Fp8Stats, like: LikeFp8 | None,
+                 fp8: Fp8Encoder | None) -> Iterator[tuple[int, Callable[[], list[Named]]]]:
+    """`mapping_hf_steps` of `m` read from the `.distcp` files. A mapping written all in FP8 is read without the
+    NaN/Inf scan, a pass over every value on the reading thread: its encoding proves each value finite (a reused
+    block by reproducing it, a re-quantised one by its own check); a step so refused is read again scanned, so
+    that the refusal names the Megatron tensor and its checkpoint as every other does."""
+    scanned = mapping_hf_steps(m, stored_read(m, readers.get, stored_rows), dtypes, chunk_bytes, stats, like, fp8)
+    if not readers.check_finite or not all(dtypes.get(s.name, s.dtype) == FP8 for s in m.hf):
+        yield from scanned
+        return
+    unscanned = stored_read(m, readers.get, stored_rows, check=False)
+    for (nbytes, make), (_, again) in zip(mapping_hf_steps(m, unscanned, dtypes, chunk_bytes, stats, like, fp8),
+                                          scanned, strict=True):
+        yield nbytes, _rescanned(make, again)
+
+
+def _rescanned(make: Callable[[], list[Named]], again: Callable[[], list[Named]]) -> Callable[[], list[Named]]:
+    """`make`; where its encoding refuses a NaN/Inf, `again` (its reads scanned) first, to refuse it by name."""
+    def run() -> list[Named]:
+        try:
+            return make()
+        except NonFiniteError:
+            again()
+            raise
+
+    return run
 
 
 class ThreadReaders:

@@ -75,7 +75,7 @@ from glmconv.runners.backward import (
     Fp8Stats,
     ThreadReaders,
     mapping_hf_steps,
-    stored_read,
+    stored_steps,
 )
 from glmconv.runners.export_job import (
     LIKE,
@@ -271,16 +271,15 @@ def export_steps(m: Mapping, planned: list[PlannedTensor], readers: ThreadReader
     """One mapping's work for `run_ahead`: its byte route (extents, no memory), else its read-and-encode steps,
     each on its thread's own DcpReader (which keeps the one stored chunk it last loaded: steps of a mapping that
     share a chunk on one thread read it once); a mapping SRC lacks (`job.from_like`) is made from --like's."""
-    finite = False  # whether `read` refuses NaN/Inf itself (the .distcp readers of a checking export do)
     if m.key in job.from_like:
         assert like_src is not None
-        read = from_hf(m, like_src)
+        steps = mapping_hf_steps(m, from_hf(m, like_src), job.dtypes, chunk_bytes, stats, like, fp8)
     elif (route := byte_route(m, readers.get(), job.dtypes) if zero_copy else None) is not None:
         yield Step(0, lambda: scanned(readers.get(), route, planned))
         return
     else:
-        read, finite = stored_read(m, readers.get, job.stored_rows), readers.check_finite
-    for nbytes, make in mapping_hf_steps(m, read, job.dtypes, chunk_bytes, stats, like, fp8, finite):
+        steps = stored_steps(m, readers, job.stored_rows, job.dtypes, chunk_bytes, stats, like, fp8)
+    for nbytes, make in steps:
         yield Step(nbytes, _with_bytes(make))
 
 

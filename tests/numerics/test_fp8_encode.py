@@ -176,6 +176,28 @@ def test_a_nan_is_refused_as_before() -> None:
         encode(w, None)
 
 
+def test_a_reused_block_is_finite_so_an_inf_never_passes_as_like_bytes() -> None:
+    """--like's largest code times a scale past the BF16 range dequantises to Inf: that block is not reused, so an
+    Inf weight there is refused by re-quantisation instead of passing as --like's finite bytes (export reads the
+    weights of an all-FP8 mapping without a scan of its own)."""
+    w = torch.full((128, 128), float("inf"), dtype=torch.bfloat16)
+    codes = torch.full((128, 128), E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = torch.full((1, 1), 1e36)
+    assert torch.equal(dequantize_fp8_blocks(codes, scale).view(torch.int16), w.view(torch.int16))
+    with pytest.raises(NonFiniteError, match=r"^weight \(FP8 quantisation\): 16,384 non-finite values"):
+        encode(w, (codes, scale))
+
+
+def test_a_like_scale_past_the_bf16_range_is_requantised_even_where_its_codes_reproduce_the_weight() -> None:
+    """Codes within [-1, 1] times 1e36 are finite, 448 times 1e36 is not: the rule is the scale's, not the codes'."""
+    codes = (torch.rand(128, 128, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(torch.float8_e4m3fn)
+    for scale, requantized in ((1e30, 0), (1e36, 1)):
+        like = (codes, torch.full((1, 1), scale))
+        w = dequantize_fp8_blocks(*like)
+        assert bool(torch.isfinite(w).all())
+        assert encode(w, like).requantized == requantized
+
+
 def test_share_encoder_on_the_cpu_runs_torch_on_one_thread() -> None:
     before = torch.get_num_threads()
     with share_encoder("cpu", 10**12, 2) as (device, encoder):

@@ -69,6 +69,36 @@ def test_export_fp8_refuses_a_non_finite_weight_instead_of_wiping_its_block(valu
                    rf"1 non-finite value \(NaN/Inf\), the first {value} in block \[0, 1\] at index \[30, 130\]")
 
 
+@pytest.mark.parametrize("like", [False, True])
+def test_export_fp8_refuses_a_non_finite_expert_by_its_megatron_name(like: bool, tiny_fp8_ckpt: Path,
+                                                                     tmp_path: Path) -> None:
+    """Experts are encoded a step of many at a time without the reader's scan: the refusal still names the Megatron
+    tensor and the value's index in it, as that scan does."""
+    from helpers.bad_input import EXPERTS_FC2, set_mcore
+    from helpers.mcore_helpers import rewrite_dcp as rewrite_torch_dist
+
+    mc, edited, hf = tmp_path / "mc", tmp_path / "edited", tmp_path / "hf"
+    assert invoke(["convert", str(tiny_fp8_ckpt), str(mc)]).exit_code == 0
+    rewrite_torch_dist(mc, edited, set_mcore(EXPERTS_FC2, float("inf"), (5, 3, 7)))
+    assert_refused(["export", str(edited), str(hf), "--fp8", *(["--like", str(tiny_fp8_ckpt)] if like else [])],
+                   [edited], hf, rf"^error: {re.escape(EXPERTS_FC2)} \(.*/edited/release\): 1 non-finite value "
+                                 r"\(NaN/Inf\), the first inf in block \[5, 0, 0\] at index \[5, 3, 7\]; glmconv")
+
+
+def test_export_fp8_refuses_a_nan_code_in_like_by_name(tiny_fp8_ckpt: Path, tmp_path: Path) -> None:
+    """A NaN code in --like is refused, naming the weight and --like (not the weight being exported)."""
+    from helpers.bad_input import fp8_nan_code
+
+    mc, like, hf = tmp_path / "mc", tmp_path / "like", tmp_path / "hf"
+    assert invoke(["convert", str(tiny_fp8_ckpt), str(mc)]).exit_code == 0
+    shutil.copytree(tiny_fp8_ckpt, like)
+    name = fp8_weights(like)[0]
+    edit_tensor(like, name, fp8_nan_code)
+    assert_refused(["export", str(mc), str(hf), "--fp8", "--like", str(like)], [mc, like], hf,
+                   rf"^error: {re.escape(name)} \(--like\): 1 non-finite value \(NaN/Inf\), the first FP8 code 0x7F in "
+                   r"block \[0, 0\] at index \[2, 9\]; glmconv refuses NaN/Inf weights$")
+
+
 def test_the_scan_of_copied_bytes_names_a_file_that_ends_too_soon(tmp_path: Path) -> None:
     """A source cut short after it was planned (another process rewrote it): one line naming it, no fault."""
     from glmconv.errors import CheckpointError

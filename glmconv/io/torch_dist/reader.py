@@ -98,17 +98,19 @@ class DcpReader:
         """(offsets, sizes) of every stored chunk of `name`, as the metadata lists them."""
         return [(tuple(int(o) for o in c.offsets), tuple(int(z) for z in c.sizes)) for c in self._entry(name).chunks]
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The global tensor `name`, or its rows [start, stop) along dim 0, assembled from every chunk."""
+    def read(self, name: str, rows: tuple[int, int] | None = None, check: bool | None = None) -> torch.Tensor:
+        """The global tensor `name`, or its rows [start, stop) along dim 0, assembled from every chunk (`check`:
+        whether NaN/Inf is refused, None: as the reader was made; False where the caller proves it another way)."""
         import torch
 
         entry = self._entry(name)
         size = self.shape(name)
         start, stop = self._rows(name, size, rows)
-        located = self._read_located(name, size, start, stop)
+        check = self._check_finite if check is None else check
+        located = self._read_located(name, size, start, stop, check)
         if located is not None:
             return located
-        whole = self._whole_chunk(name, size, start, stop)
+        whole = self._whole_chunk(name, size, start, stop, check)
         if whole is not None:
             return whole
         out = torch.empty((stop - start, *size[1:]) if size else (), dtype=self.dtype(name))
@@ -122,11 +124,12 @@ class DcpReader:
             _region(out, box, origin).copy_(_region(data, box, tuple(int(o) for o in chunk.offsets)))
             boxes.append(box)
         _check_cover(name, boxes, (stop - start, *size[1:]) if size else (), start)
-        if self._check_finite:
+        if check:
             require_finite(out, name, str(self.iter_dir), start)
         return out
 
-    def _read_located(self, name: str, size: tuple[int, ...], start: int, stop: int) -> torch.Tensor | None:
+    def _read_located(self, name: str, size: tuple[int, ...], start: int, stop: int,
+                      check: bool) -> torch.Tensor | None:
         """Rows [start, stop) read straight from the data files into one new tensor where every chunk's raw bytes
         are located (`byte_extents`, as zero-copy export copies them): one copy, no archive parsed per read."""
         import torch
@@ -140,11 +143,12 @@ class DcpReader:
         assert extents is not None  # locatable: every chunk's bytes are located
         read_into(extents, out.reshape(-1).view(torch.uint8).numpy().data)
         self.bytes_read += out.numel() * dtype.itemsize
-        if self._check_finite:
+        if check:
             require_finite(out, name, str(self.iter_dir), start)
         return out
 
-    def _whole_chunk(self, name: str, size: tuple[int, ...], start: int, stop: int) -> torch.Tensor | None:
+    def _whole_chunk(self, name: str, size: tuple[int, ...], start: int, stop: int,
+                     check: bool) -> torch.Tensor | None:
         """Rows [start, stop) when they are exactly one stored chunk not already cached: that chunk as loaded,
         the caller's own (no copy into a new tensor, nothing kept that the caller might change)."""
         met = [c for c in self._entry(name).chunks if _intersect(name, size, c, start, stop) is not None]
@@ -157,7 +161,7 @@ class DcpReader:
         if (offsets, sizes) != want or (cached is not None and cached[0] == (name, offsets)):
             return None
         tensor = self._load(name, chunk)
-        if self._check_finite:
+        if check:
             require_finite(tensor, name, str(self.iter_dir), start)
         return tensor
 
