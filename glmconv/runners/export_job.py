@@ -87,7 +87,7 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
     if ck.common_state is None:
         raise CheckpointError(f"{ck.iter_dir}: common state missing: no {COMMON_PT_NAME} and no {COMMON_STATE_KEY} "
                               f"entry in {DCP_METADATA_NAME} (a Megatron checkpoint always has one)")
-    common = read_common_state(ck.iter_dir)
+    common = read_common_state(ck.iter_dir, ck.metadata)
     cfg_path = Path(config) if config is not None else mcore_config_path(src_p, ck.iter_dir, config_option)
     cfg = load_config(cfg_path)
     check_stored_args(common.get("args"), cfg, str(ck.iter_dir))  # another model than its config: refused now

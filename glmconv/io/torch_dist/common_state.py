@@ -276,13 +276,14 @@ def _with_torch(data: bytes, source: str) -> Any:
     return obj
 
 
-def read_common_state(ckpt_dir: str | Path) -> dict[str, Any]:
-    """The common state of a torch_dist checkpoint directory: legacy `common.pt` first, as megatron does."""
+def read_common_state(ckpt_dir: str | Path, metadata: Any = None) -> dict[str, Any]:
+    """The common state of a torch_dist checkpoint directory: legacy `common.pt` first, as megatron does
+    (`metadata`: its `.metadata`, already read by `inspect_torch_dist`: not unpickled again)."""
     d = Path(ckpt_dir)
     legacy = optional_file(d, COMMON_PT_NAME)
     if legacy is not None:
         return load_common_state(_read_at_most(legacy), source=str(legacy))
-    data = read_bytes_entry(d, COMMON_STATE_KEY, limit=MAX_COMMON_BYTES, expected=EXPECTED)
+    data = read_bytes_entry(d, COMMON_STATE_KEY, limit=MAX_COMMON_BYTES, expected=EXPECTED, metadata=metadata)
     return load_common_state(data, source=f"{d}:{COMMON_STATE_KEY}")
 
 

@@ -496,11 +496,12 @@ def read_metadata(ckpt_dir: str | Path) -> Any:
     return load_metadata(path)
 
 
-def read_bytes_entry(ckpt_dir: str | Path, key: str, *, limit: int | None = None, expected: str = "") -> bytes:
+def read_bytes_entry(ckpt_dir: str | Path, key: str, *, limit: int | None = None, expected: str = "",
+                     metadata: Any = None) -> bytes:
     """The raw bytes of one BYTE_IO entry (a ShardedObject such as the common state); one longer than `limit` is
-    refused unread (`expected`: what the entry should be, for the message)."""
+    refused unread (`expected`: what the entry should be, for the message; `metadata`: as `iter_bytes_entries`)."""
     limits = {key: (limit, expected)} if limit is not None else None
-    return next(iter_bytes_entries(ckpt_dir, [key], limits=limits))[1]
+    return next(iter_bytes_entries(ckpt_dir, [key], limits=limits, metadata=metadata))[1]
 
 
 def iter_bytes_entries(ckpt_dir: str | Path, keys: list[str], *, limits: Mapping[str, tuple[int, str]] | None = None,
