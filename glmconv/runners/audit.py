@@ -21,7 +21,13 @@ from glmconv.io.checkpoint_files import check_checkpoint_dir
 from glmconv.io.config_file import load_config
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint, is_hf_checkpoint
-from glmconv.io.torch_dist.metadata import config_path, inspect_torch_dist, is_torch_dist, resolve_iter_dir
+from glmconv.io.torch_dist.metadata import (
+    DcpCheckpoint,
+    config_path,
+    inspect_torch_dist,
+    is_torch_dist,
+    resolve_iter_dir,
+)
 from glmconv.plan import FP8, Mapping, Plan, TensorSpec, build_plan, detect_layout, dims
 from glmconv.rules import names
 from glmconv.text import count
@@ -145,8 +151,9 @@ def detect_kind(path: Path) -> str:
     raise CheckpointError(f"{path}: neither a config.json, an HF checkpoint nor a torch_dist checkpoint")
 
 
-def load_side(path: str | Path, opts: Options, side: str = "src") -> Side:
-    """Read what is on disk (headers and metadata only) for one side of the audit."""
+def load_side(path: str | Path, opts: Options, side: str = "src", inspected: DcpCheckpoint | None = None) -> Side:
+    """Read what is on disk (headers and metadata only) for one side of the audit (`inspected`: a torch_dist
+    `path` as `inspect_torch_dist` already read it in this run: its `.metadata` not unpickled again)."""
     p = Path(path)
     kind = detect_kind(p)
     if kind == CONFIG:
@@ -157,7 +164,7 @@ def load_side(path: str | Path, opts: Options, side: str = "src") -> Side:
         findings = [Finding(pr.kind, pr.tensor, pr.file, pr.expected, pr.found, side) for pr in ck.problems]
         s = Side(p, HF, ck.config, tensors, findings, quantized=ck.quantized, text_prefix=ck.text_prefix)
     else:
-        s = _load_mcore(p, opts, side)
+        s = _load_mcore(p, opts, side, inspected)
     return _apply_layers(s, opts)
 
 
@@ -174,8 +181,8 @@ def _apply_layers(s: Side, opts: Options) -> Side:
     return s
 
 
-def _load_mcore(p: Path, opts: Options, side: str) -> Side:
-    ck = inspect_torch_dist(p)
+def _load_mcore(p: Path, opts: Options, side: str, inspected: DcpCheckpoint | None) -> Side:
+    ck = inspected if inspected is not None else inspect_torch_dist(p)
     config = load_config(_mcore_config_path(p, ck.iter_dir, opts))
     tensors = {n: (t.shape, t.dtype, ck.iter_dir.name) for n, t in ck.tensors.items()
                if not names.is_training_state(n)}
@@ -464,8 +471,10 @@ def config_findings(a: Side, b: Side, side_b: str) -> list[Finding]:
 
 def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | None = None, mtp: bool | None = None,
           vision: bool | None = None, layers: int | None = None, accept_flat_prefix: bool = False,
-          config: str | Path | None = None, layout: str | None = None) -> AuditReport:
-    """Audit SRC against the plan its config implies; with `against`, also both sides through the mapping."""
+          config: str | Path | None = None, layout: str | None = None,
+          against_inspected: DcpCheckpoint | None = None) -> AuditReport:
+    """Audit SRC against the plan its config implies; with `against`, also both sides through the mapping
+    (`against_inspected`: a torch_dist `against` already inspected, as `load_side` takes it)."""
     opts = Options(fp8=fp8, mtp=mtp, vision=vision, layers=layers, accept_flat_prefix=accept_flat_prefix,
                    config=config, layout=layout)
     # with --against, --no-mtp / --no-vision describe the output: SRC is audited as it is, and the parts
@@ -478,7 +487,7 @@ def audit(src: str | Path, against: str | Path | None = None, *, fp8: bool | Non
     b = None
     if against is not None:
         left_out = frozenset(part for part, keep in (("mtp", mtp), ("vision", vision)) if keep is False)
-        b = load_side(against, opts, "against")
+        b = load_side(against, opts, "against", against_inspected)
         plan_side(b, opts, "against")
         plans["against"] = b.plan_options()
         findings += [*b.findings, *compare_side(b, opts, "against"), *config_findings(a, b, "against")]

@@ -356,7 +356,8 @@ def origins(job: ExportJob) -> dict[str, Any]:
 
 def verify_staged(job: ExportJob, stage: Path) -> None:
     """Audit the staged HF directory against its plan and, through the mapping, against the source."""
-    report = audit_mod.audit(stage, against=job.src, accept_flat_prefix=True, config=job.config_path)
+    report = audit_mod.audit(stage, against=job.src, accept_flat_prefix=True, config=job.config_path,
+                             against_inspected=job.source)
     objects = set(job.plan.mcore_objects())  # a trainer needs them; export reads no object, so it does not
     liked = {t.name for key in job.from_like for t in job.plan.mapping_of_key[key].mcore}  # SRC lacks them
     audit_mod.refuse(stage, [f for f in report.findings if not is_stripped_padding(job, f) and
