@@ -141,7 +141,7 @@ def with_like_files(job: ExportJob) -> ExportJob:
 
     assert job.like is not None
     planned = [t for m in job.plan.mappings for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES)]
-    got = fit(job.like, planned)
+    got = fit(job.like, planned, job.like_source.headers if job.like_source is not None else None)
     if isinstance(got, str):
         return dataclasses.replace(job, like_files_unfit=got)
     return dataclasses.replace(job, like_files=got)
@@ -217,7 +217,9 @@ class ShareResult:
 def like_fp8(job: ExportJob) -> AbstractContextManager[LikeFp8 | None]:
     """--like's FP8 codes and scales to reuse, when both the export and --like are FP8-capable; else None."""
 
-    return LikeFp8(job.like) if job.plan.fp8 and job.like is not None else nullcontext(None)
+    if not job.plan.fp8 or job.like is None:
+        return nullcontext(None)
+    return LikeFp8(job.like_source if job.like_source is not None else job.like)
 
 
 def rank_dir(stage: Path, rank: int) -> Path:

@@ -70,6 +70,7 @@ class ExportJob(PlanJob):
     sidecars_from: str | None = None  # LIKE, CONVERTED or None
     from_like: frozenset[tuple[str, ...]] = frozenset()  # keys of homeless mappings SRC lacks, taken from --like
     source: DcpCheckpoint | None = None  # SRC as inspected (metadata read and checked): read once per run
+    like_source: HfCheckpoint | None = None  # --like as inspected (its headers): read once per run
 
 
 def source_job(src: str | Path, *, like: str | Path | None = None, config: str | Path | None = None,
@@ -110,7 +111,8 @@ def source_job(src: str | Path, *, like: str | Path | None = None, config: str |
         dtypes=dtypes, stored_rows=stored_rows, iteration=str(common.get("iteration", ck.iteration)),
         like=Path(like) if like is not None else None, config_path=Path(config) if config is not None else None,
         source_text_prefix=manifest.get("text_prefix"), source_fp8=manifest.get("fp8_source"),
-        sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from, from_like=from_like, source=ck)
+        sidecars=files, dtypes_from=dtypes_from, sidecars_from=files_from, from_like=from_like, source=ck,
+        like_source=like_ck)
 
 
 def homeless_from_like(plan: Plan, ck: DcpCheckpoint, like: HfCheckpoint | None) -> frozenset[tuple[str, ...]]:
