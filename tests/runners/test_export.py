@@ -209,6 +209,30 @@ def test_a_mapping_written_all_in_fp8_is_read_without_the_nan_scan(tiny_fp8_ckpt
     assert raw_tensors(tmp_path / "hf") == raw_tensors(tiny_fp8_ckpt)
 
 
+def test_an_fp8_export_reads_each_header_and_the_metadata_once(tiny_fp8_ckpt: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-tensor work grows with the tensor count, not the bytes (issue 38: the benches' 5,448 tensors): --like's
+    shard headers are parsed once a run, the source's .metadata unpickled once, however many steps use them."""
+    import glmconv.io.safetensors.checkpoint as checkpoint_mod
+    import glmconv.io.safetensors.like_files as like_files_mod
+    import glmconv.io.torch_dist.metadata_check as metadata_check_mod
+
+    mc = _convert(tiny_fp8_ckpt, tmp_path / "mc")
+    like = tiny_fp8_ckpt.resolve()
+    headers: list[Path] = []
+    unpickled: list[Path] = []
+    for mod in (checkpoint_mod, like_files_mod):
+        monkeypatch.setattr(mod, "read_header", lambda p, _r=mod.read_header: headers.append(Path(p)) or _r(p))
+    load = metadata_check_mod.safe_load
+    monkeypatch.setattr(metadata_check_mod, "safe_load", lambda p, **kw: unpickled.append(Path(p)) or load(p, **kw))
+    job = export_mod.prepare(mc, tmp_path / "hf", fp8=True, like=tiny_fp8_ckpt)
+    export_mod.export(job, export_mod.ExportOptions(progress=False))
+    like_reads = [p.name for p in headers if p.resolve().parent == like]
+    assert sorted(like_reads) == sorted(f.name for f in like.glob("*.safetensors"))
+    assert [p.name for p in unpickled] == [".metadata"]
+    assert raw_tensors(tmp_path / "hf") == raw_tensors(tiny_fp8_ckpt)
+
+
 def test_plain_requantisation_keeps_codes_but_not_scales(tiny_fp8_ckpt: Path) -> None:
     """The measurement behind export's FP8 design: amax/448 of the dequantised bf16 recovers no scale.
 
