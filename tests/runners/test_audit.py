@@ -226,6 +226,21 @@ def test_hf_against_matching_torch_dist_is_clean(tmp_path):
     assert r.summary() == f"OK: {r.tensors + r.against_tensors:,} tensors match the plan"
 
 
+def test_an_audit_builds_each_plan_once(tmp_path, monkeypatch):
+    """A side's own plan, its FP8 vote's and the cross-check's full plan are often one plan: built once each (a
+    plan costs per tensor; export audits every output it stages)."""
+    import glmconv.runners.audit as audit_mod
+
+    built: list[tuple] = []
+    build = audit_mod.build_plan
+    monkeypatch.setattr(audit_mod, "build_plan", lambda config, **kw: built.append((id(config), *sorted(kw.items())))
+                        or build(config, **kw))
+    hf = write_hf(tmp_path / "hf", fp8=True)
+    mc = write_torch_dist(tmp_path / "mc", tiny_config(True), mcore_tensors(tiny_config()))
+    assert audit(hf, mc).ok
+    assert len(built) == len(set(built)) == 2  # the HF side's, the torch_dist side's
+
+
 def test_against_reports_missing_and_misshapen_megatron_tensors(tmp_path):
     hf = write_hf(tmp_path / "hf")
     tensors = mcore_tensors(tiny_config())
