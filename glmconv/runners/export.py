@@ -139,9 +139,9 @@ def _prepare(src: str | Path, out: str | Path, *, like: str | Path | None, confi
 def with_like_files(job: ExportJob) -> ExportJob:
     """`job` writing --like's own files, or (where they cannot hold its tensors) saying why it cuts by size."""
 
-    assert job.like is not None
+    assert job.like_source is not None
     planned = [t for m in job.plan.mappings for t in planned_outputs(m, job.dtypes, DEFAULT_CHUNK_BYTES)]
-    got = fit(job.like, planned, job.like_source.headers if job.like_source is not None else None)
+    got = fit(job.like_source, planned)
     if isinstance(got, str):
         return dataclasses.replace(job, like_files_unfit=got)
     return dataclasses.replace(job, like_files=got)
@@ -217,9 +217,7 @@ class ShareResult:
 def like_fp8(job: ExportJob) -> AbstractContextManager[LikeFp8 | None]:
     """--like's FP8 codes and scales to reuse, when both the export and --like are FP8-capable; else None."""
 
-    if not job.plan.fp8 or job.like is None:
-        return nullcontext(None)
-    return LikeFp8(job.like_source if job.like_source is not None else job.like)
+    return LikeFp8(job.like_source) if job.plan.fp8 and job.like_source is not None else nullcontext(None)
 
 
 def rank_dir(stage: Path, rank: int) -> Path:
@@ -250,7 +248,8 @@ def run_share(job: ExportJob, share: list[Mapping], rank: int, stage: Path, prog
             consumed.extend(t.name for t in m.mcore)  # from --like: accounted for, as the audit says
 
     try:
-        with FileCopier() as copier, like_fp8(job) as like, like_tensors(job.like, share, job.from_like) as like_src, \
+        with FileCopier() as copier, like_fp8(job) as like, \
+                like_tensors(job.like_source, share, job.from_like) as like_src, \
                 closing(run_ahead(steps(like, like_src), threads, ahead_bytes)) as made:  # threads end first
             for name, data in phases.timed_iter(made, "read"):  # the writer waiting for its input
                 if isinstance(data, list):  # extents in the .distcp files: copied file to file

@@ -260,15 +260,14 @@ def from_hf(m: Mapping, source: HfTensorSource) -> Read:
     return read
 
 
-def like_tensors(like: Path | None, share: list[Mapping],
+def like_tensors(like: HfCheckpoint | None, share: list[Mapping],
                  from_like: frozenset[tuple[str, ...]]) -> AbstractContextManager[HfTensorSource | None]:
-    """--like's tensors, open while this share makes the mappings SRC lacks (export, relayout); None when it has
-    none of them."""
+    """--like's tensors (`like` as inspected), open while this share makes the mappings SRC lacks (export,
+    relayout); None when it has none of them."""
 
     if like is None or not any(m.key in from_like for m in share):
         return nullcontext(None)
-    ck = inspect_hf_checkpoint(like)
-    return HfTensorSource(ck.tensor_files(), headers=ck.headers)
+    return HfTensorSource(like.tensor_files(), headers=like.headers)
 
 
 def check_loadable(src: Path, ck: DcpCheckpoint | None = None) -> None:

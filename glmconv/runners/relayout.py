@@ -36,7 +36,7 @@ from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import CONFIG_NAME, MANIFEST_NAME
 from glmconv.io.jsonfile import JsonObject
 from glmconv.io.output import check_overlap, manifest_fields, write_new
-from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
+from glmconv.io.safetensors.checkpoint import HfCheckpoint
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.io.torch_dist.byte_route import piece_spans, route_extents
 from glmconv.io.torch_dist.common_state import read_common_state
@@ -87,6 +87,7 @@ class RelayoutJob(Job):
     padded: dict[str, int] = field(default_factory=dict)  # vocab-padded tensors: rows on disk (kept)
     training_state: int = 0  # optimizer tensors in the source, not carried
     like: Path | None = None  # --like: where the homeless tensors a trainer's checkpoint lacks come from
+    like_source: HfCheckpoint | None = None  # --like as inspected
     from_like: frozenset[tuple[str, ...]] = frozenset()  # keys of those mappings
 
     @property
@@ -128,7 +129,8 @@ def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | Non
     if job.plan.layout == to:
         raise GlmconvError(f"{src_p}: already in the {to} layout; relayout --to {to} would only copy it "
                            f"(cp -r does that)")
-    ck = inspect_torch_dist(src_p)
+    ck = job.source
+    assert ck is not None  # source_job inspected it
     rows = {job.plan.mapping_of_mcore[n].key: ck.tensors[n].shape for n in job.stored_rows}
     source = _padded(_stored_like(job), rows)
     plan = build_plan(source.config, mtp=source.mtp, vision=source.vision, text_prefix=source.text_prefix,
@@ -139,7 +141,7 @@ def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | Non
     return RelayoutJob(src=src_p, out=Path(out), source=source, target=target, common=common,
                        manifest=read_manifest(src_p), sidecars=job.sidecars, padded=dict(job.stored_rows),
                        training_state=sum(names.is_training_state(n) for n in ck.tensors), like=job.like,
-                       from_like=job.from_like)
+                       like_source=job.like_source, from_like=job.from_like)
 
 
 def _stored_like(job: ExportJob) -> Plan:
@@ -148,8 +150,8 @@ def _stored_like(job: ExportJob) -> Plan:
     if not job.from_like:
         return job.plan
 
-    assert job.like is not None  # tensors come from --like only when it is given
-    stored = {n: t.dtype for n, t in inspect_hf_checkpoint(job.like).tensors.items()}
+    assert job.like_source is not None  # tensors come from --like only when it is given
+    stored = {n: t.dtype for n, t in job.like_source.tensors.items()}
     dtypes = {}
     for key in job.from_like:
         m = job.plan.mapping_of_key[key]
@@ -377,7 +379,7 @@ class RelayoutRun(WritesMegatron[Counts]):
                 yield from pair_chunks(pairs[m.key], m, reader, self.opts.chunk_bytes, self.opts.zero_copy, counts,
                                        like_src if m.key in self.job.from_like else None)
 
-        with like_tensors(self.job.like, share, self.job.from_like) as like_src:
+        with like_tensors(self.job.like_source, share, self.job.from_like) as like_src:
             writer.write_stream(chunks(like_src), self.opts.group_bytes)
         counts.bytes_read = reader.bytes_read
         return counts

@@ -214,15 +214,17 @@ def test_an_fp8_export_reads_each_header_and_the_metadata_once(tiny_fp8_ckpt: Pa
     """Per-tensor work grows with the tensor count, not the bytes (issue 38: the benches' 5,448 tensors): --like's
     shard headers are parsed once a run, the source's .metadata unpickled once, however many steps use them."""
     import glmconv.io.safetensors.checkpoint as checkpoint_mod
-    import glmconv.io.safetensors.like_files as like_files_mod
+    import glmconv.io.safetensors.header as header_mod
+    import glmconv.io.safetensors.reader as reader_mod
     import glmconv.io.torch_dist.metadata_check as metadata_check_mod
 
     mc = _convert(tiny_fp8_ckpt, tmp_path / "mc")
     like = tiny_fp8_ckpt.resolve()
     headers: list[Path] = []
     unpickled: list[Path] = []
-    for mod in (checkpoint_mod, like_files_mod):
-        monkeypatch.setattr(mod, "read_header", lambda p, _r=mod.read_header: headers.append(Path(p)) or _r(p))
+    read = header_mod.read_header
+    for mod in (checkpoint_mod, reader_mod):  # export's readers of --like's headers
+        monkeypatch.setattr(mod, "read_header", lambda p: headers.append(Path(p)) or read(p))
     load = metadata_check_mod.safe_load
     monkeypatch.setattr(metadata_check_mod, "safe_load", lambda p, **kw: unpickled.append(Path(p)) or load(p, **kw))
     job = export_mod.prepare(mc, tmp_path / "hf", fp8=True, like=tiny_fp8_ckpt)

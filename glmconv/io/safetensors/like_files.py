@@ -20,8 +20,8 @@ from typing import Any
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import INDEX_NAME, SINGLE_NAME
 from glmconv.io.jsonfile import load_json_file
-from glmconv.io.safetensors.checkpoint import shard_path
-from glmconv.io.safetensors.header import METADATA_KEY, SafetensorsHeader, read_header
+from glmconv.io.safetensors.checkpoint import HfCheckpoint, shard_path
+from glmconv.io.safetensors.header import METADATA_KEY, SafetensorsHeader
 from glmconv.io.safetensors.writer import PlannedTensor, Shard
 from glmconv.rules import names
 
@@ -44,12 +44,11 @@ class LikeFiles:
     index: bytes | None
 
 
-def fit(like: Path, planned: list[PlannedTensor],
-        headers: Mapping[Path, SafetensorsHeader] | None = None) -> LikeFiles | str:
-    """`planned` laid out in --like's files; or, where they cannot hold it, why (naming the first tensor).
-    `headers`: --like's shard headers as `inspect_hf_checkpoint` read them (not parsed again)."""
-    index = _index(like)
-    files = [_source_file(like, f, headers or {}) for f in _file_names(index[1] if index else None)]
+def fit(like: HfCheckpoint, planned: list[PlannedTensor]) -> LikeFiles | str:
+    """`planned` laid out in --like's files (`like` as `inspect_hf_checkpoint` read it: its headers not parsed
+    again); or, where they cannot hold it, why (naming the first tensor)."""
+    index = _index(like.path)
+    files = [_source_file(like.path, f, like.headers) for f in _file_names(index[1] if index else None)]
     where = {t.name: (i, pos) for i, f in enumerate(files) for pos, t in enumerate(f.tensors)}
     members: list[list[tuple[tuple[int, int], PlannedTensor]]] = [[] for _ in files]
     for t in planned:
@@ -78,7 +77,7 @@ def _file_names(index: dict[str, Any] | None) -> list[str]:
 
 def _source_file(like: Path, name: str, headers: Mapping[Path, SafetensorsHeader]) -> SourceFile:
     path = shard_path(like, name)
-    header = headers.get(path) or read_header(path)  # validated: the raw bytes below are a JSON object
+    header = headers[path]  # validated: the raw bytes below are a JSON object
     with open(path, "rb") as f:
         head = f.read(header.data_start)
     stored = sorted(header.entries.values(), key=lambda e: e.begin)

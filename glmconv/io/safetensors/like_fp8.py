@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmconv.io.closing import Closing
-from glmconv.io.safetensors.checkpoint import HfCheckpoint, inspect_hf_checkpoint
+from glmconv.io.safetensors.checkpoint import HfCheckpoint
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.rules import names
 from glmconv.rules.table import F32, FP8
@@ -19,9 +18,8 @@ if TYPE_CHECKING:
 class LikeFp8(Closing):
     """The --like checkpoint's FP8 codes and scales, read one weight at a time (bounded memory)."""
 
-    def __init__(self, like: Path | HfCheckpoint) -> None:
-        """`like`: the checkpoint's directory, or the checkpoint as `inspect_hf_checkpoint` already read it."""
-        ck = like if isinstance(like, HfCheckpoint) else inspect_hf_checkpoint(like)
+    def __init__(self, ck: HfCheckpoint) -> None:
+        """`ck`: --like as `inspect_hf_checkpoint` read it (its headers are not parsed again)."""
         self._stored = {n: t.dtype for n, t in ck.tensors.items()}
         self._source: HfTensorSource = HfTensorSource(ck.tensor_files(), headers=ck.headers)
 
