@@ -22,7 +22,8 @@
 #            is one (glmconv/ and cli/ of the commit a change is measured against: an A/B in the same call; carry it),
 #            tests/gpu's FP8 tests (while the sources are made: the GPU's bytes first) (RC4_FROM=DIR: that real-cut4 FP8
 #            source instead of a new one, e.g. /tmp/rc4/hf left by gpu_verdict.sh on the same machine) (the kernel and parity tests need the
-#            wheels: gpu_kernels.sh), export --device cpu last (RC4=0: real-cut4 neither made nor run, a short call;
+#            wheels: gpu_kernels.sh), each bench's plan and audit in parts (benchmarks/plan_costs.py) and the page cache's
+#            copy rate by thread count (benchmarks/read_probe.py), export --device cpu last (RC4=0: real-cut4 neither made nor run, a short call;
 #            BENCH_THREADS: the benches' read threads, default "2 4"); `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
 #   command's own output). Every call ends with it: only $OUT comes back.
@@ -187,7 +188,13 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
         --fp8 --device "$DEV" --read-threads $t --json
       same_files "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "$WORK/$b" "$WORK/$b-ex"
     done
-    copy_sync "$b-cp-ex" "$WORK/$b-ex"; copy_sync "$b-cp-ex" "$WORK/$b-ex"; rm -rf "$WORK/$b-ex" "$WORK/$b-mc"
+    copy_sync "$b-cp-ex" "$WORK/$b-ex"; copy_sync "$b-cp-ex" "$WORK/$b-ex"; rm -rf "$WORK/$b-ex"
+    for c in cli library; do  # the per-tensor phases (plan, verify) in parts, as the CLI and a library caller run
+      python3 benchmarks/plan_costs.py "$WORK/$b-mc" "$WORK/$b" $([ $c = cli ] || echo --library) \
+        > "$RES/$b-plan-costs-$c.json" 2>&1
+    done
+    [ "$b" = fp8-1 ] || python3 benchmarks/read_probe.py "$WORK/$b-mc" > "$RES/read-probe.txt" 2>&1  # the readers'
+    rm -rf "$WORK/$b-mc"  # ceiling: page cache -> memory by thread count
   done
   [ "${RC4:-1}" = 0 ] || issue38_rc4  # RC4=0: the benches and the fixed cost alone (a short call)
   python3 benchmarks/issue38_summary.py "$RES" > "$RES/issue38.md" 2>&1

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import click
 
-from glmconv import interrupt, stdout
+from glmconv import collector, interrupt, stdout
 from glmconv.errors import GlmconvError
 from glmconv.interrupt import Interrupted
 from glmconv.runners import ranks
@@ -165,6 +165,7 @@ def main() -> None:
     ranks.cli_ends_the_process()
     interrupt.cli_process()  # once published, a late SIGINT/SIGTERM is ignored until the process exits
     stdout.cli_process()  # a command's stdout is glmconv's alone: libraries print to stderr (glmconv/stdout.py)
+    collector.cli_process()  # long-lived objects kept out of each collection (glmconv/collector.py)
     try:
         cli(prog_name="glmconv")
     except SystemExit as done:

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+from glmconv import collector
+
 T = TypeVar("T")
 
 _TIMES: dict[str, float] = {}
@@ -103,11 +105,13 @@ def process_age() -> float | None:
 
 
 def import_torch() -> None:
-    """torch imported now, its import timed (`import`), unless this process already has it."""
+    """torch imported now, its import timed (`import`), unless this process already has it; its objects (and the
+    plan, made before it) settled for the collector (glmconv.collector)."""
     if "torch" in sys.modules:
         return
     with timed("import"):
         import torch  # noqa: F401
+    collector.settle()
 
 
 def peek(name: str) -> float:

@@ -1,0 +1,69 @@
+"""Where export's per-tensor seconds go (its `plan` and `verify` phases), in parts, on one bench.
+
+Usage: python benchmarks/plan_costs.py MCORE_DIR LIKE_DIR [--library]
+Prints one JSON object: each part's best of 3 (s). LIKE_DIR stands for the export's output (an `export --fp8 --like`
+of an unchanged conversion is byte-identical to it), so the audit runs on what export would have written. By default
+the collector is set as the CLI sets it (glmconv.collector); --library: as a library caller's process keeps it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def best(fn: Callable[[], Any], clear: Callable[[], None], n: int = 3) -> float:
+    times = []
+    for _ in range(n):
+        clear()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(min(times), 4)
+
+
+def main() -> None:
+    src, like = Path(sys.argv[1]), Path(sys.argv[2])
+    library = "--library" in sys.argv[3:]
+    from glmconv import collector
+
+    if not library:
+        collector.cli_process()
+    from glmconv import phases
+    from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
+    from glmconv.io.torch_dist import safe_unpickle
+    from glmconv.io.torch_dist.metadata import inspect_torch_dist
+    from glmconv.plan import build_plan, detect_layout
+    from glmconv.runners import export as E
+
+    def clear() -> None:
+        safe_unpickle._PASSED.clear()
+
+    out: dict[str, Any] = {"collector": "library" if library else "cli"}
+    out["prepare_before_torch"] = best(lambda: E.prepare(src, "/nonexistent/out", like=like, fp8=True), clear, 1)
+    phases.import_torch()
+    pkl = (src / "release" / ".metadata").read_bytes()
+    out["metadata_bytes"] = len(pkl)
+    out["bounds_scan"] = best(lambda: safe_unpickle._scan_bounds(pkl, safe_unpickle.MAX_TUPLE_NESTING), clear)
+    out["inspect_torch_dist"] = best(lambda: inspect_torch_dist(src), clear)
+    like_ck = inspect_hf_checkpoint(like)
+    out["hf_tensors"] = len(like_ck.tensors)
+    out["inspect_like"] = best(lambda: inspect_hf_checkpoint(like), clear)
+    source = inspect_torch_dist(src)
+    job = E.prepare(src, "/nonexistent/out", like=like, fp8=True)
+    config = job.plan.config
+    out["detect_layout"] = best(lambda: detect_layout(config, set(source.tensors)), clear)
+    out["build_plan"] = best(lambda: build_plan(config, fp8=True, layout=job.plan.layout), clear)
+    out["prepare"] = best(lambda: E.prepare(src, "/nonexistent/out", like=like, fp8=True), clear)
+    out["export_plan"] = best(lambda: (E.check_loadable(job.src, job.source), E.ExportRun(job, E.ExportOptions())),
+                              clear)
+    out["verify"] = best(lambda: E.verify_staged(job, like), clear)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
