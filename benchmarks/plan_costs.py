@@ -35,20 +35,20 @@ def main() -> None:
         collector.cli_process()
     from glmconv import phases
     from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
-    from glmconv.io.torch_dist import safe_unpickle
+    from glmconv.io.torch_dist import pickle_bounds
     from glmconv.io.torch_dist.metadata import inspect_torch_dist
     from glmconv.plan import build_plan, detect_layout
     from glmconv.runners import export as E
 
     def clear() -> None:
-        safe_unpickle._PASSED.clear()
+        pickle_bounds._PASSED.clear()
 
     out: dict[str, Any] = {"collector": "library" if library else "cli"}
     out["prepare_before_torch"] = best(lambda: E.prepare(src, "/nonexistent/out", like=like, fp8=True), clear, 1)
     phases.import_torch()
     pkl = (src / "release" / ".metadata").read_bytes()
     out["metadata_bytes"] = len(pkl)
-    out["bounds_scan"] = best(lambda: safe_unpickle._scan_bounds(pkl, safe_unpickle.MAX_TUPLE_NESTING), clear)
+    out["bounds_scan"] = best(lambda: pickle_bounds._scan_bounds(pkl, pickle_bounds.MAX_TUPLE_NESTING), clear)
     out["inspect_torch_dist"] = best(lambda: inspect_torch_dist(src), clear)
     like_ck = inspect_hf_checkpoint(like)
     out["hf_tensors"] = len(like_ck.tensors)

@@ -46,7 +46,7 @@ from glmconv.io.torch_dist.common_state import (
     pickle_module_for,
     read_common_state,
 )
-from glmconv.io.torch_dist.safe_unpickle import PickleOutOfBounds, check_pickle_bounds
+from glmconv.io.torch_dist.pickle_bounds import PickleOutOfBounds, check_pickle_bounds
 from glmconv.megatron_args import check_stored_args, relaid_common_state
 from glmconv_cli.main import cli
 

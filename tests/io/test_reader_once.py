@@ -22,7 +22,7 @@ from glmconv.io.safetensors import checkpoint
 from glmconv.io.safetensors import reader as safetensors_reader
 from glmconv.io.safetensors.checkpoint import inspect_hf_checkpoint
 from glmconv.io.safetensors.reader import HfTensorSource
-from glmconv.io.torch_dist import safe_unpickle, stored_objects
+from glmconv.io.torch_dist import pickle_bounds, stored_objects
 from glmconv.io.torch_dist.passed import Passed
 from glmconv.io.torch_dist.reader import DcpReader
 from glmconv.io.torch_dist.torch_save import no_crc32
@@ -56,8 +56,8 @@ def test_every_threads_reader_shares_the_first_readers_inspection(tiny_mc: Path)
 
 def test_a_pickle_within_bounds_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
     scanned: list[bytes] = []
-    monkeypatch.setattr(safe_unpickle, "_PASSED", Passed())
-    monkeypatch.setattr(safe_unpickle, "_scan_bounds", lambda pkl, nesting: scanned.append(pkl))
+    monkeypatch.setattr(pickle_bounds, "_PASSED", Passed())
+    monkeypatch.setattr(pickle_bounds, "_scan_bounds", lambda pkl, nesting: scanned.append(pkl))
     same_shape = [_archive(torch.randn(4, 8)) for _ in range(3)]  # other values, the same pickle
     other_shape = _archive(torch.randn(8, 4))
     for archive in [*same_shape, other_shape]:
@@ -73,8 +73,8 @@ def test_a_pickle_the_scan_refused_is_scanned_and_refused_again(monkeypatch: pyt
         calls.append(pkl)
         raise pickle.UnpicklingError("planted: out of bounds")
 
-    monkeypatch.setattr(safe_unpickle, "_PASSED", Passed())
-    monkeypatch.setattr(safe_unpickle, "_scan_bounds", refuse)
+    monkeypatch.setattr(pickle_bounds, "_PASSED", Passed())
+    monkeypatch.setattr(pickle_bounds, "_scan_bounds", refuse)
     archive = _archive(torch.randn(4, 8))
     for _ in range(2):
         with pytest.raises(pickle.UnpicklingError, match="planted"):
@@ -86,9 +86,9 @@ def test_a_checkpoints_metadata_is_scanned_once_a_process(tiny_mc: Path, monkeyp
     from glmconv.io.torch_dist.metadata import inspect_torch_dist
 
     scanned: list[int] = []
-    scan = safe_unpickle._scan_bounds
-    monkeypatch.setattr(safe_unpickle, "_PASSED", Passed())
-    monkeypatch.setattr(safe_unpickle, "_scan_bounds", lambda pkl, nesting: scanned.append(len(pkl)) or scan(pkl,
+    scan = pickle_bounds._scan_bounds
+    monkeypatch.setattr(pickle_bounds, "_PASSED", Passed())
+    monkeypatch.setattr(pickle_bounds, "_scan_bounds", lambda pkl, nesting: scanned.append(len(pkl)) or scan(pkl,
                                                                                                               nesting))
     first = inspect_torch_dist(tiny_mc)
     again = inspect_torch_dist(tiny_mc)

@@ -22,8 +22,8 @@ from glmconv.errors import CheckpointError
 from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import COMMON_PT_NAME, COMMON_STATE_KEY
 from glmconv.io.torch_dist.pickle_allow import OPAQUE_CLASSES, SAFE_CLASSES, OpaqueValue, load_allow_list
+from glmconv.io.torch_dist.pickle_bounds import PickleOutOfBounds, check_pickle_bounds
 from glmconv.io.torch_dist.reader import read_bytes_entry
-from glmconv.io.torch_dist.safe_unpickle import PickleOutOfBounds, check_pickle_bounds
 from glmconv.io.torch_dist.stand_in_pickler import StandInPickler
 from glmconv.io.torch_dist.stored_objects import NEVER_UNPICKLED, refused_global, torch_reason
 from glmconv.io.torch_dist.zip_records import stored_record

@@ -39,7 +39,8 @@ from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.dcp_classes import StorageInfo, TensorStorageMetadata
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
 from glmconv.io.torch_dist.metadata_check import load_metadata
-from glmconv.io.torch_dist.safe_unpickle import check_pickle_bounds, is_a
+from glmconv.io.torch_dist.pickle_bounds import check_pickle_bounds
+from glmconv.io.torch_dist.safe_unpickle import is_a
 from glmconv.io.torch_dist.stored_objects import bounded_pickles, check_tensor_archive, refused_global, torch_reason
 from glmconv.io.torch_dist.zip_records import record_start, stored_record
 from glmconv.numerics.finite import require_finite

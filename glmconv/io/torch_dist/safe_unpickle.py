@@ -11,17 +11,15 @@ as the stand-in the member's value would give).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import pickle
-import pickletools
 from pathlib import Path
 from typing import Any
 
 from glmconv.errors import CheckpointError
 from glmconv.io.dtypes import DTYPE_NAMES
 from glmconv.io.torch_dist.dcp_classes import CLASSES, StandIn, origin_of
-from glmconv.io.torch_dist.passed import Passed
+from glmconv.io.torch_dist.pickle_bounds import PickleOutOfBounds, check_pickle_bounds
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"
@@ -166,117 +164,3 @@ def _check_bounds(pkl: bytes) -> None:
         raise
     except pickle.UnpicklingError:
         pass
-
-
-# ---- a pickle's bounds, checked before anything is unpickled ------------------------------------------------------
-
-MAX_TUPLE_NESTING = 100  # a Megatron checkpoint's pickles nest tuples a few levels deep
-_MEMO_SLACK = 1024  # memo indices a pickle may skip past its own size (pickle's own writers number them 0, 1, 2, ...)
-
-
-class PickleOutOfBounds(pickle.UnpicklingError):
-    """A pickle that glmconv does not unpickle: a tuple nested too deep, a memo index past what its size allows."""
-
-
-_VALUE, _TUPLE, _SAME, _CALL, _PUT, _MEMOIZE, _GET, _MARK, _POP, _DUP = range(10)
-
-
-def _actions() -> dict[int, tuple[int, bool, int, int]]:
-    """Opcode byte -> (action, pops to a mark, items it pops below the mark or from the stack, items it pushes)."""
-
-    named = {"EMPTY_TUPLE": _TUPLE, "TUPLE": _TUPLE, "TUPLE1": _TUPLE, "TUPLE2": _TUPLE, "TUPLE3": _TUPLE,
-             **dict.fromkeys(("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD", "READONLY_BUFFER"),
-                             _SAME),
-             **dict.fromkeys(("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST", "BINPERSID", "STACK_GLOBAL"), _CALL),
-             "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT, "MEMOIZE": _MEMOIZE, "GET": _GET, "BINGET": _GET,
-             "LONG_BINGET": _GET, "MARK": _MARK, "POP": _POP, "DUP": _DUP}
-    out = {}
-    for op in pickletools.opcodes:
-        before = op.stack_before
-        marked = pickletools.markobject in before
-        below = before.index(pickletools.markobject) if marked else len(before)
-        out[ord(op.code)] = (named.get(op.name, _VALUE), marked, below, len(op.stack_after))
-    return out
-
-
-_ACTIONS: dict[int, tuple[int, bool, int, int]] = {}
-_PASSED = Passed()  # (SHA-256, nesting) of the pickles the scan passed
-
-
-def check_pickle_bounds(pkl: bytes, nesting: int = MAX_TUPLE_NESTING) -> None:
-    """Refuse (`PickleOutOfBounds`) a pickle whose unpickling alone would exhaust the process, before any unpickler
-    runs: (1) a tuple nested more than `nesting` tuples deep: hashing a tuple (a dict key, a set member, as
-    unpickling builds them) recurses in C with no recursion guard, so one nested ~10^5 deep (a few hundred KB of
-    pickle) kills the interpreter with SIGSEGV; (2) a memo index past the pickle's size: C's unpickler sizes its
-    memo array by the largest index, so 12 bytes (`LONG_BINPUT 10^8`) take 1.5 GB.
-
-    The scan replays the unpickler's stack, marks and memo with each item's tuple depth only: a tuple's depth is
-    fixed when it is built (tuples are immutable); a list, dict or set resets it (a list or dict is unhashable, a
-    frozenset caches its hash); a call (REDUCE, NEWOBJ, ...) is given the deepest of its inputs. Malformed
-    opcodes, stack underflow and a missing memo entry are `pickle.UnpicklingError`, as the unpickler would say.
-    Linear in the pickle's size: about 1 s a million opcodes. A pickle passed once is not scanned again in this
-    process (by its SHA-256): a checkpoint's chunks of one shape carry the same pickle byte for byte, and a run
-    reads the same `.metadata` more than once."""
-    _PASSED.once((hashlib.sha256(pkl).digest(), nesting), lambda: _scan_bounds(pkl, nesting))
-
-
-def _scan_bounds(pkl: bytes, nesting: int) -> None:
-    """`check_pickle_bounds`' scan."""
-
-    if not _ACTIONS:
-        _ACTIONS.update(_actions())
-    stack: list[int] = []  # the tuple depth of each item
-    marks: list[int] = []  # the stack's height at each open MARK
-    memo: dict[Any, int] = {}
-    fence = 0  # the innermost mark's height: nothing below it may be popped until it is closed
-    most = 2 * len(pkl) + _MEMO_SLACK
-    try:
-        for op, arg, pos in pickletools.genops(pkl):
-            action, marked, below, pushed = _ACTIONS[ord(op.code)]
-            if action == _MARK:
-                marks.append(len(stack))
-                fence = len(stack)
-                continue
-            if action == _POP and marks and fence == len(stack):
-                marks.pop()
-                fence = marks[-1] if marks else 0
-                continue
-            if action == _PUT or action == _MEMOIZE:
-                if len(stack) <= fence:
-                    raise pickle.UnpicklingError("memo put of an empty stack")
-                index = arg if action == _PUT and isinstance(arg, int) else len(memo)
-                if not 0 <= index < most:
-                    raise PickleOutOfBounds(f"puts memo entry {index:,} (at byte {pos}), past the {most:,} a "
-                                            f"pickle of {len(pkl):,} bytes may use")
-                memo[index] = stack[-1]
-                continue
-            if action == _GET:
-                if arg not in memo:
-                    raise pickle.UnpicklingError(f"memo key {arg} is missing")
-                stack.append(memo[arg])
-                continue
-            inputs: list[int] = []
-            if marked:
-                if not marks:
-                    raise pickle.UnpicklingError("could not find MARK")
-                inputs = stack[marks[-1]:]
-                del stack[marks.pop():]
-                fence = marks[-1] if marks else 0
-            if below:
-                if len(stack) - below < fence:
-                    raise pickle.UnpicklingError("unpickling stack underflow")
-                inputs = stack[-below:] + inputs  # in stack order: a container below its mark comes first
-                del stack[-below:]
-            if action == _TUPLE:
-                depth = 1 + max(inputs, default=0)
-                if depth > nesting:
-                    raise PickleOutOfBounds(f"nests tuples more than {nesting} deep (at byte {pos})")
-                stack.append(depth)
-            elif action == _SAME or action == _CALL:
-                stack.append(inputs[0] if action == _SAME else max(inputs, default=0))
-            elif action == _DUP:
-                stack += inputs * 2
-            elif pushed:
-                stack.append(0)
-    except (ValueError, IndexError, KeyError) as exc:  # genops' own verdict on malformed opcodes
-        raise pickle.UnpicklingError(str(exc) or type(exc).__name__) from None

@@ -23,7 +23,7 @@ from typing import Any
 from glmconv.errors import CheckpointError
 from glmconv.io.torch_dist.passed import Passed
 from glmconv.io.torch_dist.pickle_allow import load_allow_list
-from glmconv.io.torch_dist.safe_unpickle import check_pickle_bounds
+from glmconv.io.torch_dist.pickle_bounds import check_pickle_bounds
 from glmconv.io.torch_dist.zip_records import record_start, stored_record
 
 _MAX_PICKLE = 1 << 26  # a stored object's pickle record larger than this is refused unread
