@@ -2,7 +2,9 @@
 readers (each reads its step's bytes with preadv into a pinned buffer for the GPU, or a plain one).
 
 Usage: python benchmarks/read_probe.py DIR [DIR...]   (the files should be in the page cache: read them once first)
-Prints one JSON line per (buffer kind, threads): GB/s over every regular file under the DIRs, in 8 MiB reads.
+Prints one JSON line per (buffer kind, threads): GB/s over every regular file under the DIRs, in 8 MiB reads; then,
+for a DIR that is a torch_dist checkpoint, `DcpReader.read` of each of its tensors (a new tensor each, pinned or not:
+as export's readers read) against the same bytes read into one reused buffer.
 """
 
 from __future__ import annotations
@@ -58,9 +60,39 @@ def run(work: list[tuple[str, int]], threads: int, pinned: bool) -> float:
     return total / (time.perf_counter() - start) / 1e9
 
 
+def reader_rates(src: str, pinned: bool) -> dict[str, float]:
+    """GB/s of `DcpReader.read` (a new tensor a read) and of the same extents into one reused buffer."""
+    import torch
+
+    from glmconv.io.byte_copy import FileCopier
+    from glmconv.io.torch_dist.reader import DcpReader
+
+    r = DcpReader(src, check_finite=False, pin=pinned)
+    names = [n for n in r.names() if r.locatable(n)]
+    total = sum(r._nbytes(n) for n in names)
+    start = time.perf_counter()
+    for n in names:
+        r.read(n, check=False)
+    fresh = total / (time.perf_counter() - start) / 1e9
+    buf = torch.empty(max(r._nbytes(n) for n in names), dtype=torch.uint8, pin_memory=pinned)
+    view = memoryview(buf.numpy()).cast("B")
+    with FileCopier() as files:
+        start = time.perf_counter()
+        for n in names:
+            size = r._nbytes(n)
+            files.read_into(r.byte_extents(n, 0, size), view[:size])
+        reused = total / (time.perf_counter() - start) / 1e9
+    return {"GB": round(total / 1e9, 2), "read_GB_per_s": round(fresh, 2), "reused_buffer_GB_per_s": round(reused, 2)}
+
+
 def main() -> None:
     import torch
 
+    for d in sys.argv[1:]:
+        if (Path(d) / "release" / ".metadata").is_file():
+            for pinned in ((False, True) if torch.cuda.is_available() else (False,)):
+                for _ in range(2):
+                    print(json.dumps({"reader": d, "pinned": pinned, **reader_rates(d, pinned)}), flush=True)
     work = files(sys.argv[1:])
     run(work, 4, False)  # into the page cache, once
     for pinned in ((False, True) if torch.cuda.is_available() else (False,)):
