@@ -39,10 +39,12 @@ RES=${RES:-/tmp/rel-results}
 mkdir -p "$WORK" "$RES"
 G=(python3 -m glmconv)
 
+RUN_END="@@@ end of run"  # between the repeats in NAME.runs.txt (benchmarks/issue38_summary.py splits on it)
 timed() {  # timed NAME CMD...: wall time and peak RSS into times.txt, the command's output into NAME.txt
   local name=$1; shift
   /usr/bin/time -f "$name wall %e s, peak RSS %M KB" -a -o "$RES/times.txt" "$@" > "$RES/$name.txt" 2>&1
   local rc=$?
+  { cat "$RES/$name.txt"; echo "$RUN_END"; } >> "$RES/$name.runs.txt"  # every repeat's output, in order
   [ $rc -eq 0 ] || echo "$name rc=$rc" >> "$RES/times.txt"
 }
 copy_sync() {  # copy_sync NAME FROM: `cp -r FROM && sync` timed, the copy removed after

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 LINE = re.compile(r"^(\S+) wall ([\d.]+) s, peak RSS (\d+) KB$")
+RUN_END = "@@@ end of run"  # gpu_release.sh's line between the repeats of NAME.runs.txt
 FIXED_PHASES = ("startup", "import", "cuda_init")  # a run's phases that do not grow with its bytes
 FIXED_COST_S = 2.0  # the issue's bound: a small convert within `import torch` + this
 # real-cut4 export's disk part, as release_summary.py counts one (reads at the disk's cold rate, then the write; one
@@ -35,25 +36,43 @@ def read_times(res: Path) -> dict[str, float]:
 
 
 def net_times(res: Path, names: list[str]) -> dict[str, float]:
-    """Each named run's wall less its startup, import and CUDA-context phases (its last run: the one whose --json
-    NAME.txt keeps): what grows with the bytes, free of the `import` phase's noise (1.6 s between two runs)."""
-    last: dict[str, float] = {}
+    """Each named run's wall less its startup, import and CUDA-context phases, the least over its repeats (each
+    repeat's wall in times.txt paired in order with its --json in NAME.runs.txt; without that file, the last run,
+    whose NAME.txt is kept): what grows with the bytes, free of the `import` phase's noise (1.6 s between two runs)."""
+    walls: dict[str, list[float]] = {}
     for line in (res / "times.txt").read_text().splitlines():
         m = LINE.match(line)
         if m:
-            last[m[1]] = float(m[2])
+            walls.setdefault(m[1], []).append(float(m[2]))
     out = {}
     for name in names:
-        phases = summary_of(res, name).get("phases") or {}
-        if name in last and phases:
-            out[name] = last[name] - sum(float(phases.get(k, 0.0)) for k in FIXED_PHASES)
+        runs = list(zip(walls.get(name, []), documents_of(res, name)))
+        nets = [wall - sum(float((doc.get("phases") or {}).get(k, 0.0)) for k in FIXED_PHASES)
+                for wall, doc in runs if doc.get("phases")]
+        if nets:
+            out[name] = min(nets)
     return out
 
 
+def documents_of(res: Path, name: str) -> list[dict[str, Any]]:
+    """Each repeat's --json document, in order (NAME.runs.txt), else the last run's alone (NAME.txt): the earlier
+    repeats' walls then pair with nothing."""
+    runs = res / f"{name}.runs.txt"
+    if not runs.exists():
+        walls = sum(1 for line in (res / "times.txt").read_text().splitlines() if line.startswith(f"{name} wall "))
+        return [{}] * (walls - 1) + [summary_of(res, name)]
+    return [document(text) for text in runs.read_text(errors="replace").split(RUN_END + "\n")[:-1]]
+
+
 def summary_of(res: Path, name: str) -> dict[str, Any]:
-    """The --json document in NAME.txt (stderr's lines around it left out); {} without one."""
+    """The --json document in NAME.txt (the last run's); {} without one."""
     path = res / f"{name}.txt"
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return document(path.read_text(errors="replace")) if path.exists() else {}
+
+
+def document(text: str) -> dict[str, Any]:
+    """The --json document in a run's output (stderr's lines around it left out); {} without one."""
+    lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if line == "{"]
     ends = [i for i, line in enumerate(lines) if line == "}"]
     if not starts or not ends:
@@ -132,12 +151,12 @@ def main() -> None:
             marginal_row(times, "bench export --fp8 --like --device cuda, 1 GB -> 3 GB, vs cp+sync of its output",
                          "fp8-1-export-cuda", "fp8-3-export-cuda", "fp8-1-cp-ex", "fp8-3-cp-ex", 1.15),
             marginal_row({**times, **net_times(res, ["fp8-1-export-cuda", "fp8-3-export-cuda"])},
-                         "the same, each export's startup, import and cuda_init phases left out (its last run)",
+                         "the same, startup, import and cuda_init left out (the least over its repeats)",
                          "fp8-1-export-cuda", "fp8-3-export-cuda", "fp8-1-cp-ex", "fp8-3-cp-ex", 1.15),
             marginal_row(times, "the same, 4 read threads", "fp8-1-export-cuda-t4", "fp8-3-export-cuda-t4",
                          "fp8-1-cp-ex", "fp8-3-cp-ex", 1.15),
             marginal_row({**times, **net_times(res, ["fp8-1-export-cuda-t4", "fp8-3-export-cuda-t4"])},
-                         "4 read threads, startup, import and cuda_init left out (its last run)",
+                         "4 read threads, startup, import and cuda_init left out (the least over its repeats)",
                          "fp8-1-export-cuda-t4", "fp8-3-export-cuda-t4", "fp8-1-cp-ex", "fp8-3-cp-ex", 1.15),
             ratio_row(times, "1 GB bench export (fixed cost included)", "fp8-1-export-cuda", "fp8-1-cp-ex", 1.15),
             ratio_row(times, "3 GB bench export (fixed cost included)", "fp8-3-export-cuda", "fp8-3-cp-ex", 1.15),
