@@ -13,6 +13,7 @@ GROUP_SIZE_TEXT = "1GB"  # DEFAULT_GROUP_BYTES as --group-size shows it
 DEFAULT_SHARD_BYTES = 5 * 10**9  # export: bytes per safetensors shard without --like or --max-shard-size
 DEFAULT_CHUNK_BYTES = 256 << 20  # stacked experts are moved in steps of at most this many bytes
 DEFAULT_AHEAD_BYTES = 1 << 30  # bytes of steps made ahead of a worker's writer, at most
+READ_BUFFER_BYTES = 2 * DEFAULT_CHUNK_BYTES  # CPU buffers a reader thread keeps for reuse (glmconv/io/read_buffers.py)
 DEFAULT_WORKERS = 1
 MAX_WORKERS = 256
 DEFAULT_THREADS = 2  # reader/dequantiser threads per worker, ahead of its writer

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmconv import phases
-from glmconv.defaults import DEFAULT_CHUNK_BYTES
+from glmconv.defaults import DEFAULT_CHUNK_BYTES, READ_BUFFER_BYTES
 from glmconv.errors import CheckpointError
 from glmconv.io.dtypes import torch_dtype
+from glmconv.io.read_buffers import ReadBuffers
 from glmconv.io.safetensors.like_fp8 import LikeFp8
 from glmconv.io.torch_dist.metadata import DcpCheckpoint
 from glmconv.io.torch_dist.reader import DcpReader
@@ -210,7 +211,7 @@ def _rescanned(make: Callable[[], list[Named]], again: Callable[[], list[Named]]
 
 class ThreadReaders:
     """One DcpReader per thread (sharing what the first inspected and located), their bytes read summed. Memory:
-    each holds at most one stored chunk."""
+    each holds at most one stored chunk and READ_BUFFER_BYTES of buffers its reads reuse (CPU memory)."""
 
     def __init__(self, src: Path, check_finite: bool, ckpt: DcpCheckpoint | None = None, pin: bool = False) -> None:
         """`ckpt`: `src` already inspected (else the first reader inspects it): every reader shares it; `pin`: read
@@ -226,7 +227,8 @@ class ThreadReaders:
             with self._lock:  # the checkpoint inspected and each chunk located once, shared by every thread's reader
                 sibling = self._all[0] if self._all else None
                 reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=self._ckpt,
-                                                        pin=self._pin, sibling=sibling)
+                                                        pin=self._pin, sibling=sibling,
+                                                        buffers=ReadBuffers(READ_BUFFER_BYTES))
                 self._all.append(reader)
         return reader
 

@@ -10,6 +10,7 @@ from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.closing import Closing
 from glmconv.io.dtypes import torch_dtype
+from glmconv.io.read_buffers import ReadBuffers
 from glmconv.io.safetensors.header import HeaderEntry, SafetensorsHeader, read_header
 from glmconv.numerics.finite import require_finite
 from glmconv.numerics.fp8 import check_scales, dequantize_fp8_blocks
@@ -82,13 +83,16 @@ class HfTensorSource(Closing):
         self._shards.read_into([extent], out.numpy().data)
         return out.view(torch_dtype(e.dtype)).reshape(shape)
 
-    def raw_many(self, names: list[str], pin: bool = False) -> list[torch.Tensor]:
-        """The tensors exactly as stored, read into one buffer in order (`pin`: pinned): consecutive rows of one
-        stack where they share a shape and dtype, so that stacking them copies nothing (`fp8_encode`)."""
+    def raw_many(self, names: list[str], pin: bool = False, buffers: ReadBuffers | None = None) -> list[torch.Tensor]:
+        """The tensors exactly as stored, read into one buffer in order (`pin`: pinned; else from `buffers` where
+        given): consecutive rows of one stack where they share a shape and dtype, so that stacking them copies
+        nothing (`fp8_encode`)."""
         import torch
 
         found = [self.entry(n) for n in names]
-        out = torch.empty(sum(x.length for _, x in found), dtype=torch.uint8, pin_memory=pin)
+        total = sum(x.length for _, x in found)
+        out = (buffers.empty((total,), torch.uint8) if buffers is not None and not pin
+               else torch.empty(total, dtype=torch.uint8, pin_memory=pin))
         self._shards.read_into([x for _, x in found], out.numpy().data)
         got, at = [], 0
         for e, x in found:

@@ -35,6 +35,7 @@ from glmconv.io.byte_copy import Extent, read_into
 from glmconv.io.checkpoint_files import require_file
 from glmconv.io.dtypes import torch_dtype
 from glmconv.io.file_names import DCP_METADATA_NAME, KEPT_DIR
+from glmconv.io.read_buffers import ReadBuffers
 from glmconv.io.torch_dist.chunk_grid import Box, Grid, boxes_of, grid
 from glmconv.io.torch_dist.dcp_classes import StorageInfo, TensorStorageMetadata
 from glmconv.io.torch_dist.metadata import DcpCheckpoint, inspect_torch_dist
@@ -56,16 +57,17 @@ class DcpReader:
     """Random access to the tensors of one torch_dist checkpoint (tracker root or iteration directory)."""
 
     def __init__(self, path: str | Path, *, check_finite: bool = True, ckpt: DcpCheckpoint | None = None,
-                 pin: bool = False, sibling: DcpReader | None = None) -> None:
+                 pin: bool = False, sibling: DcpReader | None = None, buffers: ReadBuffers | None = None) -> None:
         """`ckpt`: `inspect_torch_dist(path)` already made (by another reader of the same checkpoint), shared;
         `sibling`: another reader of it (another thread's) whose inspection and located chunks this one shares, so
         that each chunk's archive is checked once a run; `pin`: located reads go into pinned memory (for a GPU: no
-        page faults once its cache holds the buffers)."""
+        page faults once its cache holds the buffers); `buffers`: else, the CPU buffers they go into (this
+        reader's thread's alone)."""
         # the tracker, metadata.json, the data files present
         if sibling is not None:
             ckpt = sibling.ckpt
         self.ckpt: DcpCheckpoint = ckpt if ckpt is not None else inspect_torch_dist(path)
-        self._check_finite, self._pin = check_finite, pin
+        self._check_finite, self._pin, self._buffers = check_finite, pin, None if pin else buffers
         metadata = self.ckpt.metadata  # stand-ins of DCP's classes: DCP's package costs 0.6 s to import
         self._entries: dict[str, TensorStorageMetadata] = {  # `inspect_torch_dist` checked these are tensors'
             k: v for k, v in metadata.state_dict_metadata.items() if k in self.ckpt.tensors}
@@ -139,7 +141,9 @@ class DcpReader:
             return None
         dtype = self.dtype(name)
         row = math.prod(size[1:]) * dtype.itemsize
-        out = torch.empty((stop - start, *size[1:]), dtype=dtype, pin_memory=self._pin)
+        shape = (stop - start, *size[1:])
+        out = (self._buffers.empty(shape, dtype) if self._buffers is not None
+               else torch.empty(shape, dtype=dtype, pin_memory=self._pin))
         extents = self.byte_extents(name, start * row, stop * row)
         assert extents is not None  # locatable: every chunk's bytes are located
         read_into(extents, out.reshape(-1).view(torch.uint8).numpy().data)
