@@ -274,7 +274,7 @@ def run_share(job: ConvertJob, share: list[Mapping], writer: DcpWriter, progress
             state["written"] += len(m.mcore)
             state["bytes"] += m.hf_bytes  # the writer counts bytes on `progress` as it writes them
 
-    with HfTensorSource(job.files, check_finite=check_finite, dequantize=dequantize) as source, \
+    with HfTensorSource(job.files, check_finite=check_finite, dequantize=dequantize, reuse_buffers=True) as source, \
             closing(run_ahead(steps(source), threads, ahead_bytes)) as chunks:  # its threads end before the files
         writer.write_stream(phases.timed_iter(chunks, "read"), group_bytes)  # the writer waiting for its input
     return ShareResult(consumed=consumed, written=state["written"], bytes_in=state["bytes"])

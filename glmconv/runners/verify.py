@@ -163,7 +163,7 @@ def compare_share(job: VerifyJob, mine: list[int], prog: Progress, opts: VerifyO
             yield from compare_steps(i, *job.pairs[i], source, readers, job.mcore.stored_rows, opts.chunk_bytes)
 
     with share_dequantizer(opts.device, fp8, convert.fp8_thread_count(world), rank) as (_, dequantize), \
-            HfTensorSource(job.hf.files, dequantize=dequantize) as source, \
+            HfTensorSource(job.hf.files, dequantize=dequantize, reuse_buffers=True) as source, \
             closing(run_ahead(steps(source), opts.threads)) as made:  # its threads end before the files
         for i, nbytes, last, mismatches in made:
             found.extend((i, m) for m in mismatches)

@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
-from glmconv.defaults import READ_BUFFER_BYTES
 from glmconv.io.closing import Closing
-from glmconv.io.read_buffers import ReadBuffers
 from glmconv.io.safetensors.checkpoint import HfCheckpoint
 from glmconv.io.safetensors.reader import HfTensorSource
 from glmconv.rules import names
@@ -24,8 +21,7 @@ class LikeFp8(Closing):
     def __init__(self, ck: HfCheckpoint) -> None:
         """`ck`: --like as `inspect_hf_checkpoint` read it (its headers are not parsed again)."""
         self._stored = {n: t.dtype for n, t in ck.tensors.items()}
-        self._source: HfTensorSource = HfTensorSource(ck.tensor_files(), headers=ck.headers)
-        self._buffers = threading.local()  # each reader thread's ReadBuffers (CPU reads)
+        self._source: HfTensorSource = HfTensorSource(ck.tensor_files(), headers=ck.headers, reuse_buffers=True)
 
     def close(self) -> None:
         self._source.close()
@@ -38,15 +34,7 @@ class LikeFp8(Closing):
         """Each weight's `pair`; the codes read into one buffer and the scales into another (`pin`: pinned), in
         order, so that a step's experts stack without a copy."""
         stored = [w for w in weights if self._stored.get(w) == FP8 and self._stored.get(names.scale_name(w)) == F32]
-        buffers = None if pin else self._thread_buffers()
-        codes = self._source.raw_many(stored, pin, buffers)
-        scales = self._source.raw_many([names.scale_name(w) for w in stored], pin, buffers)
+        codes = self._source.raw_many(stored, pin)
+        scales = self._source.raw_many([names.scale_name(w) for w in stored], pin)
         found = dict(zip(stored, zip(codes, scales)))
         return [found.get(w) for w in weights]
-
-    def _thread_buffers(self) -> ReadBuffers:
-        """This thread's buffers for the codes it reads (a reused block's codes are what the writer writes)."""
-        buffers: ReadBuffers | None = getattr(self._buffers, "pool", None)
-        if buffers is None:
-            buffers = self._buffers.pool = ReadBuffers(READ_BUFFER_BYTES)
-        return buffers

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from glmconv.defaults import READ_BUFFER_BYTES
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, FileCopier
 from glmconv.io.closing import Closing
@@ -34,13 +36,17 @@ class HfTensorSource(Closing):
     """
 
     def __init__(self, files: dict[str, Path], *, check_finite: bool = True,
-                 dequantize: Dequantize | None = None, headers: dict[Path, SafetensorsHeader] | None = None) -> None:
-        """`headers`: the shards' headers as inspecting the checkpoint read them (`HfCheckpoint.headers`)."""
+                 dequantize: Dequantize | None = None, headers: dict[Path, SafetensorsHeader] | None = None,
+                 reuse_buffers: bool = False) -> None:
+        """`headers`: the shards' headers as inspecting the checkpoint read them (`HfCheckpoint.headers`);
+        `reuse_buffers`: CPU reads land in each thread's `ReadBuffers` (for readers whose tensors are dropped once
+        used: not a model's weights, which would hold their buffers for good)."""
         self._files = files
         self._check_finite = check_finite
         self._dequantize = dequantize
         self._headers: dict[Path, SafetensorsHeader] = dict(headers or {})
         self._shards = FileCopier()
+        self._buffers = threading.local() if reuse_buffers else None  # each thread's ReadBuffers
 
     def close(self) -> None:
         self._headers.clear()
@@ -69,7 +75,6 @@ class HfTensorSource(Closing):
     def raw(self, name: str, rows: int | tuple[int, int] | None = None, pin: bool = False) -> torch.Tensor:
         """The tensor exactly as stored, or only rows [start, stop) (`rows` alone: the first ones), read alone
         (`pin`: into pinned memory, for a copy to the GPU that overlaps)."""
-        import torch
 
         e, extent = self.entry(name)
         shape = list(e.shape)
@@ -79,26 +84,33 @@ class HfTensorSource(Closing):
             row_bytes = extent.length // max(shape[0], 1)
             extent = Extent(extent.path, extent.offset + start * row_bytes, row_bytes * (stop - start))
             shape[0] = stop - start
-        out = torch.empty(extent.length, dtype=torch.uint8, pin_memory=pin)
+        out = self._empty(extent.length, pin)
         self._shards.read_into([extent], out.numpy().data)
         return out.view(torch_dtype(e.dtype)).reshape(shape)
 
-    def raw_many(self, names: list[str], pin: bool = False, buffers: ReadBuffers | None = None) -> list[torch.Tensor]:
-        """The tensors exactly as stored, read into one buffer in order (`pin`: pinned; else from `buffers` where
-        given): consecutive rows of one stack where they share a shape and dtype, so that stacking them copies
-        nothing (`fp8_encode`)."""
-        import torch
+    def raw_many(self, names: list[str], pin: bool = False) -> list[torch.Tensor]:
+        """The tensors exactly as stored, read into one buffer in order (`pin`: pinned): consecutive rows of one
+        stack where they share a shape and dtype, so that stacking them copies nothing (`fp8_encode`)."""
 
         found = [self.entry(n) for n in names]
-        total = sum(x.length for _, x in found)
-        out = (buffers.empty((total,), torch.uint8) if buffers is not None and not pin
-               else torch.empty(total, dtype=torch.uint8, pin_memory=pin))
+        out = self._empty(sum(x.length for _, x in found), pin)
         self._shards.read_into([x for _, x in found], out.numpy().data)
         got, at = [], 0
         for e, x in found:
             got.append(out[at:at + x.length].view(torch_dtype(e.dtype)).reshape(list(e.shape)))
             at += x.length
         return got
+
+    def _empty(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """A byte buffer for a read: pinned, else this thread's reused one where the source reuses buffers."""
+        import torch
+
+        if pin or self._buffers is None:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        buffers: ReadBuffers | None = getattr(self._buffers, "pool", None)
+        if buffers is None:
+            buffers = self._buffers.pool = ReadBuffers(READ_BUFFER_BYTES)
+        return buffers.empty((nbytes,), torch.uint8)
 
     def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks.
