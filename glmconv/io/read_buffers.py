@@ -4,8 +4,8 @@ A new tensor's pages are faulted in and zeroed by the kernel as a read first wri
 and unmapped around each use: on the 3 GB bench, reading every Megatron tensor into a new tensor ran at 2.2 GB/s a
 thread against 5.5 GB/s into one reused buffer (benchmarks/RESULTS.md, 2026-12-06). A buffer is free again when
 its storage has no holder left but this pool: every view, array or memoryview of it holds the storage, so a buffer
-is never handed out while anything can still read or write it. Pinned memory needs none of this: torch's caching host
-allocator keeps its blocks.
+is never handed out while anything can still read or write it. Pinned reads (for a GPU) are left to torch's caching
+host allocator, which keeps its blocks.
 """
 
 from __future__ import annotations
