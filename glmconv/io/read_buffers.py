@@ -21,10 +21,11 @@ STEP = 1 << 20  # a buffer's size, rounded up to this
 
 
 class ReadBuffers:
-    """One reader thread's buffers, at most `most_bytes` of them (past that, a read gets a new tensor)."""
+    """One reader thread's buffers, at most `most_bytes` of them (past that, a read gets a new tensor); `pinned`:
+    page-locked ones (benchmarks/read_probe.py measures them against torch's caching host allocator)."""
 
-    def __init__(self, most_bytes: int) -> None:
-        self._most = most_bytes
+    def __init__(self, most_bytes: int, pinned: bool = False) -> None:
+        self._most, self._pinned = most_bytes, pinned
         self._slabs: list[tuple[torch.Tensor, torch.UntypedStorage, int]] = []  # (buffer, its storage, idle count)
         self._bytes = 0
 
@@ -37,7 +38,7 @@ class ReadBuffers:
         if slab is None and nbytes >= MIN_POOLED:
             slab = self._new(nbytes)
         if slab is None:
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(shape, dtype=dtype, pin_memory=self._pinned)
         return slab[:nbytes].view(dtype).view(shape)
 
     @property
@@ -61,7 +62,7 @@ class ReadBuffers:
             pass
         if self._bytes + size > self._most:
             return None
-        slab = torch.empty(size, dtype=torch.uint8)
+        slab = torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned)
         storage = slab.untyped_storage()
         self._slabs.append((slab, storage, torch._C._storage_Use_Count(storage._cdata)))
         self._bytes += size
