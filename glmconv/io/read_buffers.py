@@ -47,11 +47,15 @@ class ReadBuffers:
 
     def _free(self, nbytes: int) -> torch.Tensor | None:
         """The smallest free buffer of at least `nbytes`."""
+        fits = [(size, i) for size, i in self._idle() if size >= nbytes]
+        return self._slabs[min(fits)[1]][0] if fits else None
+
+    def _idle(self) -> list[tuple[int, int]]:
+        """(size, index) of each buffer nothing but this pool holds."""
         import torch
 
-        fits = [(s.numel(), i) for i, (s, storage, idle) in enumerate(self._slabs)
-                if s.numel() >= nbytes and torch._C._storage_Use_Count(storage._cdata) == idle]
-        return self._slabs[min(fits)[1]][0] if fits else None
+        return [(s.numel(), i) for i, (s, storage, idle) in enumerate(self._slabs)
+                if torch._C._storage_Use_Count(storage._cdata) == idle]
 
     def _new(self, nbytes: int) -> torch.Tensor | None:
         """A new buffer of `nbytes` (rounded up), free buffers dropped to make room; None past `most_bytes`."""
@@ -70,10 +74,7 @@ class ReadBuffers:
 
     def _drop_one_free(self) -> bool:
         """The largest free buffer given back; False when none is free."""
-        import torch
-
-        free = [(s.numel(), i) for i, (s, storage, idle) in enumerate(self._slabs)
-                if torch._C._storage_Use_Count(storage._cdata) == idle]
+        free = self._idle()
         if not free:
             return False
         size, i = max(free)

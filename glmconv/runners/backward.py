@@ -228,7 +228,7 @@ class ThreadReaders:
                 sibling = self._all[0] if self._all else None
                 reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=self._ckpt,
                                                         pin=self._pin, sibling=sibling,
-                                                        buffers=ReadBuffers(READ_BUFFER_BYTES))
+                                                        buffers=None if self._pin else ReadBuffers(READ_BUFFER_BYTES))
                 self._all.append(reader)
         return reader
 

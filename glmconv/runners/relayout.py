@@ -136,8 +136,7 @@ def prepare(src: str | Path, out: str | Path, *, to: str, like: str | Path | Non
     plan = build_plan(source.config, mtp=source.mtp, vision=source.vision, text_prefix=source.text_prefix,
                       layout=to)
     target = _padded(_like_source(plan, source), rows)
-    # refused now, not after
-    common = relaid_common_state(read_common_state(ck.iter_dir, ck.metadata), target.config, to)
+    common = relaid_common_state(read_common_state(ck.iter_dir, ck.metadata), target.config, to)  # refused now
     return RelayoutJob(src=src_p, out=Path(out), source=source, target=target, common=common,
                        manifest=read_manifest(src_p), sidecars=job.sidecars, padded=dict(job.stored_rows),
                        training_state=sum(names.is_training_state(n) for n in ck.tensors), like=job.like,

@@ -75,7 +75,6 @@ class HfTensorSource(Closing):
     def raw(self, name: str, rows: int | tuple[int, int] | None = None, pin: bool = False) -> torch.Tensor:
         """The tensor exactly as stored, or only rows [start, stop) (`rows` alone: the first ones), read alone
         (`pin`: into pinned memory, for a copy to the GPU that overlaps)."""
-
         e, extent = self.entry(name)
         shape = list(e.shape)
         if rows is not None and shape:
@@ -91,7 +90,6 @@ class HfTensorSource(Closing):
     def raw_many(self, names: list[str], pin: bool = False) -> list[torch.Tensor]:
         """The tensors exactly as stored, read into one buffer in order (`pin`: pinned): consecutive rows of one
         stack where they share a shape and dtype, so that stacking them copies nothing (`fp8_encode`)."""
-
         found = [self.entry(n) for n in names]
         out = self._empty(sum(x.length for _, x in found), pin)
         self._shards.read_into([x for _, x in found], out.numpy().data)
