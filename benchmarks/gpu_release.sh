@@ -30,7 +30,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh && link_packages /tmp/glmconv-cli "$PWD"
-[ -d bench-data/old/glmconv ] && link_packages /tmp/glmconv-cli-old "$PWD/bench-data/old"
+if [ -d bench-data/old/glmconv ]; then  # the old tree: its glmconv/ and cli/ (fixtures/, the data files: this tree's
+  [ -d bench-data/old/fixtures ] || ln -sfn "$PWD/fixtures" bench-data/old/fixtures  # where not carried: 11 MB)
+  link_packages /tmp/glmconv-cli-old "$PWD/bench-data/old"
+fi
 export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONUNBUFFERED=1
 export GLMCONV_GPU_FIXTURES=$PWD/out/gpu
 WORK=${WORK:-/tmp/rel}
@@ -100,6 +103,9 @@ cold_read() {  # cold_read NAME DIR: every file of DIR read once from the disk (
   evict "$2"; timed "$1" sh -c "find -L '$2' -type f -exec dd bs=64M status=none of=/dev/null if={} \\;"
 }
 
+old_tree() {  # old_tree CMD...: CMD run in the tree of bench-data/old (glmconv/ and cli/ of another commit)
+  (cd bench-data/old && export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli-old && "$@")
+}
 within_budget() {  # within_budget NAME: whether the issue38 step still has time for NAME (else noted as skipped)
   [ "$SECONDS" -lt "${BUDGET:-360}" ] && return 0
   echo "$1 skipped: ${SECONDS}s of the ${BUDGET:-360}s budget spent" >> "$RES/times.txt"; return 1
@@ -135,9 +141,8 @@ issue38_rc4() {  # issue 38 on real-cut4 ($WORK/rc4): convert, export at 1 and 4
   done
   if [ -d bench-data/old/glmconv ] && within_budget "$c-export-cuda-w1-old"; then  # the same export, the old tree
     rm -rf "$WORK/$c-ex"; sync
-    (cd bench-data/old && export PYTHONPATH=/tmp/site:/tmp/site-z3:$PWD:/tmp/glmconv-cli-old
-     timed "$c-export-cuda-w1-old" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 \
-       --device "$DEV" --json)
+    old_tree timed "$c-export-cuda-w1-old" "${G[@]}" export "$WORK/$c-mc" "$WORK/$c-ex" --like "$WORK/$c" --fp8 \
+      --device "$DEV" --json
     same_files "$c-export-cuda-w1-old" "$WORK/$c" "$WORK/$c-ex"
   fi
   if within_budget "$c-export-cpu-w1"; then
@@ -189,6 +194,12 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
       timed "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" \
         --fp8 --device "$DEV" --read-threads $t --json
       same_files "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "$WORK/$b" "$WORK/$b-ex"
+      if [ -d bench-data/old/glmconv ] && [ "$t" = 2 ]; then  # the old tree's, interleaved: an A/B in one call
+        rm -rf "$WORK/$b-ex"; sync
+        old_tree timed "$b-export-cuda-old" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" --fp8 \
+          --device "$DEV" --json
+        same_files "$b-export-cuda-old" "$WORK/$b" "$WORK/$b-ex"
+      fi
     done
     copy_sync "$b-cp-ex" "$WORK/$b-ex"; copy_sync "$b-cp-ex" "$WORK/$b-ex"; rm -rf "$WORK/$b-ex"
     for c in cli library; do  # the per-tensor phases (plan, verify) in parts, as the CLI and a library caller run

@@ -158,6 +158,10 @@ def main() -> None:
             marginal_row({**times, **net_times(res, ["fp8-1-export-cuda-t4", "fp8-3-export-cuda-t4"])},
                          "4 read threads, startup, import and cuda_init left out (the least over its repeats)",
                          "fp8-1-export-cuda-t4", "fp8-3-export-cuda-t4", "fp8-1-cp-ex", "fp8-3-cp-ex", 1.15),
+            marginal_row({**times, **net_times(res, ["fp8-1-export-cuda-old", "fp8-3-export-cuda-old"])},
+                         "the same, bench-data/old's tree (interleaved with this tree's; startup, import and cuda_init "
+                         "left out)", "fp8-1-export-cuda-old", "fp8-3-export-cuda-old", "fp8-1-cp-ex", "fp8-3-cp-ex",
+                         1.15),
             ratio_row(times, "1 GB bench export (fixed cost included)", "fp8-1-export-cuda", "fp8-1-cp-ex", 1.15),
             ratio_row(times, "3 GB bench export (fixed cost included)", "fp8-3-export-cuda", "fp8-3-cp-ex", 1.15),
             ratio_row(times, "real-cut4 export, warm, vs the write of its output alone (cp+sync; stricter than the "
