@@ -211,7 +211,7 @@ def _rescanned(make: Callable[[], list[Named]], again: Callable[[], list[Named]]
 
 class ThreadReaders:
     """One DcpReader per thread (sharing what the first inspected and located), their bytes read summed. Memory:
-    each holds at most one stored chunk and READ_BUFFER_BYTES of buffers its reads reuse (pinned with `pin`)."""
+    each holds at most one stored chunk and READ_BUFFER_BYTES of buffers its reads reuse (CPU memory)."""
 
     def __init__(self, src: Path, check_finite: bool, ckpt: DcpCheckpoint | None = None, pin: bool = False) -> None:
         """`ckpt`: `src` already inspected (else the first reader inspects it): every reader shares it; `pin`: read
@@ -228,7 +228,7 @@ class ThreadReaders:
                 sibling = self._all[0] if self._all else None
                 reader = self._local.reader = DcpReader(self._src, check_finite=self.check_finite, ckpt=self._ckpt,
                                                         pin=self._pin, sibling=sibling,
-                                                        buffers=ReadBuffers(READ_BUFFER_BYTES, pinned=self._pin))
+                                                        buffers=None if self._pin else ReadBuffers(READ_BUFFER_BYTES))
                 self._all.append(reader)
         return reader
 

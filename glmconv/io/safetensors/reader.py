@@ -39,8 +39,8 @@ class HfTensorSource(Closing):
                  dequantize: Dequantize | None = None, headers: dict[Path, SafetensorsHeader] | None = None,
                  reuse_buffers: bool = False) -> None:
         """`headers`: the shards' headers as inspecting the checkpoint read them (`HfCheckpoint.headers`);
-        `reuse_buffers`: reads land in each thread's `ReadBuffers`, pinned ones for pinned reads (for readers whose
-        tensors are dropped once used: not a model's weights, which would hold their buffers for good)."""
+        `reuse_buffers`: CPU reads land in each thread's `ReadBuffers` (for readers whose tensors are dropped once
+        used: not a model's weights, which would hold their buffers for good)."""
         self._files = files
         self._check_finite = check_finite
         self._dequantize = dequantize
@@ -100,16 +100,14 @@ class HfTensorSource(Closing):
         return got
 
     def _empty(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """A byte buffer for a read (`pin`: pinned), this thread's reused one where the source reuses buffers."""
+        """A byte buffer for a read: pinned, else this thread's reused one where the source reuses buffers."""
         import torch
 
-        if self._buffers is None:
+        if pin or self._buffers is None:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        kind = "pinned" if pin else "plain"
-        buffers: ReadBuffers | None = getattr(self._buffers, kind, None)
+        buffers: ReadBuffers | None = getattr(self._buffers, "pool", None)
         if buffers is None:
-            buffers = ReadBuffers(READ_BUFFER_BYTES, pinned=pin)
-            setattr(self._buffers, kind, buffers)
+            buffers = self._buffers.pool = ReadBuffers(READ_BUFFER_BYTES)
         return buffers.empty((nbytes,), torch.uint8)
 
     def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:

@@ -60,15 +60,14 @@ class DcpReader:
                  pin: bool = False, sibling: DcpReader | None = None, buffers: ReadBuffers | None = None) -> None:
         """`ckpt`: `inspect_torch_dist(path)` already made (by another reader of the same checkpoint), shared;
         `sibling`: another reader of it (another thread's) whose inspection and located chunks this one shares, so
-        that each chunk's archive is checked once a run; `pin`: located reads go into pinned memory (for a GPU);
-        `buffers`: the buffers they go into (pinned ones where `pin`: their copies to the GPU synchronised before
-        the tensors are dropped), this reader's thread's alone."""
+        that each chunk's archive is checked once a run; `pin`: located reads go into pinned memory (for a GPU: no
+        page faults once its cache holds the buffers); `buffers`: else, the CPU buffers they go into (this
+        reader's thread's alone)."""
         # the tracker, metadata.json, the data files present
         if sibling is not None:
             ckpt = sibling.ckpt
         self.ckpt: DcpCheckpoint = ckpt if ckpt is not None else inspect_torch_dist(path)
-        assert buffers is None or buffers.pinned == pin, "a pinned reader's buffers are pinned, a plain one's are not"
-        self._check_finite, self._pin, self._buffers = check_finite, pin, buffers
+        self._check_finite, self._pin, self._buffers = check_finite, pin, None if pin else buffers
         metadata = self.ckpt.metadata  # stand-ins of DCP's classes: DCP's package costs 0.6 s to import
         self._entries: dict[str, TensorStorageMetadata] = {  # `inspect_torch_dist` checked these are tensors'
             k: v for k, v in metadata.state_dict_metadata.items() if k in self.ckpt.tensors}
