@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -225,6 +226,14 @@ def build_plan(config: GlmConfig, *, fp8: bool = False, mtp: bool = True, vision
     A.choice("dtype", dtype, DTYPE_CHOICES)
     A.optional(A.names_to, "stored", stored, "safetensors dtypes such as 'BF16'")
     A.choice("layout", layout, LAYOUT_CHOICES)
+    options = (fp8, mtp, vision, text_prefix, dtype, tuple(sorted((stored or {}).items())), layout)
+    return _BUILT.copy_of(config, options, lambda: _expanded(config, fp8, mtp, vision, text_prefix, dtype, stored,
+                                                              layout))
+
+
+def _expanded(config: GlmConfig, fp8: bool, mtp: bool, vision: bool, text_prefix: str, dtype: str,
+              stored: dict[str, str] | None, layout: str) -> Plan:
+    """Every rule expanded against `config`, the bijection checked: what `build_plan` keeps."""
     plan = Plan(config=config, fp8=fp8, mtp=mtp and config.num_mtp_layers > 0,
                 vision=vision and config.vision is not None, text_prefix=text_prefix, dtype=dtype,
                 layout=layout)
@@ -237,6 +246,48 @@ def build_plan(config: GlmConfig, *, fp8: bool = False, mtp: bool = True, vision
                 plan.mappings.append(_placed(m, ctx, homeless_parts, config.num_layers))
     plan.hf_index, plan.mcore_index  # noqa: B018 - validates the bijection now, not at first use
     return plan
+
+
+class _BuiltPlans:
+    """The last few plans built, by their config's content and options: one run builds the same plan several times
+    (the layout's detection, the job's, the audit's own: 7 plans of 5,448 HF tensors on a 3 GB bench export). Each
+    caller gets its own Plan (mappings list and indexes copied); the mappings and specs are frozen, shared."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[object, ...], Plan] = {}
+        self._lock = threading.Lock()
+
+    def copy_of(self, config: GlmConfig, options: tuple[object, ...], build: Callable[[], Plan]) -> Plan:
+        key: tuple[object, ...] = (_content(config), *options)
+        with self._lock:
+            plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = build()
+        with self._lock:
+            self._plans[key] = plan  # the newest last
+            while len(self._plans) > self.KEEP:
+                del self._plans[next(iter(self._plans))]
+        return _copied(plan, config)
+
+
+def _content(config: GlmConfig) -> str:
+    """What a plan depends on in `config`: the fields its equality compares (`raw` is not one)."""
+    return repr(tuple(getattr(config, f.name) for f in dataclasses.fields(config) if f.compare))
+
+
+def _copied(plan: Plan, config: GlmConfig) -> Plan:
+    """`plan` as a new Plan of `config` (the caller's, `raw` and all): its own mappings list and its own copies of
+    the indexes it has computed."""
+    copy = dataclasses.replace(plan, config=config, mappings=list(plan.mappings))
+    for name, value in vars(plan).items():
+        if isinstance(value, dict) and name not in {f.name for f in dataclasses.fields(Plan)}:
+            vars(copy)[name] = dict(value)  # a cached_property's index
+    return copy
+
+
+_BUILT = _BuiltPlans()
 
 
 def _placed(m: Mapping, ctx: _Ctx, homeless_parts: frozenset[str], num_layers: int) -> Mapping:

@@ -1,5 +1,6 @@
 """Rules x config: the plan is complete, bijective and shaped like the real release."""
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -211,3 +212,29 @@ def test_the_mcore_layouts_q_and_kv_norms_are_modules_of_their_own(cfg):
     norms = {k for k in build_plan(cfg, layout="mcore").mcore_objects() if "layernorm" in k and "attention" in k}
     assert norms == {f"decoder.layers.{i}.self_attention.{n}_layernorm._extra_state/shard_0_1"
                      for i in range(cfg.num_layers) if cfg.attn_types[i] == "dsa" for n in ("q", "kv")}
+
+
+def test_a_plan_built_again_is_the_callers_own(cfg):
+    first = build_plan(cfg, fp8=True)
+    n_mappings, name = len(first.mappings), next(iter(first.hf_index))
+    first.mappings.pop()
+    del first.hf_index[name]
+    again = build_plan(cfg, fp8=True)
+    assert len(again.mappings) == n_mappings and name in again.hf_index
+
+
+def test_a_plan_built_again_carries_the_callers_config(cfg):
+    raw = json.loads(REAL.read_text())
+    same = dataclasses.replace(cfg, raw=raw)  # equal to cfg: `raw` is not compared
+    build_plan(cfg)
+    assert build_plan(same).config is same
+
+
+def test_plans_of_configs_that_differ_are_not_confused(cfg):
+    raw = json.loads(REAL.read_text())
+    raw["text_config"]["vocab_size"] = 1024
+    smaller_vocab, cut = parse_config(raw), cfg.cut(8)
+    embedding = "model.language_model.embed_tokens.weight"
+    full = build_plan(cfg)
+    assert build_plan(smaller_vocab).hf_index[embedding].shape == (1024, full.hf_index[embedding].shape[1])
+    assert len(build_plan(cut).hf_index) < len(build_plan(cfg).hf_index) == len(full.hf_index)
