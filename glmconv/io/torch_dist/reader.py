@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from glmconv.errors import CheckpointError
 from glmconv.io.byte_copy import Extent, read_into
@@ -523,26 +523,46 @@ def iter_bytes_entries(ckpt_dir: str | Path, keys: list[str], *, limits: Mapping
     for k, v in (md.storage_data or {}).items():
         if k.offset is None:
             stored.setdefault(k.fqn, v)
-    for key in keys:
-        info = stored.get(key)
-        if not is_a(md.state_dict_metadata.get(key), "BytesStorageMetadata") or info is None:
-            raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
-        if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
-        limit, expected = (limits or {}).get(key, (None, ""))
-        if limit is not None and int(info.length) > limit:
-            raise CheckpointError(f"{d / info.relative_path}: {key} is {int(info.length):,} bytes, expected at most "
-                                  f"{limit:,}{' for ' + expected if expected else ''}")
-        yield info.relative_path, _read_range(d / info.relative_path, int(info.offset), int(info.length), key)
+    with _DataFiles(d) as files:  # each data file opened once (a checkpoint holds an object per module: 1,848 on
+        for key in keys:  # the 3 GB bench, in a few files)
+            info = stored.get(key)
+            if not is_a(md.state_dict_metadata.get(key), "BytesStorageMetadata") or info is None:
+                raise CheckpointError(f"{d}: no {key} entry in {DCP_METADATA_NAME}")
+            if Path(info.relative_path).name != info.relative_path or getattr(info, "transform_descriptors", None):
+                raise CheckpointError(f"{d}: {key} points at an unsupported location {info.relative_path!r}")
+            limit, expected = (limits or {}).get(key, (None, ""))
+            if limit is not None and int(info.length) > limit:
+                raise CheckpointError(f"{d / info.relative_path}: {key} is {int(info.length):,} bytes, expected at "
+                                      f"most {limit:,}{' for ' + expected if expected else ''}")
+            yield info.relative_path, files.read(info.relative_path, int(info.offset), int(info.length), key)
 
 
-def _read_range(path: Path, offset: int, length: int, key: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
+class _DataFiles:
+    """The data files of one checkpoint folder, each opened at its first read and closed with this."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._open: dict[str, BinaryIO] = {}
+
+    def __enter__(self) -> _DataFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def read(self, name: str, offset: int, length: int, key: str) -> bytes:
+        """`length` bytes at `offset` of data file `name`; a short read is refused as truncated (for `key`)."""
+        path = self._folder / name
+        try:
+            f = self._open.get(name)
+            if f is None:
+                f = self._open[name] = open(path, "rb")
             f.seek(offset)
             data = f.read(length)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-    if len(data) != length:
-        raise CheckpointError(f"{path}: truncated ({len(data)} of {length} bytes for {key})")
-    return data
+        except OSError as exc:
+            raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+        if len(data) != length:
+            raise CheckpointError(f"{path}: truncated ({len(data)} of {length} bytes for {key})")
+        return data
