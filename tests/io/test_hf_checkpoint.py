@@ -41,6 +41,13 @@ def test_header_is_read_without_tensor_data(tmp_path):
     assert h.metadata == {"format": "pt"}
 
 
+@pytest.mark.parametrize(("stored", "has_metadata"), [({"__metadata__": {}}, True), ({}, False)])
+def test_a_header_says_whether_it_stores_metadata_even_an_empty_one(tmp_path, stored, has_metadata):
+    header = {**stored, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    h = read_header(_raw_safetensors(tmp_path / "x.safetensors", header, bytes(8)))
+    assert (h.metadata, h.has_metadata) == ({}, has_metadata)
+
+
 def test_truncated_shard_names_file_and_byte_counts(tmp_path):
     p = tmp_path / "model-00002-of-00003.safetensors"
     save_file({"a": torch.zeros(10, 10)}, str(p))

@@ -36,6 +36,7 @@ class SafetensorsHeader:
     entries: dict[str, HeaderEntry]
     metadata: dict[str, str]
     data_start: int
+    has_metadata: bool  # a `__metadata__` entry is stored (an empty one too): --like's header written again keeps it
 
 
 def read_header(path: str | Path) -> SafetensorsHeader:
@@ -50,12 +51,13 @@ def read_header(path: str | Path) -> SafetensorsHeader:
     except OSError as exc:
         raise CheckpointError(f"{show(p.name)}: cannot read ({exc.strerror or exc})") from None
     header = _parse_json(p, raw)
+    has_metadata = METADATA_KEY in header
     metadata = _metadata(p, header.pop(METADATA_KEY, None))
     for text in (*header, *metadata, *metadata.values()):
         _check_unicode(p, text)
     entries = {name: _entry(p, name, value) for name, value in header.items()}
     _check_layout(p, entries, size - 8 - n)
-    return SafetensorsHeader(path=p, entries=entries, metadata=metadata, data_start=8 + n)
+    return SafetensorsHeader(path=p, entries=entries, metadata=metadata, data_start=8 + n, has_metadata=has_metadata)
 
 
 def _header_length(p: Path, prefix: bytes, size: int) -> int:

@@ -21,7 +21,7 @@ from glmconv.io.checkpoint_files import optional_file
 from glmconv.io.file_names import INDEX_NAME, SINGLE_NAME
 from glmconv.io.jsonfile import load_json_file
 from glmconv.io.safetensors.checkpoint import HfCheckpoint, shard_path
-from glmconv.io.safetensors.header import METADATA_KEY, SafetensorsHeader
+from glmconv.io.safetensors.header import SafetensorsHeader
 from glmconv.io.safetensors.writer import PlannedTensor, Shard
 from glmconv.rules import names
 
@@ -81,9 +81,8 @@ def _source_file(like: Path, name: str, headers: Mapping[Path, SafetensorsHeader
     with open(path, "rb") as f:
         head = f.read(header.data_start)
     stored = sorted(header.entries.values(), key=lambda e: e.begin)
-    raw = json.loads(head[8:])
     return SourceFile(name, head, tuple(PlannedTensor(e.name, e.dtype, e.shape) for e in stored),
-                      header.metadata if METADATA_KEY in raw else None)
+                      header.metadata if header.has_metadata else None)
 
 
 def _shard(f: SourceFile, tensors: tuple[PlannedTensor, ...]) -> Shard:
