@@ -115,6 +115,7 @@ issue38_rc4() {  # issue 38 on real-cut4 ($WORK/rc4): convert, export at 1 and 4
   local c=rc4 w
   rm -rf "$WORK/$c-mc"; sync
   within_budget "$c-convert-w1" && timed "$c-convert-w1" "${G[@]}" convert "$WORK/$c" "$WORK/$c-mc" --workers 1 --json
+  du -sbL "$WORK/$c-mc" >> "$RES/sizes.txt"  # the release estimate's BF16 bytes (release_summary.py)
   for w in 1 4; do
     within_budget "$c-export-cuda-w$w" || continue
     rm -rf "$WORK/$c-ex"; sync
