@@ -226,14 +226,19 @@ class DcpReader:
         dtype = self.dtype(name)
         sizes = tuple(int(z) for z in chunk.sizes)
         try:
-            found = locate_tensor_data(path, int(info.offset), int(info.length), dtype, sizes)
-        except (OSError, ValueError, EOFError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError, KeyError,
-                TypeError, AttributeError, IndexError):
+            fh = open(path, "rb")
+        except OSError:
             return None
-        if found is not None:  # its bytes will be copied unread: the rest of the archive checked as torch.load would
-            with open(path, "rb") as fh:
-                check_tensor_archive(_Slice(fh, int(info.offset), int(info.length)), f"{path.name}: {name}", dtype,
-                                     sizes)
+        offset, length = int(info.offset), int(info.length)
+        with fh:  # opened once, its zip directory read once, for both
+            try:
+                records = archive_records(fh, offset, length)
+                found = located_in(fh, path, offset, length, records, dtype, sizes)
+            except _UNLOCATABLE:
+                return None
+            if found is not None:  # its bytes will be copied unread: the archive checked as torch.load would
+                check_tensor_archive(_Slice(fh, offset, length), f"{path.name}: {name}", dtype, sizes,
+                                     list(records.values()))
         return found
 
     def drop_cache(self) -> None:
@@ -418,29 +423,43 @@ def locate_tensor_data(path: Path, offset: int, length: int, dtype: Any, sizes: 
 
     Raises OSError / zipfile.BadZipFile / pickle.UnpicklingError (and the like) on unreadable archives.
     """
-    nbytes = math.prod(sizes) * dtype.itemsize
     with open(path, "rb") as fh:
-        with zipfile.ZipFile(_Slice(fh, offset, length)) as z:
-            infos = {i.filename: i for i in z.infolist()}
-        pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pickles) != 1:
-            return None
-        prefix = pickles[0][:-len("/data.pkl")]
-        order = infos.get(f"{prefix}/byteorder")
-        if order is not None and stored_record(fh, offset, length, order, 16) != b"little":
-            return None
-        record = _describe(stored_record(fh, offset, length, infos[pickles[0]], _MAX_PICKLE))
-        if record is None:
-            return None
-        st = record.storage
-        if (st.dtype != dtype or st.numel != math.prod(sizes) or record.offset != 0 or record.size != sizes
-                or record.stride != _contiguous(sizes)):
-            return None
-        data = infos.get(f"{prefix}/data/{st.key}")
-        if data is None or data.file_size != nbytes:
-            return None
-        start = record_start(fh, offset, length, data)
-        return None if start is None else Extent(path, start, nbytes)
+        return located_in(fh, path, offset, length, archive_records(fh, offset, length), dtype, sizes)
+
+
+_UNLOCATABLE = (OSError, ValueError, EOFError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError, KeyError,
+                TypeError, AttributeError, IndexError)  # what an archive that is not as expected raises here
+
+
+def archive_records(fh: io.BufferedReader, offset: int, length: int) -> dict[str, zipfile.ZipInfo]:
+    """The records of the zip archive at [offset, offset + length) of `fh`, by name (its central directory)."""
+    with zipfile.ZipFile(_Slice(fh, offset, length)) as z:
+        return {i.filename: i for i in z.infolist()}
+
+
+def located_in(fh: io.BufferedReader, path: Path, offset: int, length: int, infos: dict[str, zipfile.ZipInfo],
+               dtype: Any, sizes: tuple[int, ...]) -> Extent | None:
+    """`locate_tensor_data` with `path` already open as `fh` and the archive's `archive_records` read."""
+    nbytes = math.prod(sizes) * dtype.itemsize
+    pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        return None
+    prefix = pickles[0][:-len("/data.pkl")]
+    order = infos.get(f"{prefix}/byteorder")
+    if order is not None and stored_record(fh, offset, length, order, 16) != b"little":
+        return None
+    record = _describe(stored_record(fh, offset, length, infos[pickles[0]], _MAX_PICKLE))
+    if record is None:
+        return None
+    st = record.storage
+    if (st.dtype != dtype or st.numel != math.prod(sizes) or record.offset != 0 or record.size != sizes
+            or record.stride != _contiguous(sizes)):
+        return None
+    data = infos.get(f"{prefix}/data/{st.key}")
+    if data is None or data.file_size != nbytes:
+        return None
+    start = record_start(fh, offset, length, data)
+    return None if start is None else Extent(path, start, nbytes)
 
 
 def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -52,14 +52,16 @@ def _check_object(data: bytes, where: str) -> None:
         raise CheckpointError(f"{where}: stored object is not loadable by torch.load ({_line(exc)})") from None
 
 
-def check_tensor_archive(fh: Any, where: str, dtype: Any, sizes: tuple[int, ...]) -> None:
+def check_tensor_archive(fh: Any, where: str, dtype: Any, sizes: tuple[int, ...],
+                         records: list[zipfile.ZipInfo] | None = None) -> None:
     """A tensor archive whose data bytes are copied unread: its pickles' bounds, then every other check torch.load
     makes, on the meta device; `fh` is the archive's window (seekable, positioned anywhere). An archive byte for
     byte one that passed, but for its data and its random `serialization_id` (which torch.load only decodes and
     logs), passes too: a checkpoint glmconv wrote has its chunks of one shape checked once a process (a bench
     checkpoint: 2,040 chunks, 38 kinds); a trainer's torch.save writes each data record's CRC-32, so its chunks
-    differ and each is checked."""
-    _ARCHIVES_PASSED.once(_archive_key(fh, dtype, sizes), lambda: _check_tensor_archive(fh, where, dtype, sizes))
+    differ and each is checked. `records`: the archive's zip directory, where the caller has read it already."""
+    _ARCHIVES_PASSED.once(_archive_key(fh, dtype, sizes, records),
+                          lambda: _check_tensor_archive(fh, where, dtype, sizes))
 
 
 _ARCHIVES_PASSED = Passed()  # `_archive_key`s of the archives that passed
@@ -67,7 +69,7 @@ _KEY_BYTES_MAX = 1 << 20  # an archive with more than this outside its data reco
 _SERIALIZATION_ID = "/.data/serialization_id"  # torch.load only logs it, as a str (torch 2.13 serialization.py)
 
 
-def _archive_key(fh: Any, dtype: Any, sizes: tuple[int, ...]) -> bytes | None:
+def _archive_key(fh: Any, dtype: Any, sizes: tuple[int, ...], records: list[zipfile.ZipInfo] | None) -> bytes | None:
     """Every byte of a tensor archive but its data records' content and its `serialization_id`'s (what torch.load
     on the meta device does not read), hashed with the dtype and sizes expected; None where the records cannot be
     located by hand (then the archive is checked)."""
@@ -75,10 +77,11 @@ def _archive_key(fh: Any, dtype: Any, sizes: tuple[int, ...]) -> bytes | None:
         fh.seek(0, io.SEEK_END)
         length = fh.tell()
         fh.seek(0)
-        with zipfile.ZipFile(fh) as z:
-            infos = z.infolist()
+        if records is None:
+            with zipfile.ZipFile(fh) as z:
+                records = z.infolist()
         skipped = []
-        for info in infos:
+        for info in records:
             if "/data/" in info.filename or info.filename.endswith(_SERIALIZATION_ID):
                 start = record_start(fh, 0, length, info)
                 if start is None or info.filename.endswith(_SERIALIZATION_ID) and not _utf8(fh, start, info.file_size):
