@@ -23,7 +23,8 @@
 #            tests/gpu's FP8 tests (while the sources are made: the GPU's bytes first) (RC4_FROM=DIR: that real-cut4 FP8
 #            source instead of a new one, e.g. /tmp/rc4/hf left by gpu_verdict.sh on the same machine) (the kernel and parity tests need the
 #            wheels: gpu_kernels.sh), each bench's plan and audit in parts (benchmarks/plan_costs.py) and the page cache's
-#            copy rate by thread count (benchmarks/read_probe.py), export --device cpu last (RC4=0: real-cut4 neither made nor run, a short call;
+#            copy rate by thread count (benchmarks/read_probe.py), the 3 GB export's threads profiled
+#            (benchmarks/export_profile.py, where yappi is installed), export --device cpu last (RC4=0: real-cut4 neither made nor run, a short call;
 #            BENCH_THREADS: the benches' read threads, default "2 4"); `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
 #   command's own output). Every call ends with it: only $OUT comes back.
@@ -208,7 +209,16 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
         > "$RES/$b-plan-costs-$c.json" 2>&1
     done
     [ "$b" = fp8-1 ] || python3 benchmarks/read_probe.py "$WORK/$b-mc" > "$RES/read-probe.txt" 2>&1  # the readers'
-    rm -rf "$WORK/$b-mc"  # ceiling: page cache -> memory by thread count
+    # ceiling: page cache -> memory by thread count; then where each thread's time goes (yappi, where installed)
+    if [ "$b" = fp8-3 ] && python3 -c "import yappi" 2>/dev/null; then
+      for clock in wall cpu; do
+        rm -rf "$WORK/$b-ex"
+        python3 benchmarks/export_profile.py "$RES/$b-profile-$clock.txt" "$clock" -- export "$WORK/$b-mc" \
+          "$WORK/$b-ex" --like "$WORK/$b" --fp8 --device "$DEV" --json > "$RES/$b-profile-$clock.json" 2>&1
+      done
+      rm -rf "$WORK/$b-ex"
+    fi
+    rm -rf "$WORK/$b-mc"
   done
   [ "${RC4:-1}" = 0 ] || issue38_rc4  # RC4=0: the benches and the fixed cost alone (a short call)
   python3 benchmarks/issue38_summary.py "$RES" > "$RES/issue38.md" 2>&1

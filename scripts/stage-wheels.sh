@@ -16,4 +16,6 @@ get .whl tilelang==0.1.15 "apache-tvm-ffi>=0.1.11,<0.1.13" torch-c-dlpack-ext==0
 get .whl-z3 "z3-solver>=4.13.0,<4.15.5"
 # what tests/conftest.py imports beyond pytest (tests/gpu on the device; 2026-12-06 it stopped there without jsonschema)
 get .whl-z3 jsonschema jsonschema-specifications referencing rpds-py attrs hypothesis sortedcontainers
+# benchmarks/export_profile.py's profiler (every thread of an export, on the GPU machine)
+get .whl-z3 yappi
 du -sh .whl .whl-z3
