@@ -238,3 +238,11 @@ def test_plans_of_configs_that_differ_are_not_confused(cfg):
     full = build_plan(cfg)
     assert build_plan(smaller_vocab).hf_index[embedding].shape == (1024, full.hf_index[embedding].shape[1])
     assert len(build_plan(cut).hf_index) < len(build_plan(cfg).hf_index) == len(full.hf_index)
+
+
+def test_at_most_four_plans_are_kept(cfg):
+    from glmconv import plan as plan_mod
+
+    for layers in range(1, 7):  # six configs: each plan of the release's config is ~25 MB
+        build_plan(cfg.cut(layers), mtp=False, vision=False)
+    assert len(plan_mod._BUILT._plans) == plan_mod._BuiltPlans.KEEP == 4
