@@ -237,8 +237,7 @@ class DcpReader:
             except _UNLOCATABLE:
                 return None
             if found is not None:  # its bytes will be copied unread: the archive checked as torch.load would
-                check_tensor_archive(_Slice(fh, offset, length), f"{path.name}: {name}", dtype, sizes,
-                                     list(records.values()))
+                check_tensor_archive(_Slice(fh, offset, length), f"{path.name}: {name}", dtype, sizes, records)
         return found
 
     def drop_cache(self) -> None:
@@ -431,16 +430,17 @@ _UNLOCATABLE = (OSError, ValueError, EOFError, struct.error, zipfile.BadZipFile,
                 TypeError, AttributeError, IndexError)  # what an archive that is not as expected raises here
 
 
-def archive_records(fh: io.BufferedReader, offset: int, length: int) -> dict[str, zipfile.ZipInfo]:
-    """The records of the zip archive at [offset, offset + length) of `fh`, by name (its central directory)."""
+def archive_records(fh: io.BufferedReader, offset: int, length: int) -> list[zipfile.ZipInfo]:
+    """The records of the zip archive at [offset, offset + length) of `fh`, as its central directory lists them."""
     with zipfile.ZipFile(_Slice(fh, offset, length)) as z:
-        return {i.filename: i for i in z.infolist()}
+        return z.infolist()
 
 
-def located_in(fh: io.BufferedReader, path: Path, offset: int, length: int, infos: dict[str, zipfile.ZipInfo],
+def located_in(fh: io.BufferedReader, path: Path, offset: int, length: int, records: list[zipfile.ZipInfo],
                dtype: Any, sizes: tuple[int, ...]) -> Extent | None:
     """`locate_tensor_data` with `path` already open as `fh` and the archive's `archive_records` read."""
     nbytes = math.prod(sizes) * dtype.itemsize
+    infos = {i.filename: i for i in records}
     pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
         return None
