@@ -135,6 +135,19 @@ def marginal_row(times: dict[str, float], what: str, small: str, large: str, bas
             f"{verdict} (<= {bound:g}x) |")
 
 
+def sequence_table(res: Path) -> str:
+    """Each bench's per-tensor parts as one CLI export runs them (plan_costs.py's `sequence`), and what the 3 GB
+    bench adds over the 1 GB one: the part of the benches' margin that grows with tensors, not bytes."""
+    rows = ["| per-tensor part (plan_costs.py, CLI collector) | 1 GB s | 3 GB s | 3 GB - 1 GB s |", "|---|---|---|---|"]
+    got = [document((res / f"{b}-plan-costs-cli.json").read_text()) if (res / f"{b}-plan-costs-cli.json").exists()
+           else {} for b in ("fp8-1", "fp8-3")]
+    small, large = (g.get("sequence") or {} for g in got)
+    for part in ("prepare", "export_plan", "verify"):
+        if part in small and part in large:
+            rows.append(f"| {part} | {small[part]:.3f} | {large[part]:.3f} | {large[part] - small[part]:+.3f} |")
+    return "\n".join(rows) if len(rows) > 2 else "(no per-tensor sequence: plan_costs.py's output is missing)"
+
+
 def main() -> None:
     res = Path(sys.argv[1])
     times = read_times(res)
@@ -181,6 +194,8 @@ def main() -> None:
     for line in (res / "times.txt").read_text().splitlines():
         if any(k in line for k in ("byte-identical", "differs", "skipped", "rc=", "evicted")):
             print(line)
+    print()
+    print(sequence_table(res))
     print()
     print("| run | wall | device | workers | phases (s) | wall - phases (exit, no phase) | busy (thread s) |")
     print("|---|---|---|---|---|---|---|")
