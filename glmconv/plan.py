@@ -281,8 +281,9 @@ def _copied(plan: Plan, config: GlmConfig) -> Plan:
     """`plan` as a new Plan of `config` (the caller's, `raw` and all): its own mappings list and its own copies of
     the indexes it has computed."""
     copy = dataclasses.replace(plan, config=config, mappings=list(plan.mappings))
+    fields = {f.name for f in dataclasses.fields(Plan)}
     for name, value in vars(plan).items():
-        if isinstance(value, dict) and name not in {f.name for f in dataclasses.fields(Plan)}:
+        if isinstance(value, dict) and name not in fields:
             vars(copy)[name] = dict(value)  # a cached_property's index
     return copy
 

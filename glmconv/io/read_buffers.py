@@ -6,7 +6,8 @@ thread against 5.5 GB/s into one reused buffer (benchmarks/RESULTS.md, 2026-12-0
 its storage has no holder left but this pool: every view, array or memoryview of it holds the storage, so a buffer
 is never handed out while anything can still read or write it. Pinned reads (for a GPU) are left to torch's caching
 host allocator, which keeps its blocks: on the H100 a new pinned tensor a read ran at 7.8-8.1 GB/s against 8.0-8.1
-GB/s into pinned buffers of this pool, which held 0.5-0.7 GB more at its peak (RESULTS.md, 2026-12-06, twelfth session).
+GB/s into a pool of pinned buffers like these, which held 0.5-0.7 GB more at its peak (RESULTS.md, 2026-12-06,
+twelfth session; the pool was dropped).
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ STEP = 1 << 20  # a buffer's size, rounded up to this
 
 
 class ReadBuffers:
-    """One reader thread's buffers, at most `most_bytes` of them (past that, a read gets a new tensor); `pinned`:
-    page-locked ones (benchmarks/read_probe.py measures them against torch's caching host allocator)."""
+    """One reader thread's buffers, at most `most_bytes` of them (past that, a read gets a new tensor)."""
 
-    def __init__(self, most_bytes: int, pinned: bool = False) -> None:
-        self._most, self._pinned = most_bytes, pinned
+    def __init__(self, most_bytes: int) -> None:
+        self._most = most_bytes
         self._slabs: list[tuple[torch.Tensor, torch.UntypedStorage, int]] = []  # (buffer, its storage, idle count)
         self._bytes = 0
 
@@ -39,7 +39,7 @@ class ReadBuffers:
         if slab is None and nbytes >= MIN_POOLED:
             slab = self._new(nbytes)
         if slab is None:
-            return torch.empty(shape, dtype=dtype, pin_memory=self._pinned)
+            return torch.empty(shape, dtype=dtype)
         return slab[:nbytes].view(dtype).view(shape)
 
     @property
@@ -67,7 +67,7 @@ class ReadBuffers:
             pass
         if self._bytes + size > self._most:
             return None
-        slab = torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned)
+        slab = torch.empty(size, dtype=torch.uint8)
         storage = slab.untyped_storage()
         self._slabs.append((slab, storage, torch._C._storage_Use_Count(storage._cdata)))
         self._bytes += size
