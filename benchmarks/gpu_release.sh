@@ -244,7 +244,7 @@ for step in "$@"; do
       mv "$WORK/single/model-00001-of-00001.safetensors" "$WORK/single/model.safetensors"
       rm "$WORK/single/model.safetensors.index.json"
       du -sb "$WORK"/* >> "$RES/sizes.txt" ;;
-    tests) python3 -m pytest -q -p no:cacheprovider tests/gpu > "$RES/gpu-tests.txt" 2>&1
+    tests) python3 -m pytest -q -rA --durations=15 -p no:cacheprovider tests/gpu > "$RES/gpu-tests.txt" 2>&1
            echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 15 "$RES/gpu-tests.txt" ;;
     fp8)
       for c in $(printf 'fp8-%s ' $SIZES); do
