@@ -159,6 +159,10 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
     df -h /tmp | tail -1; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__)"; } \
     > "$RES/env.txt" 2>&1
+  for _ in 1 2; do  # the CLI's own startup (a run's `startup` phase: 0.7-1.0 s here against 0.2 s on a 2-core host),
+    # module by module; the second run's, its bytecode cached
+    python3 -X importtime -m glmconv --help > /dev/null 2> "$RES/importtime.txt"
+  done
   # four processes side by side: the cores shared out (each torch's own 16 intra-op threads made the two 1 GB / 3 GB
   # makes take 130 s, ~10x one alone on the 2-core host: oversubscribed)
   local omp=$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))
