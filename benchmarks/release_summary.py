@@ -107,13 +107,14 @@ def write_rate(times: dict[str, list[float]], sizes: dict[str, int]) -> tuple[fl
 def estimate_table(times: dict[str, list[float]], sizes: dict[str, int]) -> list[str]:
     """Each command on the full release: its disk part (cold reads, writes past the page cache) against real-cut4's
     warm run scaled by bytes; the larger of the two is the estimate (reads and writes share one disk: no overlap)."""
+    rate = write_rate(times, sizes)
     if any(n not in times for n in ("rc4-cold-read", "rc4-mc-cold-read")) or "rc4" not in sizes \
-            or "rc4-mc" not in sizes or write_rate(times, sizes) is None:
+            or "rc4-mc" not in sizes or rate is None:
         return ["(no release estimate: real-cut4's cold reads, its sizes or a disk write are missing)"]
     hf, mc = release_bytes()
     cut_hf, cut_mc = sizes["rc4"], sizes["rc4-mc"]
     read_hf, read_mc = cut_hf / min(times["rc4-cold-read"]), cut_mc / min(times["rc4-mc-cold-read"])
-    write, how = write_rate(times, sizes) or (0.0, "")
+    write, how = rate
     read_both = hf / read_hf + mc / read_mc  # verify and parity read each checkpoint once
     rows = [f"Disk: cold read {read_hf / 1e9:.2f} GB/s (FP8 safetensors), {read_mc / 1e9:.2f} GB/s (`.distcp`); "
             f"write {write / 1e9:.2f} GB/s ({how}). Release: {hf:,} bytes FP8, {mc:,} bytes BF16.",
