@@ -25,7 +25,9 @@
 #            wheels: gpu_kernels.sh), each bench's plan and audit in parts (benchmarks/plan_costs.py) and the page cache's
 #            copy rate by thread count (benchmarks/read_probe.py), the 3 GB export's threads profiled
 #            (benchmarks/export_profile.py, where yappi is installed), export --device cpu last (RC4=0: real-cut4 neither made nor run, a short call;
-#            BENCH_THREADS: the benches' read threads, default "2 4"); `benchmarks/issue38_summary.py` reads the figures
+#            BENCH_THREADS: the benches' read threads, default "2 4"; BENCH_REPEATS / FIXED_REPEATS: how many times each
+#            bench export / each `import torch` + 1 GB convert pair runs, default 2, the faster taken; pin-probe.txt:
+#            benchmarks/pin_probe.py); `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
 #   command's own output). Every call ends with it: only $OUT comes back.
 set -uo pipefail
@@ -180,7 +182,7 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
   du -sbL "$WORK/rc4" "$WORK/fp8-1" "$WORK/fp8-3" >> "$RES/sizes.txt"
   # the figures still open first (the benches' margin, the fixed cost), then real-cut4's
   if within_budget fixed-cost; then  # a 1 GB FP8 convert on the GPU against `import torch` (+ 2 s: the issue's bound)
-    for i in 1 2; do
+    for i in $(seq "${FIXED_REPEATS:-2}"); do  # interleaved pairs (import torch varied by 0.5 s between runs)
       timed import-torch python3 -c "import torch"  # one name: the summary takes the faster
       rm -rf "$WORK/fp8-1-mc"; sync
       timed fp8-1-convert-cuda "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
@@ -188,6 +190,7 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     rm -rf "$WORK/fp8-1-mc"; sync  # --device auto: the CPU's slabs under 1 GiB of codes
     timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json
     copy_sync fp8-1-cp-out "$WORK/fp8-1-mc"
+    python3 benchmarks/pin_probe.py 1 > "$RES/pin-probe.txt" 2>&1  # what a convert's pinned buffers cost here
   fi
   for b in fp8-1 fp8-3; do  # the benches: export against cp+sync of its output, at two sizes (the marginal)
     within_budget "$b-export-cuda" || continue

@@ -5,7 +5,8 @@ raises `GlmconvError` (one line, naming the file or tensor), an argument of the 
 or an unknown keyword included: every argument is checked by glmconv.arguments, as the CLI checks it, and named
 by its keyword (`glmconv.convert(): group_bytes='1GB': expected a number of bytes, an int ...`). Heavy imports
 (torch) happen inside the calls, so `import glmconv` stays cheap; so do the parity stack's (the models, the
-kernels' wrappers, the report): only `parity` and `hf_weights` load them, and a convert's start never pays for them.
+kernels' wrappers, the report): only `parity` and `hf_weights` load them, and a convert's start never pays for them,
+nor for another command's runner (each call imports its own).
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ from glmconv.errors import GlmconvError
 from glmconv.io.output import ReportClaim, claim_report_dir
 from glmconv.mistakes import check_pair, check_same_model
 from glmconv.runners import audit as audit_runner
-from glmconv.runners import convert as convert_runner
-from glmconv.runners import export as export_runner
-from glmconv.runners import relayout as relayout_runner
-from glmconv.runners import verify as verify_runner
 from glmconv.runners.audit import AuditReport
 from glmconv.runners.ranks import torchrun_env
 from glmconv.runners.workers import worker_count
@@ -79,6 +76,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, workers: int | str = D.D
     A.choice("device", device, DEVICE_CHOICES), A.choice("layout", layout, LAYOUT_CHOICES)
     _flags(force=force, mtp=mtp, vision=vision, check_finite=check_finite, dry_run=dry_run, progress=progress,
            space_check=space_check)
+    from glmconv.runners import convert as convert_runner  # its command's modules alone (architecture.md)
+
     job = convert_runner.prepare(hf_dir, out_dir, mtp=mtp, vision=vision, dtype=dtype, layout=layout)
     n = worker_count(workers)
     opts = convert_runner.RunOptions(workers=n, group_bytes=group_bytes, progress=progress, check_finite=True,
@@ -116,6 +115,8 @@ def export(mcore_dir: str | Path, out_dir: str | Path, *, like: str | Path | Non
     A.choice("device", device, DEVICE_CHOICES)
     _flags(fp8=fp8, force=force, check_finite=check_finite, dry_run=dry_run, progress=progress,
            space_check=space_check)
+    from glmconv.runners import export as export_runner  # its command's modules alone (architecture.md)
+
     job = export_runner.prepare(mcore_dir, out_dir, like=like, config=config, fp8=fp8, max_shard_bytes=max_shard_bytes,
                                 layout=layout)
     n = worker_count(workers)
@@ -141,6 +142,8 @@ def relayout(mcore_dir: str | Path, out_dir: str | Path, *, to: str, force: bool
     A.path("mcore_dir", mcore_dir), A.path("out_dir", out_dir), A.optional(A.path, "like", like)
     A.choice("to", to, LAYOUT_CHOICES), A.size("group_bytes", group_bytes)
     _flags(force=force, dry_run=dry_run, progress=progress, space_check=space_check)
+    from glmconv.runners import relayout as relayout_runner  # its command's modules alone (architecture.md)
+
     job = relayout_runner.prepare(mcore_dir, out_dir, to=to, like=like)
     opts = relayout_runner.RelayoutOptions(group_bytes=group_bytes, progress=progress, space_check=space_check)
     return relayout_runner.dry_run_summary(job, opts) if dry_run else relayout_runner.relayout(job, opts, force=force)
@@ -163,6 +166,8 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, progress: bool = False,
     workers, read_threads = A.workers(workers, "workers"), A.read_threads(read_threads, "read_threads")
     A.choice("device", device, D.DEVICE_CHOICES)
     _flags(progress=progress)
+    from glmconv.runners import verify as verify_runner  # its command's modules alone (architecture.md)
+
     job = verify_runner.prepare(hf_dir, mcore_dir)
     n = worker_count(workers)
     opts = verify_runner.VerifyOptions(workers=n, threads=read_threads, device=device, progress=progress)

@@ -22,7 +22,10 @@ LATE_OK_OWN = {"glmconv.kernels.kpool",  # a triton module: its kernels are comp
                # the package's calls (glmconv/__init__.py) and the parity stack (glmconv/api.py's parity and
                # hf_weights), on first use: every run's start is Python, torch and its own command's modules
                "glmconv.api", "glmconv.compare", "glmconv.compare.metrics", "glmconv.compare.report",
-               "glmconv.weight_sync"}
+               "glmconv.weight_sync",
+               # each command's runner, in its call of glmconv.api: a convert's start loads no other command's
+               "glmconv.runners.convert", "glmconv.runners.export", "glmconv.runners.relayout",
+               "glmconv.runners.verify"}
 DEFAULTS = "glmconv.defaults"
 
 

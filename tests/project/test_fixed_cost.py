@@ -21,8 +21,9 @@ except SystemExit as exc:
     code = exc.code
 stack = ("glmconv.compare", "glmconv.models", "glmconv.weight_sync", "glmconv.kernels", "glmconv_cli.parity_cmd")
 parity = sorted({m for m in sys.modules for p in stack if m == p or m.startswith(p + ".")})
+runners = sorted(r for r in ("convert", "export", "relayout", "verify") if "glmconv.runners." + r in sys.modules)
 print("exit", code, "torch", "torch" in sys.modules, "dcp", "torch.distributed.checkpoint" in sys.modules,
-      "parity", ",".join(parity) or "-", file=sys.stderr)
+      "parity", ",".join(parity) or "-", "runners", ",".join(runners) or "-", file=sys.stderr)
 """
 
 
@@ -41,6 +42,12 @@ def parity_modules(*args: str) -> tuple[int, str]:
     """(exit code, the modules of the parity stack imported, comma-separated, or "-") of `glmconv ARGS`."""
     last = _run(*args)
     return int(last[1]), last[7]
+
+
+def command_runners(*args: str) -> tuple[int, str]:
+    """(exit code, the commands' runners imported among convert, export, relayout and verify, comma-separated)."""
+    last = _run(*args)
+    return int(last[1]), last[9]
 
 
 def imports_dcp(*args: str) -> tuple[int, bool]:
@@ -137,3 +144,10 @@ def test_convert_export_and_verify_import_none_of_the_parity_stack(tiny_fp8_ckpt
     assert parity_modules("convert", str(tiny_fp8_ckpt), str(tmp_path / "mc")) == (0, "-")
     assert parity_modules("export", str(tiny_mc), str(tmp_path / "hf"), "--fp8") == (0, "-")
     assert parity_modules("verify", str(tiny_fp8_ckpt), str(tiny_mc)) == (0, "-")
+
+
+def test_convert_and_export_import_no_other_commands_runner(tiny_fp8_ckpt: Path, tiny_mc: Path,
+                                                            tmp_path: Path) -> None:
+    """glmconv.api imports a command's runner in its call: a convert's start loads no export, relayout or verify."""
+    assert command_runners("convert", str(tiny_fp8_ckpt), str(tmp_path / "mc")) == (0, "convert")
+    assert command_runners("export", str(tiny_mc), str(tmp_path / "hf"), "--fp8") == (0, "export")
