@@ -27,7 +27,8 @@
 #            (benchmarks/export_profile.py, where yappi is installed), export --device cpu last (RC4=0: real-cut4 neither made nor run, a short call;
 #            BENCH_THREADS: the benches' read threads, default "2 4"; BENCH_REPEATS / FIXED_REPEATS: how many times each
 #            bench export / each `import torch` + 1 GB convert pair runs, default 2, the faster taken; pin-probe.txt:
-#            benchmarks/pin_probe.py); `benchmarks/issue38_summary.py` reads the figures
+#            benchmarks/pin_probe.py, the pinned allocator and a convert's pinned allocations, PIN_DIAG=0: not run);
+#            `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
 #   command's own output). Every call ends with it: only $OUT comes back.
 set -uo pipefail
@@ -190,7 +191,19 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
     rm -rf "$WORK/fp8-1-mc"; sync  # --device auto: the CPU's slabs under 1 GiB of codes
     timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json
     copy_sync fp8-1-cp-out "$WORK/fp8-1-mc"
-    python3 benchmarks/pin_probe.py 1 > "$RES/pin-probe.txt" 2>&1  # what a convert's pinned buffers cost here
+  fi
+  if [ "${PIN_DIAG:-1}" != 0 ] && within_budget pin-probe; then  # the convert's `read` wait (its producers' pace):
+    # the pinned allocator alone, then a 1 GB convert's pinned allocations; each by default and with torch's
+    # cudaHostRegister path (its pages mapped by 8 threads); and the same convert with 4 read threads
+    local reg=pinned_use_cuda_host_register:True,pinned_num_register_threads:8
+    for conf in "" "$reg"; do
+      env ${conf:+PYTORCH_CUDA_ALLOC_CONF=$conf} python3 benchmarks/pin_probe.py 1 >> "$RES/pin-probe.txt" 2>&1
+      rm -rf "$WORK/fp8-1-mc"; sync
+      env ${conf:+PYTORCH_CUDA_ALLOC_CONF=$conf} python3 benchmarks/pin_probe.py convert "$WORK/fp8-1" \
+        "$WORK/fp8-1-mc" >> "$RES/pin-probe.txt" 2>&1
+    done
+    rm -rf "$WORK/fp8-1-mc"; sync  # its output left for the benches' export (the same bytes as any convert's)
+    python3 benchmarks/pin_probe.py convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --read-threads 4 >> "$RES/pin-probe.txt" 2>&1
   fi
   for b in fp8-1 fp8-3; do  # the benches: export against cp+sync of its output, at two sizes (the marginal)
     within_budget "$b-export-cuda" || continue

@@ -1,11 +1,14 @@
 """What pinned host memory costs on this GPU machine: a FP8 convert's readers read codes into pinned buffers and its
 dequantizer copies each BF16 weight back into a new pinned tensor, so a run that allocates more pinned memory than
-torch's caching host allocator has freed pays the page pinning (the leading suspect for a convert's `read` wait).
+torch's caching host allocator has freed pays the page pinning (the leading suspect for a convert's `read` wait,
+the writer waiting for its input: 0.76 s of a 1 GB FP8 convert on an H100, growing with the data).
 
-Usage: python benchmarks/pin_probe.py [GB]   (default 1: about a 1 GB FP8 bench's codes)
-Prints one JSON line per measurement: GB/s of fresh pinned allocations (the caching allocator empty), of the same
-sizes again once freed (its cache), of a plain allocation touched, and of a device-to-host copy into pinned and into
-pageable memory.
+Usage: python benchmarks/pin_probe.py [GB]                 the allocator alone (default 1 GB)
+       python benchmarks/pin_probe.py convert SRC OUT ...  glmconv's convert (--device cuda, --force), then its
+                                                           pinned allocations: how many, their bytes, their time
+Prints JSON lines: GB/s of fresh pinned allocations (the caching allocator empty), of the same sizes again once
+freed (its cache), of a plain allocation touched, and of a device-to-host copy into pinned and into pageable memory;
+or the convert's phases and `torch.cuda.memory.host_memory_stats()`'s counts. PYTORCH_CUDA_ALLOC_CONF applies.
 """
 
 from __future__ import annotations
@@ -13,24 +16,26 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 PIECE = 64 << 20
 
 
-def rate(label: str, nbytes: int, fn: object) -> None:
+def rate(label: str, nbytes: int, fn: Callable[[], Any]) -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
-    fn()  # type: ignore[operator]
+    fn()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     print(json.dumps({"probe": label, "GB": round(nbytes / 1e9, 3), "s": round(seconds, 4),
                       "GB_per_s": round(nbytes / seconds / 1e9, 2)}), flush=True)
 
 
-def main() -> None:
-    total = int(float(sys.argv[1] if len(sys.argv) > 1 else 1) * 1e9) // PIECE * PIECE
+def allocator(gb: float) -> None:
+    total = int(gb * 1e9) // PIECE * PIECE
     n = total // PIECE
     torch.empty(1, device="cuda")  # the context first: not in any figure
     kept: list[torch.Tensor] = []
@@ -46,5 +51,20 @@ def main() -> None:
     rate("d2h pageable", total, lambda: [plain.copy_(src) for _ in range(n)])
 
 
+def convert(src: str, out: str, *extra: str) -> None:
+    import glmconv
+
+    threads = int(extra[extra.index("--read-threads") + 1]) if "--read-threads" in extra else 2
+    summary = glmconv.convert(src, out, device="cuda", force=True, read_threads=threads)
+    stats = getattr(torch.cuda.memory, "host_memory_stats", dict)()  # torch 2.7 and later
+    keep = ("num_host_alloc", "host_alloc_time.total", "host_alloc_time.max", "allocated_bytes.peak",
+            "active_bytes.peak", "allocations.allocated")
+    print(json.dumps({"phases": summary["phases"], "read_threads": threads,
+                      "host_memory_stats": {k: stats.get(k) for k in keep}}), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["convert"]:
+        convert(*sys.argv[2:])
+    else:
+        allocator(float(sys.argv[1]) if len(sys.argv) > 1 else 1.0)
