@@ -202,6 +202,13 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
       env ${conf:+PYTORCH_CUDA_ALLOC_CONF=$conf} python3 benchmarks/pin_probe.py convert "$WORK/fp8-1" \
         "$WORK/fp8-1-mc" >> "$RES/pin-probe.txt" 2>&1
     done
+    for i in 1 2; do  # this tree's 1 GB convert against bench-data/old's (a candidate change), interleaved
+      rm -rf "$WORK/fp8-1-mc"; sync
+      timed fp8-1-convert-cuda-diag "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
+      [ -d bench-data/old/glmconv ] || continue
+      rm -rf "$WORK/fp8-1-mc"; sync
+      old_tree timed fp8-1-convert-cuda-old "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
+    done
     rm -rf "$WORK/fp8-1-mc"; sync  # its output left for the benches' export (the same bytes as any convert's)
     python3 benchmarks/pin_probe.py convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --read-threads 4 >> "$RES/pin-probe.txt" 2>&1
   fi
@@ -216,7 +223,8 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
       timed "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" \
         --fp8 --device "$DEV" --read-threads $t --json
       same_files "$b-export-cuda$([ $t = 2 ] || echo -t$t)" "$WORK/$b" "$WORK/$b-ex"
-      if [ -d bench-data/old/glmconv ] && [ "$t" = 2 ]; then  # the old tree's, interleaved: an A/B in one call
+      if [ -d bench-data/old/glmconv ] && [ "$t" = 2 ] && [ "${OLD_EXPORTS:-1}" != 0 ]; then  # the old tree's,
+        # interleaved: an A/B in one call (OLD_EXPORTS=0: bench-data/old is another convert's, below)
         rm -rf "$WORK/$b-ex"; sync
         old_tree timed "$b-export-cuda-old" "${G[@]}" export "$WORK/$b-mc" "$WORK/$b-ex" --like "$WORK/$b" --fp8 \
           --device "$DEV" --json
