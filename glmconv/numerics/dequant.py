@@ -73,18 +73,20 @@ class CpuDequantizer:
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="glmconv-fp8") if self.threads > 1 else None
 
-    def __call__(self, fp8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def __call__(self, fp8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         import torch
 
         rows = fp8.shape[0] if fp8.dim() == 2 else 0
         if self._pool is None or rows <= SLAB_ROWS:
-            return dequantize_fp8_blocks(fp8, scale_inv, out_dtype=out_dtype)
-        out = torch.empty(fp8.shape, dtype=out_dtype)
+            return dequantize_fp8_blocks(fp8, scale_inv, out_dtype=out_dtype, out=out)
+        if out is None:
+            out = torch.empty(fp8.shape, dtype=out_dtype)
 
         def slab(start: int) -> None:
             stop = min(rows, start + SLAB_ROWS)
             scales = scale_inv[start // FP8_BLOCK:-(-stop // FP8_BLOCK)]
-            out[start:stop] = dequantize_fp8_blocks(fp8[start:stop], scales, out_dtype=out_dtype)
+            dequantize_fp8_blocks(fp8[start:stop], scales, out_dtype=out_dtype, out=out[start:stop])
 
         _check_whole(fp8, scale_inv)  # each slab is checked against its own rows only
         list(self._pool.map(slab, range(0, rows, SLAB_ROWS)))
@@ -118,7 +120,8 @@ class CudaDequantizer(ThreadStreams):
 
     pinned = True
 
-    def __call__(self, fp8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def __call__(self, fp8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         import torch
 
         stream = self._stream()
@@ -126,8 +129,9 @@ class CudaDequantizer(ThreadStreams):
             codes = fp8.to(self.device, non_blocking=fp8.is_pinned())
             scales = scale_inv.to(self.device, non_blocking=scale_inv.is_pinned())
             w = dequantize_fp8_blocks(codes, scales, out_dtype=out_dtype)
-            out = torch.empty(w.shape, dtype=out_dtype, pin_memory=True)
-            out.copy_(w, non_blocking=True)
+            if out is None:
+                out = torch.empty(w.shape, dtype=out_dtype, pin_memory=True)
+            out.copy_(w, non_blocking=True)  # pinned (`output`'s, or this one): the copy overlaps the other reader
         stream.synchronize()  # the codes, scales and `w` are released only once the copies are done
         return out
 

@@ -66,8 +66,9 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
 
 
 def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK,
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """fp8.float() * scale_inv broadcast over each block (cropped at the edges), then cast to `out_dtype` (BF16)."""
+                          out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8.float() * scale_inv broadcast over each block (cropped at the edges), then cast to `out_dtype` (BF16),
+    into `out` where given (the same cast: `copy_` rounds as `to` does)."""
     import torch
 
     if out_dtype is None:
@@ -87,7 +88,7 @@ def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int
         w.view(want[0], block, want[1], block).mul_(scale_inv[:, None, :, None])
     else:
         w.mul_(scale_inv.repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols])
-    return w.to(out_dtype)
+    return w.to(out_dtype) if out is None else out.copy_(w)
 
 
 def refuse_nan_codes(fp8: torch.Tensor) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,9 +200,37 @@ def _scanned(m: Mapping, source: HfTensorSource, picks: range | list[int], dtype
 
 
 def _computed_chunks(m: Mapping, source: HfTensorSource, dtype: torch.dtype) -> list[Chunk]:
+    if len(m.mcore) == 1:
+        return [Chunk(m.mcore[0].name, _assembled(m, source, dtype, range(len(m.hf)), m.mcore[0].shape))]
     hf = [source.weight(t.name, dtype) for t in m.hf]
     return [Chunk(spec.name, tensor.contiguous())
             for spec, tensor in zip(m.mcore, m.rule.transform.forward(hf, len(m.mcore)))]
+
+
+def _assembled(m: Mapping, source: HfTensorSource, dtype: torch.dtype, picks: Sequence[int],
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """The mapping's one Megatron tensor (or its rows) from its HF tensors `picks`. Where the transform lays whole
+    inputs one after another (stacked experts, a concatenation on dim 0, a rename), each is read or dequantised
+    straight into its place in the output; otherwise through the transform, one copy more."""
+    hf = [m.hf[i] for i in picks]
+    sizes = [math.prod(t.shape) * dtype.itemsize for t in hf]
+    layout = m.rule.transform.forward_layout([tuple(t.shape) for t in hf], dtype.itemsize, 1)
+    if layout is None or not _whole_inputs(layout[0], sizes):
+        (tensor,) = m.rule.transform.forward([source.weight(t.name, dtype) for t in hf], 1)
+        return tensor.contiguous()
+    out = source.output(shape, dtype)
+    flat, pos = out.view(-1), 0
+    for piece in layout[0]:
+        t, n = hf[piece.source], piece.length // dtype.itemsize
+        source.weight(t.name, dtype, out=flat[pos:pos + n].view(tuple(t.shape)))
+        pos += n
+    return out
+
+
+def _whole_inputs(pieces: list[Piece], sizes: list[int]) -> bool:
+    """Whether a byte layout is each input whole, once each (in any order)."""
+    return (sorted(p.source for p in pieces) == list(range(len(sizes)))
+            and all(p.offset == 0 and p.length == sizes[p.source] for p in pieces))
 
 
 def byte_layout(m: Mapping, source: HfTensorSource) -> list[list[Piece]] | None:
@@ -243,8 +272,9 @@ def _moved_rows(m: Mapping, source: HfTensorSource, dtype: torch.dtype, layout: 
 
 
 def _computed_rows(m: Mapping, source: HfTensorSource, dtype: torch.dtype, rows: range, picks: list[int]) -> Chunk:
-    (chunk,) = m.rule.transform.forward([source.weight(m.hf[i].name, dtype) for i in picks], 1)
-    return Chunk(m.mcore[0].name, chunk.contiguous(), row=rows.start, shape=m.mcore[0].shape)
+    spec = m.mcore[0]
+    chunk = _assembled(m, source, dtype, picks, (len(rows), *spec.shape[1:]))
+    return Chunk(spec.name, chunk, row=rows.start, shape=spec.shape)
 
 
 @dataclass

@@ -37,6 +37,17 @@ def test_the_gpu_gives_the_cpus_bits(shape: tuple[int, int]) -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def test_the_gpu_dequantises_into_a_given_pinned_view_with_the_cpus_bits() -> None:
+    """Convert's stacked experts: each dequantised on the GPU and copied straight into its rows of one output."""
+    codes, scales = every_code((1000, 700))
+    want = dequantize_fp8_blocks(codes, scales)
+    stacked = torch.full((3, 1000, 700), -1.0, dtype=torch.bfloat16).pin_memory()
+    got = CudaDequantizer()(codes.pin_memory(), scales, torch.bfloat16, out=stacked[1])
+    assert got.data_ptr() == stacked[1].data_ptr()
+    assert torch.equal(stacked[1].view(torch.int16), want.view(torch.int16))
+    assert bool((stacked[0] == -1).all()) and bool((stacked[2] == -1).all())
+
+
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
 def test_the_gpu_refuses_a_nan_code_as_the_cpu_does(code: int) -> None:
     """Issue 25: a NaN code is refused on the GPU too, with the CPU's words."""

@@ -48,6 +48,23 @@ def test_slabs_on_threads_give_the_reference_bits(shape: tuple[int, int], out_dt
     assert torch.equal(got.view(view), want.view(view))
 
 
+@pytest.mark.parametrize("shape", [(1000, 700), (257, 5)])  # by slabs on threads / one call
+@pytest.mark.parametrize("threads", [1, 3])
+def test_dequantised_into_a_given_view_it_has_the_reference_bits(shape: tuple[int, int], threads: int) -> None:
+    """Convert assembles stacked experts by dequantising each straight into its rows of the output."""
+    codes, scales = every_code(shape, seed=1)
+    want = dequantize_fp8_blocks(codes, scales)
+    stacked = torch.full((3, *shape), -1.0, dtype=torch.bfloat16)
+    dequantize = CpuDequantizer(threads=threads)
+    try:
+        got = dequantize(codes, scales, torch.bfloat16, out=stacked[1])
+    finally:
+        dequantize.close()
+    assert got.data_ptr() == stacked[1].data_ptr()
+    assert torch.equal(bits(stacked[1]), bits(want))
+    assert bool((stacked[0] == -1).all()) and bool((stacked[2] == -1).all())  # nothing outside its rows
+
+
 def test_slabs_refuse_a_scale_grid_of_the_wrong_shape() -> None:
     codes, scales = every_code((1000, 700))
     dequantize = CpuDequantizer(threads=2)

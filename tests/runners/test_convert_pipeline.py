@@ -55,6 +55,28 @@ def test_threads_ahead_of_the_writer_give_the_serial_paths_files_byte_for_byte(
     assert ahead == serial
 
 
+def test_stacked_experts_are_dequantised_in_place_with_the_transforms_bytes(
+        tiny_fp8_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each expert (and each part of a dim-0 concatenation) is dequantised straight into its rows of the output,
+    never stacked after: the files equal those the transform's own forward makes."""
+    import glmconv.runners.convert as convert_mod
+    from glmconv.rules.ops import Concat, StackExperts
+
+    stacked = []
+    forward = StackExperts.forward
+    monkeypatch.setattr(StackExperts, "forward", lambda self, hf, n: stacked.append(len(hf)) or forward(self, hf, n))
+    monkeypatch.setattr(convert_mod, "_whole_inputs", lambda pieces, sizes: False)  # every mapping by forward
+    by_forward = converted(tiny_fp8_ckpt, tmp_path / "forward", **SMALL)
+    monkeypatch.undo()
+    assert len(stacked) > 1  # FP8 experts, several row steps
+
+    def refused(self: object, hf: object, n_mcore: int) -> None:
+        raise AssertionError("stacked after dequantisation: a copy of every byte more")
+    monkeypatch.setattr(StackExperts, "forward", refused)
+    monkeypatch.setattr(Concat, "forward", refused)
+    assert converted(tiny_fp8_ckpt, tmp_path / "in-place", **SMALL) == by_forward
+
+
 # ---- run_ahead -------------------------------------------------------------------------------------------
 
 def slow_step(i: int, nbytes: int, held: list[int], peak: list[int], lock: threading.Lock) -> Step:

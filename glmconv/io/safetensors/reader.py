@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from glmconv.defaults import READ_BUFFER_BYTES
 from glmconv.errors import CheckpointError
@@ -22,7 +21,11 @@ from glmconv.rules.table import FP8
 if TYPE_CHECKING:
     import torch
 
-Dequantize = Callable[["torch.Tensor", "torch.Tensor", "torch.dtype"], "torch.Tensor"]  # (codes, scales, dtype)
+class Dequantize(Protocol):
+    """FP8 codes and their block scales to `out_dtype`, into `out` where given (else a new tensor)."""
+
+    def __call__(self, fp8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class HfTensorSource(Closing):
@@ -110,11 +113,21 @@ class HfTensorSource(Closing):
             buffers = self._buffers.pool = ReadBuffers(READ_BUFFER_BYTES)
         return buffers.empty((nbytes,), torch.uint8)
 
-    def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor for weights to be read into (`weight`'s `out`): pinned where the dequantizer copies from a
+        GPU, so that its copies land there directly."""
+        import torch
+
+        return torch.empty(shape, dtype=dtype, pin_memory=bool(getattr(self._dequantize, "pinned", False)))
+
+    def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks.
 
         With `device`, FP8 codes and scales move there first and are dequantised there (a GPU does it ~10x faster
-        than the CPU; the product is one fp32 multiply either way, so the bits are the same).
+        than the CPU; the product is one fp32 multiply either way, so the bits are the same). `out` (the weight's
+        shape, `out_dtype`: a view into a tensor being assembled, from `output`): filled and returned, the
+        dequantizer writing into it directly.
         """
         import torch
 
@@ -130,12 +143,19 @@ class HfTensorSource(Closing):
             if device is not None:
                 t, scale_inv = t.to(device), scale_inv.to(device)
             if self._dequantize is not None and device is None:
-                t = self._dequantize(t, scale_inv, out_dtype)
+                t = self._dequantize(t, scale_inv, out_dtype, out=out)
             else:
                 t = dequantize_fp8_blocks(t, scale_inv, out_dtype=out_dtype)
         elif t.dtype != out_dtype:
             t = t.to(out_dtype)
         elif not self._check_finite:
-            return t  # the stored values, unchanged (--check-finite also checks these)
+            return _into(out, t)  # the stored values, unchanged (--check-finite also checks these)
         require_finite(t, name, self._files[name].name)  # a dequantised or cast weight may overflow to Inf
+        return _into(out, t)
+
+
+def _into(out: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """`t`, in `out` where one is given (a dequantizer that filled `out` itself returns it: nothing to copy)."""
+    if out is None or t is out:
         return t
+    return out.copy_(t)
