@@ -5,7 +5,9 @@ multiply by its block's scale (IEEE, correctly rounded on any device) and a roun
 On the CPU a weight is cut into slabs of whole 128-row blocks, each dequantised alone on a pool thread (torch's
 own intra-op threads scale poorly on this elementwise chain: measured in benchmarks/RESULTS.md). On the GPU the
 codes are read into pinned memory, copied on the calling thread's own stream (a reader thread each: two in
-flight with the default two readers), dequantised and cast there, and copied back into pinned memory.
+flight with the default two readers), dequantised and cast there, and copied back into pinned memory. Either
+writes into an `out` it is given: convert assembles stacked experts by dequantising each straight into its rows
+of the one output (a copy of every byte less than stacking after; `HfTensorSource.output` pins it for the GPU).
 """
 
 from __future__ import annotations
