@@ -215,7 +215,7 @@ def _assembled(m: Mapping, source: HfTensorSource, dtype: torch.dtype, picks: Se
     hf = [m.hf[i] for i in picks]
     sizes = [math.prod(t.shape) * dtype.itemsize for t in hf]
     layout = m.rule.transform.forward_layout([tuple(t.shape) for t in hf], dtype.itemsize, 1)
-    if layout is None or not _whole_inputs(layout[0], sizes):
+    if len(hf) == 1 or layout is None or not _whole_inputs(layout[0], sizes):  # one input: it is the output
         (tensor,) = m.rule.transform.forward([source.weight(t.name, dtype) for t in hf], 1)
         return tensor.contiguous()
     out = source.output(shape, dtype)
