@@ -375,3 +375,22 @@ def test_a_file_tensor_of_stacked_rows_is_stored_a_row_each_from_the_same_bytes(
     offsets, back = _stacked_rows_written(tmp_path, tensor)
     assert offsets == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
     assert torch.equal(back, rows)
+
+
+def test_a_stacked_chunks_rows_are_saved_over_their_own_bytes_without_a_copy() -> None:
+    """Each expert of a stacked chunk is stored alone (as Megatron stores it); torch.save writes a view's whole
+    storage, so each row gets a storage of exactly its bytes, sharing them: the archive a copy would give, no copy."""
+    import io
+
+    from glmconv.io.torch_dist.writer import Chunk
+
+    stacked = torch.randn(3, 4, 6).to(torch.bfloat16)
+    rows = Chunk("experts", stacked, row=3, shape=(6, 4, 6)).per_row()
+    assert [(r.row, tuple(r.tensor.shape)) for r in rows] == [(3, (1, 4, 6)), (4, (1, 4, 6)), (5, (1, 4, 6))]
+    for i, r in enumerate(rows):
+        assert r.tensor.data_ptr() == stacked[i].data_ptr()  # the chunk's own memory
+        assert r.tensor.untyped_storage().nbytes() == 4 * 6 * 2  # nothing of the other rows
+        saved, copied = io.BytesIO(), io.BytesIO()
+        torch.save(r.tensor, saved)
+        torch.save(stacked[i:i + 1].clone(), copied)
+        assert saved.getvalue() == copied.getvalue()

@@ -149,6 +149,17 @@ def _placeholder(tensor: FileTensor) -> torch.Tensor:
     return raw.view(tensor.dtype).reshape(tensor.shape)
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor `t` (a row of a stacked tensor) over a storage of exactly its bytes, sharing them:
+    torch.save writes a view's whole storage, and a copy of each row cost the writer a copy of every byte."""
+    import torch
+
+    if t.numel() == 0 or not t.is_contiguous() or t.device.type != "cpu":
+        return t.detach().clone()  # its own storage the plain way
+    flat = t.detach().reshape(-1).view(torch.uint8).numpy()  # a buffer over the row's bytes, holding its storage
+    return torch.frombuffer(flat, dtype=torch.uint8).view(t.dtype).view(t.shape)
+
+
 def save_tensor(fd: int, tensor: torch.Tensor | FileTensor, copier: FileCopier) -> int:
     """Append `tensor` as a torch.save archive at `fd`'s position; returns the archive's length in bytes."""
     import torch

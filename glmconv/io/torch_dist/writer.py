@@ -59,7 +59,7 @@ from glmconv.io.torch_dist.dcp_classes import (
     dumps,
 )
 from glmconv.io.torch_dist.metadata import TORCH_DIST
-from glmconv.io.torch_dist.torch_save import FileTensor, save_tensor
+from glmconv.io.torch_dist.torch_save import FileTensor, own_storage, save_tensor
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -113,9 +113,9 @@ class Chunk:
         (filesystem.py `read_data`: torch.load of the item, then narrow), so a chunk of k experts is read k times."""
         if self.shape is None or self.tensor.dim() == 0 or self.tensor.shape[0] <= 1:
             return [self]
-        t = self.tensor  # a row of a tensor is cloned: torch.save writes a view's whole storage
-        return [Chunk(self.name, t.rows(i, i + 1) if isinstance(t, FileTensor) else t[i:i + 1].clone(), self.row + i,
-                      self.shape) for i in range(t.shape[0])]
+        t = self.tensor  # a row over its own bytes alone: torch.save writes a view's whole storage
+        return [Chunk(self.name, t.rows(i, i + 1) if isinstance(t, FileTensor) else own_storage(t[i:i + 1]),
+                      self.row + i, self.shape) for i in range(t.shape[0])]
 
     @property
     def completes(self) -> bool:
