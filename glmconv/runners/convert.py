@@ -209,9 +209,9 @@ def _computed_chunks(m: Mapping, source: HfTensorSource, dtype: torch.dtype) -> 
 
 def _assembled(m: Mapping, source: HfTensorSource, dtype: torch.dtype, picks: Sequence[int],
                shape: tuple[int, ...]) -> torch.Tensor:
-    """The mapping's one Megatron tensor (or its rows) from its HF tensors `picks`. Where the transform lays whole
-    inputs one after another (stacked experts, a concatenation on dim 0, a rename), each is read or dequantised
-    straight into its place in the output; otherwise through the transform, one copy more."""
+    """The mapping's one Megatron tensor (or its rows) from its HF tensors `picks`. Where the transform lays several
+    whole inputs one after another (stacked experts, a concatenation on dim 0), each is read or dequantised straight
+    into its place in the output; otherwise through the transform (one input: its weight is the output)."""
     hf = [m.hf[i] for i in picks]
     sizes = [math.prod(t.shape) * dtype.itemsize for t in hf]
     layout = m.rule.transform.forward_layout([tuple(t.shape) for t in hf], dtype.itemsize, 1)
