@@ -1,7 +1,7 @@
 """What pinned host memory costs on this GPU machine: a FP8 convert's readers read codes into pinned buffers and its
-dequantizer copies each BF16 weight back into a new pinned tensor, so a run that allocates more pinned memory than
-torch's caching host allocator has freed pays the page pinning (the leading suspect for a convert's `read` wait,
-the writer waiting for its input: 0.76 s of a 1 GB FP8 convert on an H100, growing with the data).
+dequantizer copies each BF16 weight back into pinned memory, so a run that allocates more pinned memory than torch's
+caching host allocator has freed pays the page pinning. Measured 2026-12-07 on an H100 (benchmarks/RESULTS.md): it
+is not a convert's `read` wait (181 allocations, 0.13-0.19 s of thread time, against 0.87 s of waiting).
 
 Usage: python benchmarks/pin_probe.py [GB]                 the allocator alone (default 1 GB)
        python benchmarks/pin_probe.py convert SRC OUT ...  glmconv's convert (--device cuda, --force), then its

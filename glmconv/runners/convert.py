@@ -213,9 +213,8 @@ def _assembled(m: Mapping, source: HfTensorSource, dtype: torch.dtype, picks: Se
     whole inputs one after another (stacked experts, a concatenation on dim 0), each is read or dequantised straight
     into its place in the output; otherwise through the transform (one input: its weight is the output)."""
     hf = [m.hf[i] for i in picks]
-    sizes = [math.prod(t.shape) * dtype.itemsize for t in hf]
-    layout = m.rule.transform.forward_layout([tuple(t.shape) for t in hf], dtype.itemsize, 1)
-    if len(hf) == 1 or layout is None or not _whole_inputs(layout[0], sizes):  # one input: it is the output
+    layout = m.rule.transform.forward_layout([tuple(t.shape) for t in hf], dtype.itemsize, 1) if len(hf) > 1 else None
+    if layout is None or not _whole_inputs(layout[0], [math.prod(t.shape) * dtype.itemsize for t in hf]):
         (tensor,) = m.rule.transform.forward([source.weight(t.name, dtype) for t in hf], 1)
         return tensor.contiguous()
     out = source.output(shape, dtype)

@@ -113,12 +113,17 @@ class HfTensorSource(Closing):
             buffers = self._buffers.pool = ReadBuffers(READ_BUFFER_BYTES)
         return buffers.empty((nbytes,), torch.uint8)
 
+    @property
+    def _pinned(self) -> bool:
+        """Whether the dequantizer copies to and from a GPU (its codes and outputs then sit in pinned memory)."""
+        return bool(getattr(self._dequantize, "pinned", False))
+
     def output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A new tensor for weights to be read into (`weight`'s `out`): pinned where the dequantizer copies from a
         GPU, so that its copies land there directly."""
         import torch
 
-        return torch.empty(shape, dtype=dtype, pin_memory=bool(getattr(self._dequantize, "pinned", False)))
+        return torch.empty(shape, dtype=dtype, pin_memory=self._pinned)
 
     def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,7 +136,7 @@ class HfTensorSource(Closing):
         """
         import torch
 
-        pin = getattr(self._dequantize, "pinned", False) and device is None and self.stored_dtype(name) == FP8
+        pin = self._pinned and device is None and self.stored_dtype(name) == FP8
         t = self.raw(name, pin=pin)
         if t.dtype == torch.float8_e4m3fn:
             scale = names.scale_name(name)
