@@ -5,9 +5,9 @@ multiply by its block's scale (IEEE, correctly rounded on any device) and a roun
 On the CPU a weight is cut into slabs of whole 128-row blocks, each dequantised alone on a pool thread (torch's
 own intra-op threads scale poorly on this elementwise chain: measured in benchmarks/RESULTS.md). On the GPU the
 codes are read into pinned memory, copied on the calling thread's own stream (a reader thread each: two in
-flight with the default two readers), dequantised and cast there, and copied back into pinned memory. Either
+flight with the default two readers), dequantised and cast there, and copied back through a pinned buffer. Either
 writes into an `out` it is given: convert assembles stacked experts by dequantising each straight into its rows
-of the one output (a copy of every byte less than stacking after; `HfTensorSource.output` pins it for the GPU).
+of the one output (a copy of every byte less than stacking after).
 """
 
 from __future__ import annotations
@@ -118,7 +118,10 @@ class ThreadStreams:
 
 
 class CudaDequantizer(ThreadStreams):
-    """Codes and scales to the GPU on the calling thread's stream, dequantised and cast there, back to pinned memory."""
+    """Codes and scales to the GPU on the calling thread's stream, dequantised and cast there, back through a pinned
+    buffer into ordinary memory. Outputs wait in the writer's queue (up to 2 GB of BF16 ahead): held in pinned
+    memory, each run paid fresh page pinning for all of it (2.45 GB/s on the H100, RESULTS.md 2026-12-07), where one
+    staging buffer per weight is reused from torch's cache and the copy out runs at memory speed."""
 
     pinned = True
 
@@ -131,11 +134,11 @@ class CudaDequantizer(ThreadStreams):
             codes = fp8.to(self.device, non_blocking=fp8.is_pinned())
             scales = scale_inv.to(self.device, non_blocking=scale_inv.is_pinned())
             w = dequantize_fp8_blocks(codes, scales, out_dtype=out_dtype)
-            if out is None:
-                out = torch.empty(w.shape, dtype=out_dtype, pin_memory=True)
-            out.copy_(w, non_blocking=True)  # pinned (`output`'s, or this one): the copy overlaps the other reader
+            staged = torch.empty(w.shape, dtype=out_dtype, pin_memory=True)
+            staged.copy_(w, non_blocking=True)  # the copy overlaps the other reader's work
         stream.synchronize()  # the codes, scales and `w` are released only once the copies are done
-        return out
+        out = torch.empty(w.shape, dtype=out_dtype) if out is None else out
+        return out.copy_(staged)  # `staged` back to torch's pinned cache at once: see the class docstring
 
     def close(self) -> None:
         pass

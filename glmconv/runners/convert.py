@@ -212,12 +212,14 @@ def _assembled(m: Mapping, source: HfTensorSource, dtype: torch.dtype, picks: Se
     """The mapping's one Megatron tensor (or its rows) from its HF tensors `picks`. Where the transform lays several
     whole inputs one after another (stacked experts, a concatenation on dim 0), each is read or dequantised straight
     into its place in the output; otherwise through the transform (one input: its weight is the output)."""
+    import torch
+
     hf = [m.hf[i] for i in picks]
     layout = m.rule.transform.forward_layout([tuple(t.shape) for t in hf], dtype.itemsize, 1) if len(hf) > 1 else None
     if layout is None or not _whole_inputs(layout[0], [math.prod(t.shape) * dtype.itemsize for t in hf]):
         (tensor,) = m.rule.transform.forward([source.weight(t.name, dtype) for t in hf], 1)
         return tensor.contiguous()
-    out = source.output(shape, dtype)
+    out = torch.empty(shape, dtype=dtype)
     flat, pos = out.view(-1), 0
     for piece in layout[0]:
         t, n = hf[piece.source], piece.length // dtype.itemsize

@@ -37,15 +37,27 @@ def test_the_gpu_gives_the_cpus_bits(shape: tuple[int, int]) -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_the_gpu_dequantises_into_a_given_pinned_view_with_the_cpus_bits() -> None:
+def test_the_gpu_dequantises_into_a_given_view_with_the_cpus_bits() -> None:
     """Convert's stacked experts: each dequantised on the GPU and copied straight into its rows of one output."""
     codes, scales = every_code((1000, 700))
     want = dequantize_fp8_blocks(codes, scales)
-    stacked = torch.full((3, 1000, 700), -1.0, dtype=torch.bfloat16).pin_memory()
+    stacked = torch.full((3, 1000, 700), -1.0, dtype=torch.bfloat16)
     got = CudaDequantizer()(codes.pin_memory(), scales, torch.bfloat16, out=stacked[1])
     assert got.data_ptr() == stacked[1].data_ptr()
     assert torch.equal(stacked[1].view(torch.int16), want.view(torch.int16))
     assert bool((stacked[0] == -1).all()) and bool((stacked[2] == -1).all())
+
+
+def test_the_gpu_hands_back_ordinary_memory_through_one_reused_pinned_buffer() -> None:
+    """Outputs wait in the writer's queue: none holds pinned memory, and no weight after the first pins more."""
+    codes, scales = every_code((1000, 700))
+    codes = codes.pin_memory()
+    dequantize = CudaDequantizer()
+    dequantize(codes, scales, torch.bfloat16)
+    pinned_before = torch.cuda.memory.host_memory_stats()["num_host_alloc"]
+    got = [dequantize(codes, scales, torch.bfloat16) for _ in range(8)]
+    assert [g.is_pinned() for g in got] == [False] * 8
+    assert torch.cuda.memory.host_memory_stats()["num_host_alloc"] == pinned_before
 
 
 @pytest.mark.parametrize("code", [0x7F, 0xFF])

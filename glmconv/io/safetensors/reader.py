@@ -115,15 +115,8 @@ class HfTensorSource(Closing):
 
     @property
     def _pinned(self) -> bool:
-        """Whether the dequantizer copies to and from a GPU (its codes and outputs then sit in pinned memory)."""
+        """Whether the dequantizer copies to a GPU (FP8 codes are then read into pinned memory)."""
         return bool(getattr(self._dequantize, "pinned", False))
-
-    def output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A new tensor for weights to be read into (`weight`'s `out`): pinned where the dequantizer copies from a
-        GPU, so that its copies land there directly."""
-        import torch
-
-        return torch.empty(shape, dtype=dtype, pin_memory=self._pinned)
 
     def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,7 +124,7 @@ class HfTensorSource(Closing):
 
         With `device`, FP8 codes and scales move there first and are dequantised there (a GPU does it ~10x faster
         than the CPU; the product is one fp32 multiply either way, so the bits are the same). `out` (the weight's
-        shape, `out_dtype`: a view into a tensor being assembled, from `output`): filled and returned, the
+        shape, `out_dtype`: a view into a tensor being assembled): filled and returned, the
         dequantizer writing into it directly.
         """
         import torch
