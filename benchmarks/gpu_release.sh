@@ -26,7 +26,7 @@
 #            copy rate by thread count (benchmarks/read_probe.py), the 3 GB export's threads profiled
 #            (benchmarks/export_profile.py, where yappi is installed), export --device cpu last (RC4=0: real-cut4 neither made nor run, a short call;
 #            BENCH_THREADS: the benches' read threads, default "2 4"; BENCH_REPEATS / FIXED_REPEATS: how many times each
-#            bench export / each `import torch` + 1 GB convert pair runs, default 2, the faster taken; pin-probe.txt:
+#            bench export / each `import torch` + 1 GB convert (cuda, auto) round runs, default 2, the faster taken; pin-probe.txt:
 #            benchmarks/pin_probe.py, the pinned allocator and a convert's pinned allocations, PIN_DIAG=0: not run);
 #            `benchmarks/issue38_summary.py` reads the figures
 #   pack: the figures into $OUT (times.txt: one line per run, `NAME wall S s, peak RSS K KB`; results.tgz: every
@@ -189,9 +189,9 @@ issue38() {  # the issue 38 matrix, most wanted figures first (see the usage abo
       timed import-torch python3 -c "import torch"  # one name: the summary takes the faster
       rm -rf "$WORK/fp8-1-mc"; sync
       timed fp8-1-convert-cuda "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --device "$DEV" --json
+      rm -rf "$WORK/fp8-1-mc"; sync  # --device auto (its own choice of device), as many times: the faster taken
+      timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json
     done
-    rm -rf "$WORK/fp8-1-mc"; sync  # --device auto: the CPU's slabs under 1 GiB of codes
-    timed fp8-1-convert-auto "${G[@]}" convert "$WORK/fp8-1" "$WORK/fp8-1-mc" --json
     copy_sync fp8-1-cp-out "$WORK/fp8-1-mc"
   fi
   if [ "${PIN_DIAG:-1}" != 0 ] && within_budget pin-probe; then  # the convert's `read` wait (its producers' pace):
