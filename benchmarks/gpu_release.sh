@@ -10,7 +10,8 @@
 #   make: the bench sources (FP8 and BF16 at 2 GB and 6 GB, a single-file FP8 source) and real-cut4 (not with NO_RC4=1),
 #         in $WORK
 #   tests: every test under tests/gpu (tiny fixtures carried in out/gpu: hf-tiny, hf-tiny-realistic, hf-tiny-fp8
-#          and the conversions, made with the project's own env)
+#          and the conversions, made with the project's own env; Triton's kernels from out/gpu/kernel-cache.tar.xz
+#          where carried, and the cache after the run into $OUT for the next session: gpu_env.sh's kernel_cache)
 #   fp8 | bf16: the 2 GB / 6 GB matrix of that source dtype (bf16 also: the single-file source); rc4: real-cut4;
 #   parity: real-cut4's streamed parity (after rc4); tiny: tiny convert vs `import torch`. Each deletes what it made (the disk holds about 60 GB).
 #   issue38: issue 38 in one device call (~9 min after the start; BUDGET s, default 360, then the rest is skipped and
@@ -274,8 +275,11 @@ for step in "$@"; do
       mv "$WORK/single/model-00001-of-00001.safetensors" "$WORK/single/model.safetensors"
       rm "$WORK/single/model.safetensors.index.json"
       du -sb "$WORK"/* >> "$RES/sizes.txt" ;;
-    tests) python3 -m pytest -q -rA --durations=15 -p no:cacheprovider tests/gpu > "$RES/gpu-tests.txt" 2>&1
-           echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 15 "$RES/gpu-tests.txt" ;;
+    tests) kernel_cache  # benchmarks/gpu_env.sh: the kernels a carried out/gpu/kernel-cache.tar.xz holds not rebuilt
+           /usr/bin/time -f "gpu-tests wall %e s, peak RSS %M KB" -a -o "$RES/times.txt" \
+             python3 -m pytest -q -rA --durations=15 -p no:cacheprovider tests/gpu > "$RES/gpu-tests.txt" 2>&1
+           echo "gpu tests rc=$?" >> "$RES/times.txt"; tail -n 25 "$RES/gpu-tests.txt"
+           save_kernel_cache "$OUT" ;;
     fp8)
       for c in $(printf 'fp8-%s ' $SIZES); do
         for w in 1; do  # the CPU's slabs, before the GPU runs (one output at a time on the disk)
