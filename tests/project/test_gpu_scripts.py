@@ -33,3 +33,22 @@ def test_every_gpu_script_links_the_packages() -> None:
     for script in SCRIPTS:
         text = script.read_text()
         assert ". benchmarks/gpu_env.sh" in text and "link_packages /tmp/glmconv-cli" in text, script.name
+
+
+def test_the_kernel_cache_is_seeded_once_from_the_carried_archive_and_packed_whole(tmp_path: Path) -> None:
+    """A lease starts from the kernels an earlier one compiled (out/gpu/kernel-cache.tar.xz) and hands its own back."""
+    carried = tmp_path / "tree" / "out" / "gpu"
+    (tmp_path / "old" / "k").mkdir(parents=True)
+    (tmp_path / "old" / "k" / "kernel.autotune.json").write_text("old")
+    carried.mkdir(parents=True)
+    subprocess.run(["tar", "-cJf", str(carried / "kernel-cache.tar.xz"), "-C", str(tmp_path / "old"), "."], check=True)
+    (tmp_path / "back").mkdir()
+    script = (f'. "{ROOT}/benchmarks/gpu_env.sh" && export TRITON_CACHE_DIR="{tmp_path}/cache" && kernel_cache && '
+              'echo new > "$TRITON_CACHE_DIR/k/kernel.autotune.json" && kernel_cache && '
+              f'echo "$TRITON_CACHE_AUTOTUNING" && save_kernel_cache "{tmp_path}/back"')
+    run = subprocess.run(["bash", "-c", script], cwd=tmp_path / "tree", check=True, capture_output=True, text=True)
+    assert run.stdout.splitlines()[0] == "1"
+    listed = subprocess.run(["tar", "-tJf", str(tmp_path / "back" / "kernel-cache.tar.xz")], check=True,
+                            capture_output=True, text=True).stdout.split()
+    assert sorted(listed) == ["./", "./k/", "./k/kernel.autotune.json"]
+    assert (tmp_path / "cache" / "k" / "kernel.autotune.json").read_text() == "new\n"
