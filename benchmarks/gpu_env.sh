@@ -25,9 +25,9 @@ print('packages:', fla.__version__, tilelang.__version__, m.__version__)" 2>&1 |
 # keep_tracebacks RES: the tracebacks glmconv saved for its internal errors (one line on stderr names each) into RES,
 # so that `pack` brings them back
 keep_tracebacks() { cp "${TMPDIR:-/tmp}"/glmconv-internal-error-*.txt "$1"/ 2>/dev/null || true; }
-# kernel_cache: Triton's compiled kernels and its autotuning results kept on disk in $TRITON_CACHE_DIR
-# (default /tmp/triton-cache; TRITON_CACHE_AUTOTUNING=1), seeded once from a carried out/gpu/kernel-cache.tar.xz where there
-# is one: on a fresh machine tests/gpu's five KDA tests spent 62-70 s each compiling and autotuning (2026-12-07,
+# kernel_cache: Triton's compiled kernels and its autotuning results kept on disk in $TRITON_CACHE_DIR (default
+# /tmp/triton-cache; TRITON_CACHE_AUTOTUNING=1), seeded once from a carried out/gpu/kernel-cache.tar.xz where there is
+# one: on a fresh machine tests/gpu's five KDA tests spent 62-70 s each compiling and autotuning (2026-12-07,
 # 372 s of the suite's). The kernels are keyed by Triton's version, the target (sm_90: H100 and H200 alike) and
 # their source, so a cache from another image or GPU generation is simply not used.
 # save_kernel_cache DIR: the cache packed into DIR/kernel-cache.tar.xz, for the next session's out/gpu.
