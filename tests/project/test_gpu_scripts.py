@@ -44,6 +44,7 @@ def test_the_kernel_cache_is_seeded_once_from_the_carried_archive_and_packed_who
     subprocess.run(["tar", "-cJf", str(carried / "kernel-cache.tar.xz"), "-C", str(tmp_path / "old"), "."], check=True)
     (tmp_path / "back").mkdir()
     script = (f'. "{ROOT}/benchmarks/gpu_env.sh" && export TRITON_CACHE_DIR="{tmp_path}/cache" && kernel_cache && '
+              'touch -d @0 "$TRITON_CACHE_DIR/.seeded" && '  # seeded before the run: a file's time is coarse
               'echo new > "$TRITON_CACHE_DIR/k/kernel.autotune.json" && kernel_cache && '
               f'echo "$TRITON_CACHE_AUTOTUNING" && save_kernel_cache "{tmp_path}/back"')
     run = subprocess.run(["bash", "-c", script], cwd=tmp_path / "tree", check=True, capture_output=True, text=True)
@@ -52,3 +53,18 @@ def test_the_kernel_cache_is_seeded_once_from_the_carried_archive_and_packed_who
                             capture_output=True, text=True).stdout.split()
     assert sorted(listed) == ["./", "./k/", "./k/kernel.autotune.json"]
     assert (tmp_path / "cache" / "k" / "kernel.autotune.json").read_text() == "new\n"
+
+
+def test_a_seeded_kernel_cache_the_run_did_not_add_to_is_not_packed_again(tmp_path: Path) -> None:
+    """Packing 251 MB with xz takes over a minute: a cache the carried archive already holds is left as it is."""
+    carried = tmp_path / "tree" / "out" / "gpu"
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "kernel.json").write_text("old")
+    carried.mkdir(parents=True)
+    subprocess.run(["tar", "-cJf", str(carried / "kernel-cache.tar.xz"), "-C", str(tmp_path / "old"), "."], check=True)
+    (tmp_path / "back").mkdir()
+    script = (f'. "{ROOT}/benchmarks/gpu_env.sh" && export TRITON_CACHE_DIR="{tmp_path}/cache" && kernel_cache && '
+              f'save_kernel_cache "{tmp_path}/back"')
+    run = subprocess.run(["bash", "-c", script], cwd=tmp_path / "tree", check=True, capture_output=True, text=True)
+    assert run.stdout == "kernel cache unchanged: out/gpu/kernel-cache.tar.xz holds it\n"
+    assert list((tmp_path / "back").iterdir()) == []
