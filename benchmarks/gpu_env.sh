@@ -31,7 +31,7 @@ keep_tracebacks() { cp "${TMPDIR:-/tmp}"/glmconv-internal-error-*.txt "$1"/ 2>/d
 # 372 s of the suite's). The kernels are keyed by Triton's version, the target (sm_90: H100 and H200 alike) and
 # their source, so a cache from another image or GPU generation is simply not used.
 # save_kernel_cache DIR: the cache packed into DIR/kernel-cache.tar.xz, for the next session's out/gpu, where the run
-# added to it: a seeded cache left as it was is not packed again (2026-12-07: a tests call took 143 s for 32 s of
+# added to it: a seeded cache left as it was is not packed again (2026-12-07: a tests call took 144 s for 32 s of
 # tests; packing its 251 MB with one xz thread takes 75 s), and xz packs on every core.
 kernel_cache() {
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_CACHE_AUTOTUNING=1

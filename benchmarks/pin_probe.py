@@ -1,7 +1,8 @@
 """What pinned host memory costs on this GPU machine: a FP8 convert's readers read codes into pinned buffers and its
-dequantizer copies each BF16 weight back into pinned memory, so a run that allocates more pinned memory than torch's
-caching host allocator has freed pays the page pinning. Measured 2026-12-07 on an H100 (benchmarks/RESULTS.md): it
-is not a convert's `read` wait (181 allocations, 0.13-0.19 s of thread time, against 0.87 s of waiting).
+dequantizer copies each BF16 weight back through a pinned buffer, so a run that allocates more pinned memory than
+torch's caching host allocator has freed pays the page pinning. Measured 2026-12-07 on an H100 at `a001616`
+(benchmarks/RESULTS.md): not that convert's `read` wait (181 allocations, 0.13-0.19 s of thread time, against 0.87 s
+of waiting); `37118a7`'s pinned outputs, held in the writer's queue, doubled the wait until `6f36685`.
 
 Usage: python benchmarks/pin_probe.py [GB]                 the allocator alone (default 1 GB)
        python benchmarks/pin_probe.py convert SRC OUT ...  glmconv's convert (--device cuda, --force), then its

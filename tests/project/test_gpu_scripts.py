@@ -35,14 +35,20 @@ def test_every_gpu_script_links_the_packages() -> None:
         assert ". benchmarks/gpu_env.sh" in text and "link_packages /tmp/glmconv-cli" in text, script.name
 
 
-def test_the_kernel_cache_is_seeded_once_from_the_carried_archive_and_packed_whole(tmp_path: Path) -> None:
-    """A lease starts from the kernels an earlier one compiled (out/gpu/kernel-cache.tar.xz) and hands its own back."""
+def _carried_kernel_cache(tmp_path: Path, file: str) -> None:
+    """tmp_path/tree/out/gpu/kernel-cache.tar.xz holding `file` ("old"), as an earlier lease packed it; tmp_path/back
+    the empty $OUT it packs into."""
+    (tmp_path / "old" / file).parent.mkdir(parents=True)
+    (tmp_path / "old" / file).write_text("old")
     carried = tmp_path / "tree" / "out" / "gpu"
-    (tmp_path / "old" / "k").mkdir(parents=True)
-    (tmp_path / "old" / "k" / "kernel.autotune.json").write_text("old")
     carried.mkdir(parents=True)
     subprocess.run(["tar", "-cJf", str(carried / "kernel-cache.tar.xz"), "-C", str(tmp_path / "old"), "."], check=True)
     (tmp_path / "back").mkdir()
+
+
+def test_the_kernel_cache_is_seeded_once_from_the_carried_archive_and_packed_whole(tmp_path: Path) -> None:
+    """A lease starts from the kernels an earlier one compiled (out/gpu/kernel-cache.tar.xz) and hands its own back."""
+    _carried_kernel_cache(tmp_path, "k/kernel.autotune.json")
     script = (f'. "{ROOT}/benchmarks/gpu_env.sh" && export TRITON_CACHE_DIR="{tmp_path}/cache" && kernel_cache && '
               'touch -d @0 "$TRITON_CACHE_DIR/.seeded" && '  # seeded before the run: a file's time is coarse
               'echo new > "$TRITON_CACHE_DIR/k/kernel.autotune.json" && kernel_cache && '
@@ -57,12 +63,7 @@ def test_the_kernel_cache_is_seeded_once_from_the_carried_archive_and_packed_who
 
 def test_a_seeded_kernel_cache_the_run_did_not_add_to_is_not_packed_again(tmp_path: Path) -> None:
     """Packing 251 MB with xz takes over a minute: a cache the carried archive already holds is left as it is."""
-    carried = tmp_path / "tree" / "out" / "gpu"
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "kernel.json").write_text("old")
-    carried.mkdir(parents=True)
-    subprocess.run(["tar", "-cJf", str(carried / "kernel-cache.tar.xz"), "-C", str(tmp_path / "old"), "."], check=True)
-    (tmp_path / "back").mkdir()
+    _carried_kernel_cache(tmp_path, "kernel.json")
     script = (f'. "{ROOT}/benchmarks/gpu_env.sh" && export TRITON_CACHE_DIR="{tmp_path}/cache" && kernel_cache && '
               f'save_kernel_cache "{tmp_path}/back"')
     run = subprocess.run(["bash", "-c", script], cwd=tmp_path / "tree", check=True, capture_output=True, text=True)

@@ -113,11 +113,6 @@ class HfTensorSource(Closing):
             buffers = self._buffers.pool = ReadBuffers(READ_BUFFER_BYTES)
         return buffers.empty((nbytes,), torch.uint8)
 
-    @property
-    def _pinned(self) -> bool:
-        """Whether the dequantizer copies to a GPU (FP8 codes are then read into pinned memory)."""
-        return bool(getattr(self._dequantize, "pinned", False))
-
     def weight(self, name: str, out_dtype: torch.dtype, device: torch.device | str | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor in `out_dtype`; FP8 weights are dequantised with their `_scale_inv` blocks.
@@ -129,7 +124,7 @@ class HfTensorSource(Closing):
         """
         import torch
 
-        pin = self._pinned and device is None and self.stored_dtype(name) == FP8
+        pin = getattr(self._dequantize, "pinned", False) and device is None and self.stored_dtype(name) == FP8
         t = self.raw(name, pin=pin)
         if t.dtype == torch.float8_e4m3fn:
             scale = names.scale_name(name)
